@@ -1,0 +1,133 @@
+//! `cargo xtask`: the project's automation, written in Rust so it runs wherever cargo does.
+//!
+//! - `deps [--check]`: check (and as root, install) the system packages the crates need.
+//! - `test`: what CI runs: deps, rustfmt, clippy with warnings denied, every test, rustdoc with
+//!   warnings denied.
+//! - `demo [ARGS]`: build and run the main job in release mode.
+//! - `bench [ARGS]`: run the criterion benches (ARGS go to criterion, e.g. a name filter).
+
+mod deps;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+
+const USAGE: &str = "usage: cargo xtask <command>
+
+commands:
+  deps [--check]  check the system packages the workspace needs; install missing ones as root
+  test            what CI runs: deps, fmt --check, clippy -D warnings, tests, docs -D warnings
+  demo [ARGS]     build in release mode and run the main job (ARGS are passed to it)
+  bench [ARGS]    run the criterion benches (ARGS are passed to criterion)";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("xtask: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &[String]) -> Result<()> {
+    let (command, rest) = args
+        .split_first()
+        .map_or(("help", &[][..]), |(c, r)| (c.as_str(), r));
+    match command {
+        "deps" => deps::run(rest.iter().any(|a| a == "--check")),
+        "test" | "ci" => test(),
+        "demo" => cargo_step(
+            "demo",
+            &with_rest(
+                &[
+                    "run",
+                    "--release",
+                    "--locked",
+                    "-p",
+                    "kvroute",
+                    "--",
+                    "tour",
+                ],
+                rest,
+            ),
+            &[],
+        ),
+        "bench" => cargo_step(
+            "bench",
+            &with_rest(&["bench", "--workspace", "--locked", "--"], rest),
+            &[],
+        ),
+        "help" | "-h" | "--help" => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        other => bail!("unknown command `{other}`\n\n{USAGE}"),
+    }
+}
+
+fn with_rest<'a>(base: &[&'a str], rest: &'a [String]) -> Vec<&'a str> {
+    base.iter()
+        .copied()
+        .chain(rest.iter().map(String::as_str))
+        .collect()
+}
+
+/// CI: every gate in order, stopping at the first failure, with each step's time.
+fn test() -> Result<()> {
+    let started = Instant::now();
+    deps::run(false)?;
+    cargo_step("fmt", &["fmt", "--all", "--check"], &[])?;
+    cargo_step(
+        "clippy",
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--locked",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &[],
+    )?;
+    cargo_step("test", &["test", "--workspace", "--locked"], &[])?;
+    cargo_step(
+        "doc",
+        &["doc", "--workspace", "--no-deps", "--locked"],
+        &[("RUSTDOCFLAGS", "-D warnings")],
+    )?;
+    println!(
+        "xtask test: all steps passed in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn cargo_step(name: &str, args: &[&str], env: &[(&str, &str)]) -> Result<()> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    println!("xtask {name}: cargo {}", args.join(" "));
+    let started = Instant::now();
+    let status = Command::new(&cargo)
+        .args(args)
+        .envs(env.iter().copied())
+        .current_dir(workspace_root())
+        .status()
+        .with_context(|| format!("starting cargo for `{name}`"))?;
+    if !status.success() {
+        bail!("step `{name}` failed ({status})");
+    }
+    println!(
+        "xtask {name}: ok in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn workspace_root() -> PathBuf {
+    let xtask_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    xtask_dir.parent().unwrap_or(xtask_dir).to_path_buf()
+}
