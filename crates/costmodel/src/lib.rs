@@ -48,6 +48,11 @@ pub mod predicate;
 pub mod prfaas;
 pub mod step_costs;
 
+/// The README's Rust example, compiled and run as a doctest so it cannot go stale.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeExample;
+
 pub use congestion::Congestion;
 pub use cost::{
     Allowed, CostBreakdown, CostModel, CostParams, Primitive, Request, Selection, Term,

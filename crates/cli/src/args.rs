@@ -1,0 +1,216 @@
+//! The command line, as clap parses it. Values are only parsed here; their meaning is checked
+//! by the crates that use them, so a NaN or a zero gets the same typed error as from the API.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// kvroute: move the query or move the cache? Cost-model predictions and capacity plans for
+/// cross-instance attention.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute", version, about, propagate_version = true)]
+pub struct Cli {
+    /// Print one machine-readable JSON document instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Price route, fetch and local for one (chunk, request) and say which wins and why.
+    #[command(allow_negative_numbers = true)]
+    Predict(PredictArgs),
+    /// Capacity planning: PrfaaS throughput or the Helix roofline.
+    #[command(subcommand)]
+    Plan(PlanCommand),
+    /// List the model and fabric presets with their sources.
+    Presets,
+    /// A tour of the papers' operating points: what the models decide there and why.
+    Tour,
+}
+
+/// A primitive, as named on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PrimitiveArg {
+    /// Move the query.
+    Route,
+    /// Move the cache.
+    Fetch,
+    /// Recompute.
+    Local,
+}
+
+/// `kvroute predict`.
+#[derive(Debug, Clone, Args)]
+#[allow(clippy::struct_excessive_bools)]
+pub struct PredictArgs {
+    /// Model preset (see `kvroute presets`).
+    #[arg(long, default_value = "deepseek-v2-lite")]
+    pub model: String,
+    /// Fabric preset (default h100-ibgda); or give --probe-us and --bw-gbps for a measured one.
+    #[arg(long, conflicts_with_all = ["probe_us", "bw_gbps"])]
+    pub fabric: Option<String>,
+    /// Measured probe round trip, microseconds (with --bw-gbps).
+    #[arg(long, requires = "bw_gbps")]
+    pub probe_us: Option<f64>,
+    /// Measured effective bandwidth, GB/s (with --probe-us).
+    #[arg(long, requires = "probe_us")]
+    pub bw_gbps: Option<f64>,
+    /// Fixed turnaround beyond the probe, microseconds (measured fabrics; presets carry theirs).
+    #[arg(long)]
+    pub turnaround_us: Option<f64>,
+    /// Peak link rate, GB/s, for pricing --flows (presets carry theirs).
+    #[arg(long)]
+    pub link_gbps: Option<f64>,
+    /// Query rows routed in one round trip (Mq: decode tokens x query heads).
+    #[arg(long)]
+    pub mq: u32,
+    /// Tokens in the chunk (ct).
+    #[arg(long)]
+    pub ct: u32,
+    /// Sparse selection: entries each query attends (top-k); default contiguous.
+    #[arg(long)]
+    pub topk: Option<u32>,
+    /// Holders the sparse selection is scattered over.
+    #[arg(long, requires = "topk", default_value_t = 1)]
+    pub holders: u32,
+    /// Tensor-parallel degree; rank r routes to rank r, each pair moving 1/N of the bytes.
+    #[arg(long, default_value_t = 1)]
+    pub tp: u32,
+    /// Routed requesters the holder serves at once (its partial-attention batch).
+    #[arg(long, default_value_t = 1)]
+    pub holder_requesters: u32,
+    /// A flat splice in microseconds instead of the measured H100 splice line.
+    #[arg(long)]
+    pub splice_us: Option<f64>,
+    /// Re-prefill cost c, microseconds per token per layer.
+    #[arg(long, default_value_t = 1.0)]
+    pub local_us_per_token_layer: f64,
+    /// Online-softmax merge on the requester, microseconds.
+    #[arg(long, default_value_t = 25.0)]
+    pub merge_us: f64,
+    /// Congestion: effective bandwidth divided by this.
+    #[arg(long, default_value_t = 1.0)]
+    pub bw_degradation: f64,
+    /// Congestion: probe multiplied by this.
+    #[arg(long, default_value_t = 1.0)]
+    pub probe_inflation: f64,
+    /// Congestion: flows sharing the link, this one included.
+    #[arg(long, default_value_t = 1)]
+    pub flows: u32,
+    /// Allow only this primitive (for experiments); repeat to allow several.
+    #[arg(long, value_enum)]
+    pub only: Vec<PrimitiveArg>,
+}
+
+/// `kvroute plan ...`.
+#[derive(Debug, Subcommand)]
+pub enum PlanCommand {
+    /// PrfaaS-PD throughput: the optimal length threshold t and prefill/decode split.
+    #[command(allow_negative_numbers = true)]
+    Prfaas(PrfaasArgs),
+    /// Helix: per-layer DRAM read times and, optionally, the HOP-B timeline.
+    #[command(allow_negative_numbers = true)]
+    Helix(HelixArgs),
+}
+
+/// `kvroute plan prfaas`; the defaults are paper 001's case study.
+#[derive(Debug, Clone, Args)]
+pub struct PrfaasArgs {
+    /// PrfaaS prefill instances.
+    #[arg(long, default_value_t = 4)]
+    pub n_prfaas: u32,
+    /// Instances in the PD cluster (split into prefill and decode).
+    #[arg(long, default_value_t = 8)]
+    pub n_pd: u32,
+    /// PrfaaS egress bandwidth, Gbps.
+    #[arg(long, default_value_t = 100.0)]
+    pub egress_gbps: f64,
+    /// Maximum decode batch per decode instance.
+    #[arg(long, default_value_t = 20)]
+    pub bs_max: u32,
+    /// Decode SLO in tokens per second (T_decode = 1 / this).
+    #[arg(long, default_value_t = 40.0)]
+    pub decode_tps: f64,
+    /// Mean output length, tokens.
+    #[arg(long, default_value_t = 1024.0)]
+    pub output_tokens: f64,
+    /// Log-normal mu of the input length.
+    #[arg(long, default_value_t = 9.90)]
+    pub mu: f64,
+    /// Log-normal sigma of the input length.
+    #[arg(long, default_value_t = 1.00)]
+    pub sigma: f64,
+    /// Shortest input, tokens.
+    #[arg(long, default_value_t = 128.0)]
+    pub min_tokens: f64,
+    /// Longest input, tokens.
+    #[arg(long, default_value_t = 131_072.0)]
+    pub max_tokens: f64,
+    /// A JSON file of measured profile points `[{"tokens", "kv_bytes", "prefill_s"}, ...]`
+    /// for the PrfaaS hardware (default: paper 001 table 5).
+    #[arg(long)]
+    pub profile: Option<std::path::PathBuf>,
+    /// PD-cluster prefill time relative to the PrfaaS profile (default: 2.19, implied by
+    /// paper 001 table 6 for H20 against H200).
+    #[arg(long)]
+    pub pd_prefill_slowdown: Option<f64>,
+    /// Threshold grid points (log-spaced over the length range).
+    #[arg(long, default_value_t = 1024)]
+    pub grid: u32,
+    /// Evaluate this threshold (tokens) instead of searching (with --np).
+    #[arg(long, requires = "np")]
+    pub threshold: Option<f64>,
+    /// Evaluate with this many PD prefill instances (with --threshold).
+    #[arg(long, requires = "threshold")]
+    pub np: Option<u32>,
+}
+
+/// `kvroute plan helix`; the defaults are paper 004 figure 1's model at 1M tokens.
+#[derive(Debug, Clone, Args)]
+pub struct HelixArgs {
+    /// Batch size B.
+    #[arg(long, default_value_t = 8)]
+    pub batch: u32,
+    /// Query heads Q.
+    #[arg(long, default_value_t = 128)]
+    pub q_heads: u32,
+    /// KV heads K.
+    #[arg(long, default_value_t = 8)]
+    pub kv_heads: u32,
+    /// Head size Hsz.
+    #[arg(long, default_value_t = 128)]
+    pub head_size: u32,
+    /// KV sequence length S, tokens.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub seq_len: u64,
+    /// FFN intermediate dimension F.
+    #[arg(long, default_value_t = 65536)]
+    pub ffn_dim: u32,
+    /// Tensor parallelism in attention (TPA).
+    #[arg(long, default_value_t = 8)]
+    pub tpa: u32,
+    /// Tensor parallelism in the FFN (TPF).
+    #[arg(long, default_value_t = 64)]
+    pub tpf: u32,
+    /// KV parallelism (KVP).
+    #[arg(long, default_value_t = 8)]
+    pub kvp: u32,
+    /// Bytes per parameter and KV element (0.5 = FP4).
+    #[arg(long, default_value_t = 0.5)]
+    pub bytes_per_param: f64,
+    /// GPU memory bandwidth, GB/s.
+    #[arg(long, default_value_t = 8000.0)]
+    pub mem_bw_gbps: f64,
+    /// HOP-B: requests in the batch (with --hopb-attention and --hopb-comm).
+    #[arg(long, requires_all = ["hopb_attention", "hopb_comm"])]
+    pub hopb_requests: Option<u32>,
+    /// HOP-B: attention time per request.
+    #[arg(long, requires = "hopb_requests")]
+    pub hopb_attention: Option<f64>,
+    /// HOP-B: all-to-all time per request.
+    #[arg(long, requires = "hopb_requests")]
+    pub hopb_comm: Option<f64>,
+}

@@ -1,0 +1,45 @@
+//! The `kvroute` command line as a library: argument definitions and one function per command,
+//! each returning a report that prints as text or serialises as JSON. The binary in `main.rs`
+//! only parses, calls [`run`] and prints; tests call [`run`] directly.
+//!
+//! Commands: `predict` (route / fetch / local for one request), `plan prfaas`, `plan helix`,
+//! `presets`, and `tour` (the papers' operating points; what `cargo xtask demo` runs until the
+//! end-to-end demo exists).
+
+#![forbid(unsafe_code)]
+
+pub mod args;
+mod plan;
+mod predict;
+mod presets;
+mod tour;
+mod units;
+
+use anyhow::Result;
+pub use args::Cli;
+use args::{Command, PlanCommand};
+pub use plan::{HelixReport, PrfaasReport};
+pub use predict::PredictReport;
+pub use presets::PresetsReport;
+pub use tour::{Figure, StopResult, TourReport, TourStop};
+
+/// Runs `cli` and returns what to print: pretty JSON with `--json`, text otherwise.
+pub fn run(cli: &Cli) -> Result<String> {
+    match &cli.command {
+        Command::Predict(args) => render(cli.json, &predict::run(args)?),
+        Command::Plan(PlanCommand::Prfaas(args)) => render(cli.json, &plan::prfaas(args)?),
+        Command::Plan(PlanCommand::Helix(args)) => render(cli.json, &plan::helix(args)?),
+        Command::Presets => render(cli.json, &presets::run()),
+        Command::Tour => render(cli.json, &tour::run()?),
+    }
+}
+
+fn render<R: serde::Serialize + std::fmt::Display>(json: bool, report: &R) -> Result<String> {
+    if json {
+        let mut text = serde_json::to_string_pretty(report)?;
+        text.push('\n');
+        Ok(text)
+    } else {
+        Ok(report.to_string())
+    }
+}

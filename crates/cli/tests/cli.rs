@@ -1,0 +1,253 @@
+//! The `kvroute` binary as a user runs it: exit codes, JSON on stdout, errors on stderr.
+
+// Test helpers panic on failure: that is how a test reports it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::{Command, Output};
+
+fn kvroute(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(args)
+        .output()
+        .expect("kvroute runs")
+}
+
+fn json(output: &Output) -> serde_json::Value {
+    assert!(
+        output.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("stdout is one JSON document")
+}
+
+#[test]
+fn predict_at_the_decode_point_routes_and_reports_every_cost() {
+    let v = json(&kvroute(&[
+        "predict",
+        "--model",
+        "deepseek-v2-lite",
+        "--fabric",
+        "h100-ibgda",
+        "--mq",
+        "256",
+        "--ct",
+        "2048",
+        "--json",
+    ]));
+    assert_eq!(v["decision"]["choice"], "route");
+    assert_eq!(v["query_row_bytes"], 1152);
+    assert_eq!(v["partial_row_bytes"], 1032);
+    for p in ["route", "fetch", "local"] {
+        assert!(v["decision"][p]["total_us"].as_f64().unwrap() > 0.0, "{p}");
+    }
+    let crossover = v["byte_crossover_rows"].as_f64().unwrap();
+    assert!((crossover - 1080.26).abs() < 0.01, "{crossover}");
+}
+
+#[test]
+fn predict_accepts_measured_fabric_constants_and_sparse_selection() {
+    let v = json(&kvroute(&[
+        "predict",
+        "--model",
+        "glm-5.1",
+        "--probe-us",
+        "5",
+        "--bw-gbps",
+        "40",
+        "--mq",
+        "64",
+        "--ct",
+        "100000",
+        "--topk",
+        "2048",
+        "--holders",
+        "3",
+        "--json",
+    ]));
+    assert_eq!(v["fabric"], "measured");
+    assert_eq!(v["effective_fabric"]["probe_us"], 5.0);
+    assert_eq!(v["request"]["selection"]["holders"], 3);
+    assert_eq!(v["decision"]["fetch"]["breakdown"]["splice_us"], 0.0);
+}
+
+#[test]
+fn only_forces_the_primitive() {
+    let v = json(&kvroute(&[
+        "predict", "--mq", "256", "--ct", "2048", "--only", "local", "--json",
+    ]));
+    assert_eq!(v["decision"]["choice"], "local");
+    assert_eq!(v["decision"]["route"]["allowed"], false);
+}
+
+#[test]
+fn text_output_names_the_choice_and_says_local_is_modelled() {
+    let out = kvroute(&["predict", "--mq", "256", "--ct", "2048"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("choice: route"), "{text}");
+    assert!(text.contains("not a measurement"), "{text}");
+}
+
+/// Bad values reach the cost model and come back as its typed error: exit 1, a message on
+/// stderr naming the parameter, and with --json an {"error": ...} object on stdout.
+#[test]
+fn bad_input_exits_non_zero_with_the_typed_error() {
+    let cases: [(&[&str], &str); 8] = [
+        (&["predict", "--mq", "0", "--ct", "2048"], "mq_rows"),
+        (
+            &[
+                "predict",
+                "--mq",
+                "1",
+                "--ct",
+                "2048",
+                "--probe-us",
+                "nan",
+                "--bw-gbps",
+                "25",
+            ],
+            "probe_us",
+        ),
+        (
+            &[
+                "predict",
+                "--mq",
+                "1",
+                "--ct",
+                "2048",
+                "--probe-us",
+                "16",
+                "--bw-gbps",
+                "-25",
+            ],
+            "bw_gbps",
+        ),
+        (
+            &[
+                "predict",
+                "--mq",
+                "1",
+                "--ct",
+                "2048",
+                "--probe-us",
+                "16",
+                "--bw-gbps",
+                "inf",
+            ],
+            "bw_gbps",
+        ),
+        (
+            &["predict", "--mq", "1", "--ct", "1024", "--topk", "2048"],
+            "exceeds the 1024-token chunk",
+        ),
+        (
+            &["predict", "--mq", "1", "--ct", "2048", "--model", "llama"],
+            "unknown model preset `llama`",
+        ),
+        (
+            &[
+                "predict",
+                "--mq",
+                "1",
+                "--ct",
+                "2048",
+                "--flows",
+                "4",
+                "--probe-us",
+                "1",
+                "--bw-gbps",
+                "1",
+            ],
+            "link capacity",
+        ),
+        (&["plan", "helix", "--tpa", "0"], "tpa"),
+    ];
+    for (args, needle) in cases {
+        let out = kvroute(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("error") && stderr.contains(needle),
+            "{args:?}: {stderr}"
+        );
+        let mut with_json = args.to_vec();
+        with_json.push("--json");
+        let out = kvroute(&with_json);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(v["error"].as_str().unwrap().contains(needle), "{args:?}");
+    }
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    assert_eq!(
+        kvroute(&["predict", "--ct", "2048"]).status.code(),
+        Some(2),
+        "--mq is required"
+    );
+    assert_eq!(
+        kvroute(&["predict", "--mq", "1", "--ct", "1", "--probe-us", "3"])
+            .status
+            .code(),
+        Some(2)
+    );
+    assert_eq!(kvroute(&["frobnicate"]).status.code(), Some(2));
+}
+
+#[test]
+fn plan_prfaas_finds_the_case_study_split_and_rejects_a_malformed_profile() {
+    let v = json(&kvroute(&["plan", "prfaas", "--grid", "256", "--json"]));
+    assert_eq!(
+        (v["point"]["np"].as_u64(), v["point"]["nd"].as_u64()),
+        (Some(3), Some(5))
+    );
+
+    let dir = std::env::temp_dir().join(format!("kvroute-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("profile.json");
+    std::fs::write(&bad, r#"[{"tokens": 1024, "kv_bytes": 1e8, "prefill_s": 0.4}, {"tokens": 512, "kv_bytes": 2e8, "prefill_s": 0.8}]"#).unwrap();
+    let out = kvroute(&["plan", "prfaas", "--profile", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a valid length profile"));
+    let missing = dir.join("absent.json");
+    assert_eq!(
+        kvroute(&["plan", "prfaas", "--profile", missing.to_str().unwrap()])
+            .status
+            .code(),
+        Some(1)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn plan_helix_reports_the_figure_3_timeline() {
+    let v = json(&kvroute(&[
+        "plan",
+        "helix",
+        "--hopb-requests",
+        "8",
+        "--hopb-attention",
+        "2",
+        "--hopb-comm",
+        "1.2",
+        "--json",
+    ]));
+    assert!((v["hopb"]["span_without"].as_f64().unwrap() - 25.6).abs() < 1e-9);
+    assert!((v["hopb"]["span_with"].as_f64().unwrap() - 17.2).abs() < 1e-9);
+}
+
+#[test]
+fn tour_and_presets_run_and_serialise() {
+    let tour = json(&kvroute(&["tour", "--json"]));
+    let stops = tour["stops"].as_array().unwrap();
+    assert!(stops.len() >= 10);
+    assert!(
+        stops
+            .iter()
+            .all(|s| s["paper"].is_string() && s["result"]["kind"].is_string())
+    );
+    let presets = json(&kvroute(&["presets", "--json"]));
+    assert_eq!(presets["models"].as_array().unwrap().len(), 7);
+    assert_eq!(presets["fabrics"].as_array().unwrap().len(), 5);
+}
