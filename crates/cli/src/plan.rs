@@ -36,6 +36,12 @@ pub(crate) fn prfaas(args: &PrfaasArgs) -> Result<PrfaasReport> {
     };
     let pd_profile = prfaas_profile
         .with_prefill_scaled(args.pd_prefill_slowdown.unwrap_or(H20_OVER_H200_PREFILL))?;
+    if !(args.decode_tps.is_finite() && args.decode_tps > 0.0) {
+        anyhow::bail!(
+            "--decode-tps = {} is invalid: it must be finite and > 0",
+            args.decode_tps
+        );
+    }
     let decode_step_s = 1.0 / args.decode_tps;
     let planner = PrfaasPlanner {
         prfaas_profile,

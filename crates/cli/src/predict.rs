@@ -137,8 +137,8 @@ pub(crate) fn evaluate(
         effective_fabric: *costs.effective_fabric(),
         request,
         decision,
-        byte_crossover_rows: byte_crossover_rows(&dims, attended),
-        route_bytes_saved: route_bytes_saved(&dims, request.mq_rows, attended),
+        byte_crossover_rows: byte_crossover_rows(&dims, attended)?,
+        route_bytes_saved: route_bytes_saved(&dims, request.mq_rows, attended)?,
         route_fetch_crossover_rows: costs
             .route_fetch_crossover_rows(&request)
             .context("route/fetch crossover")?,

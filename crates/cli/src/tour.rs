@@ -108,19 +108,19 @@ fn crossovers() -> Result<StopResult> {
         figures: vec![
             figure(
                 "byte crossover Mq* at ct = 2048",
-                byte_crossover_rows(&v2, 2048),
+                byte_crossover_rows(&v2, 2048)?,
                 "rows",
                 "~1080 (5.2)",
             ),
             figure(
                 "byte crossover Mq* at top-512",
-                byte_crossover_rows(&v2, 512),
+                byte_crossover_rows(&v2, 512)?,
                 "rows",
                 "~270 (5.4)",
             ),
             figure(
                 "bytes routing saves at Mq = 256, ct = 2048",
-                100.0 * route_bytes_saved(&v2, 256, 2048),
+                100.0 * route_bytes_saved(&v2, 256, 2048)?,
                 "%",
                 "76% (5.2)",
             ),

@@ -93,89 +93,48 @@ fn text_output_names_the_choice_and_says_local_is_modelled() {
 /// stderr naming the parameter, and with --json an {"error": ...} object on stdout.
 #[test]
 fn bad_input_exits_non_zero_with_the_typed_error() {
-    let cases: [(&[&str], &str); 8] = [
-        (&["predict", "--mq", "0", "--ct", "2048"], "mq_rows"),
+    let cases = [
+        ("predict --mq 0 --ct 2048", "mq_rows"),
         (
-            &[
-                "predict",
-                "--mq",
-                "1",
-                "--ct",
-                "2048",
-                "--probe-us",
-                "nan",
-                "--bw-gbps",
-                "25",
-            ],
+            "predict --mq 1 --ct 2048 --probe-us nan --bw-gbps 25",
             "probe_us",
         ),
         (
-            &[
-                "predict",
-                "--mq",
-                "1",
-                "--ct",
-                "2048",
-                "--probe-us",
-                "16",
-                "--bw-gbps",
-                "-25",
-            ],
+            "predict --mq 1 --ct 2048 --probe-us 16 --bw-gbps -25",
             "bw_gbps",
         ),
         (
-            &[
-                "predict",
-                "--mq",
-                "1",
-                "--ct",
-                "2048",
-                "--probe-us",
-                "16",
-                "--bw-gbps",
-                "inf",
-            ],
+            "predict --mq 1 --ct 2048 --probe-us 16 --bw-gbps inf",
             "bw_gbps",
         ),
         (
-            &["predict", "--mq", "1", "--ct", "1024", "--topk", "2048"],
+            "predict --mq 1 --ct 1024 --topk 2048",
             "exceeds the 1024-token chunk",
         ),
         (
-            &["predict", "--mq", "1", "--ct", "2048", "--model", "llama"],
+            "predict --mq 1 --ct 2048 --model llama",
             "unknown model preset `llama`",
         ),
         (
-            &[
-                "predict",
-                "--mq",
-                "1",
-                "--ct",
-                "2048",
-                "--flows",
-                "4",
-                "--probe-us",
-                "1",
-                "--bw-gbps",
-                "1",
-            ],
+            "predict --mq 1 --ct 2048 --flows 4 --probe-us 1 --bw-gbps 1",
             "link capacity",
         ),
-        (&["plan", "helix", "--tpa", "0"], "tpa"),
+        ("plan prfaas --sigma 0", "sigma"),
+        ("plan prfaas --decode-tps 0", "--decode-tps"),
+        ("plan helix --tpa 0", "tpa"),
     ];
-    for (args, needle) in cases {
-        let out = kvroute(args);
-        assert_eq!(out.status.code(), Some(1), "{args:?}");
+    for (command, needle) in cases {
+        let args: Vec<&str> = command.split_whitespace().collect();
+        let out = kvroute(&args);
+        assert_eq!(out.status.code(), Some(1), "{command}");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
             stderr.contains("error") && stderr.contains(needle),
-            "{args:?}: {stderr}"
+            "{command}: {stderr}"
         );
-        let mut with_json = args.to_vec();
-        with_json.push("--json");
-        let out = kvroute(&with_json);
+        let out = kvroute(&[args.as_slice(), &["--json"]].concat());
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert!(v["error"].as_str().unwrap().contains(needle), "{args:?}");
+        assert!(v["error"].as_str().unwrap().contains(needle), "{command}");
     }
 }
 

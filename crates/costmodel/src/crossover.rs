@@ -5,22 +5,26 @@
 //! (section 5.1), the effective bandwidth below which route loses to the splice (section 8,
 //! "Congestion"), and the query batch above which route loses to fetch on time (section 5.5).
 
-use crate::cost::{CostModel, Request};
+use crate::cost::CostModel;
 use crate::error::{Result, count, positive};
 use crate::fabric::Fabric;
 use crate::model::ModelDims;
+use crate::request::Request;
 use crate::step_costs::SpliceCost;
 
 /// `Mq* = ct b_KV / (q + p)`: the query batch at which routing one layer's rows moves as many
 /// bytes as pulling one layer of a `tokens`-token chunk (paper 000 section 5.2).
-pub fn byte_crossover_rows(model: &ModelDims, tokens: u32) -> f64 {
-    model.chunk_bytes(tokens, 1) as f64 / model.routed_row_bytes() as f64
+pub fn byte_crossover_rows(model: &ModelDims, tokens: u32) -> Result<f64> {
+    model.validate()?;
+    count("tokens", tokens)?;
+    Ok(model.chunk_bytes(tokens, 1) / model.routed_row_bytes() as f64)
 }
 
 /// The fraction of wire bytes route saves against pulling one layer of the chunk:
 /// `1 - Mq (q + p) / (ct b_KV)`; negative when route would ship more than the chunk.
-pub fn route_bytes_saved(model: &ModelDims, mq_rows: u32, tokens: u32) -> f64 {
-    1.0 - f64::from(mq_rows) / byte_crossover_rows(model, tokens)
+pub fn route_bytes_saved(model: &ModelDims, mq_rows: u32, tokens: u32) -> Result<f64> {
+    count("mq_rows", mq_rows)?;
+    Ok(1.0 - f64::from(mq_rows) / byte_crossover_rows(model, tokens)?)
 }
 
 /// The effective bandwidth (GB/s) below which route's transfer term alone exceeds fetch's
@@ -46,6 +50,7 @@ pub fn fetch_local_crossover_tokens(
     splice: &SpliceCost,
     local_us_per_token_layer: f64,
 ) -> Result<Option<f64>> {
+    model.validate()?;
     fabric.validate()?;
     splice.validate()?;
     positive("local_us_per_token_layer", local_us_per_token_layer)?;

@@ -15,6 +15,8 @@ pub enum Requirement {
     AtLeastOne,
     /// An integer count of at least one (layers, rows, ranks, instances).
     NonZeroCount,
+    /// A probability, in [0, 1].
+    Probability,
 }
 
 impl fmt::Display for Requirement {
@@ -25,6 +27,7 @@ impl fmt::Display for Requirement {
             Self::NonNegative => "finite and >= 0",
             Self::AtLeastOne => "finite and >= 1",
             Self::NonZeroCount => "a count >= 1",
+            Self::Probability => "in [0, 1]",
         })
     }
 }
@@ -134,6 +137,21 @@ pub enum CostModelError {
     EmptySearch(&'static str),
 }
 
+impl CostModelError {
+    /// The error for a preset name that is none of `known`.
+    pub(crate) fn unknown_preset<'a>(
+        kind: &'static str,
+        name: &str,
+        known: impl Iterator<Item = &'a str>,
+    ) -> Self {
+        Self::UnknownPreset {
+            kind,
+            name: name.to_owned(),
+            known: known.collect::<Vec<_>>().join(", "),
+        }
+    }
+}
+
 /// Result alias of this crate.
 pub type Result<T, E = CostModelError> = std::result::Result<T, E>;
 
@@ -169,6 +187,16 @@ pub(crate) fn at_least_one(name: &'static str, value: f64) -> Result<f64> {
         value,
         Requirement::AtLeastOne,
         value.is_finite() && value >= 1.0,
+    )
+}
+
+/// Accepts a probability in [0, 1].
+pub(crate) fn probability(name: &'static str, value: f64) -> Result<f64> {
+    check(
+        name,
+        value,
+        Requirement::Probability,
+        (0.0..=1.0).contains(&value),
     )
 }
 

@@ -188,14 +188,8 @@ pub fn fabric_preset(name: &str) -> Result<&'static FabricPreset> {
     FABRIC_PRESETS
         .iter()
         .find(|p| p.id.eq_ignore_ascii_case(name))
-        .ok_or_else(|| CostModelError::UnknownPreset {
-            kind: "fabric",
-            name: name.to_owned(),
-            known: FABRIC_PRESETS
-                .iter()
-                .map(|p| p.id)
-                .collect::<Vec<_>>()
-                .join(", "),
+        .ok_or_else(|| {
+            CostModelError::unknown_preset("fabric", name, FABRIC_PRESETS.iter().map(|p| p.id))
         })
 }
 

@@ -7,7 +7,7 @@
 //! | module | what | source |
 //! |---|---|---|
 //! | [`model`], [`fabric`] | published model dimensions, fabric constants | paper 000 tables 1-2 |
-//! | [`cost`], [`predicate`] | probe / transfer / compute / return / merge terms, argmin | paper 000 sections 4-5 |
+//! | [`request`], [`cost`], [`predicate`] | probe / transfer / compute / return / merge terms, argmin | paper 000 sections 4-5 |
 //! | [`crossover`], [`congestion`] | closed-form crossovers, contention | paper 000 sections 5, 8 |
 //! | [`fit`] | fabric constants from measured sweeps, MAPE | paper 000 section 4.3 |
 //! | [`prfaas`] | PrfaaS-PD throughput model and threshold search | paper 001 section 3.4 |
@@ -46,6 +46,7 @@ pub mod helix;
 pub mod model;
 pub mod predicate;
 pub mod prfaas;
+pub mod request;
 pub mod step_costs;
 
 /// The README's Rust example, compiled and run as a doctest so it cannot go stale.
@@ -54,11 +55,10 @@ pub mod step_costs;
 struct ReadmeExample;
 
 pub use congestion::Congestion;
-pub use cost::{
-    Allowed, CostBreakdown, CostModel, CostParams, Primitive, Request, Selection, Term,
-};
+pub use cost::{CostBreakdown, CostModel, CostParams, Term};
 pub use error::{CostModelError, Requirement, Result};
 pub use fabric::{FABRIC_PRESETS, Fabric, FabricPreset, fabric_preset};
 pub use model::{MODEL_PRESETS, ModelDims, ModelPreset, model_preset};
 pub use predicate::{Decision, Micros, PrimitiveCost, Reason};
+pub use request::{Allowed, Primitive, Request, Selection};
 pub use step_costs::{GatherCost, HolderCompute, SpliceCost};

@@ -86,9 +86,10 @@ impl ModelDims {
         self.d_qk as u64 * BF16_BYTES
     }
 
-    /// Cache bytes of `tokens` tokens over `layers` layers.
-    pub const fn chunk_bytes(&self, tokens: u32, layers: u32) -> u64 {
-        tokens as u64 * layers as u64 * self.kv_bytes_per_token_layer()
+    /// Cache bytes of `tokens` tokens over `layers` layers, as `f64`: exact below 2^53 bytes,
+    /// and no product of counts can overflow or panic.
+    pub fn chunk_bytes(&self, tokens: u32, layers: u32) -> f64 {
+        f64::from(tokens) * f64::from(layers) * self.kv_bytes_per_token_layer() as f64
     }
 }
 
@@ -219,14 +220,8 @@ pub fn model_preset(name: &str) -> Result<&'static ModelPreset> {
             p.id.eq_ignore_ascii_case(name)
                 || p.aliases.iter().any(|a| a.eq_ignore_ascii_case(name))
         })
-        .ok_or_else(|| CostModelError::UnknownPreset {
-            kind: "model",
-            name: name.to_owned(),
-            known: MODEL_PRESETS
-                .iter()
-                .map(|p| p.id)
-                .collect::<Vec<_>>()
-                .join(", "),
+        .ok_or_else(|| {
+            CostModelError::unknown_preset("model", name, MODEL_PRESETS.iter().map(|p| p.id))
         })
 }
 
@@ -252,8 +247,8 @@ mod tests {
     #[test]
     fn v2_lite_2048_token_chunk_is_2_36_mb_per_layer_and_64_mb_in_all() {
         let m = v2_lite();
-        let one_layer = m.chunk_bytes(2048, 1) as f64 / 1e6;
-        let all_layers = m.chunk_bytes(2048, m.layers) as f64 / 1e6;
+        let one_layer = m.chunk_bytes(2048, 1) / 1e6;
+        let all_layers = m.chunk_bytes(2048, m.layers) / 1e6;
         assert!((one_layer - 2.36).abs() / 2.36 < 0.005, "{one_layer}");
         assert!((all_layers - 64.0).abs() / 64.0 < 0.005, "{all_layers}");
     }

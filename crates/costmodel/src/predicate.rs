@@ -4,8 +4,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::cost::{CostBreakdown, CostModel, Primitive, Request, Term};
+use crate::cost::{CostBreakdown, CostModel, Term};
 use crate::error::Result;
+use crate::request::{Primitive, Request};
 
 /// One primitive's priced option.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

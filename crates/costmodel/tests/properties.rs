@@ -119,15 +119,13 @@ proptest! {
         prop_assert!(fit.mape.all_pct < 3.0, "{fit:?}");
     }
 
-    /// Any parameters at all: `CostModel::new` either accepts them or returns an error, and an
-    /// accepted model answers any request without panicking and with finite costs.
+    /// Any parameters at all: `CostModel::new` accepts them or returns an error, never panics.
     #[test]
-    fn no_parameters_or_request_make_the_model_panic(
+    fn arbitrary_parameters_are_accepted_or_refused_without_panicking(
         vals in proptest::collection::vec(prop_oneof![
             Just(f64::NAN), Just(f64::INFINITY), Just(-1.0), Just(0.0), 1e-9f64..1e9
         ], 12),
-        counts in proptest::collection::vec(0u32..100_000, 8),
-        mask in 0u8..8,
+        counts in proptest::collection::vec(prop_oneof![Just(0u32), Just(u32::MAX), 0u32..100_000], 4),
     ) {
         let params = CostParams {
             model: ModelDims { layers: counts[0], query_heads: counts[1], ..model_preset("deepseek-v3.2").unwrap().dims },
@@ -137,19 +135,34 @@ proptest! {
             holder: HolderCompute { flat_us: vals[8], elbow_requesters: counts[2], per_extra_requester_us: vals[9] },
             merge_us: vals[10],
             local_us_per_token_layer: vals[11],
-            congestion: Congestion { concurrent_flows: counts[3] % 8, ..Congestion::NONE },
+            congestion: Congestion { concurrent_flows: counts[3], ..Congestion::NONE },
         };
-        if let Ok(costs) = CostModel::new(params) {
-            let req = Request {
-                mq_rows: counts[4], chunk_tokens: counts[5],
-                selection: if counts[6] % 2 == 0 { Selection::Contiguous } else {
-                    Selection::Sparse { topk: counts[6], holders: counts[7] }
-                },
-                tp_degree: 1 + counts[7] % 8, holder_requesters: counts[4] % 300,
-                allowed: Allowed { route: mask & 1 != 0, fetch: mask & 2 != 0, local: mask & 4 != 0 },
-            };
-            if let Ok(d) = costs.decide(&req) {
-                prop_assert!(d.route.total_us.is_finite() && d.fetch.total_us.is_finite() && d.local.total_us.is_finite());
+        let all_valid = vals.iter().all(|v| v.is_finite() && *v > 0.0) && counts.iter().all(|c| *c > 0);
+        let accepted = CostModel::new(params).is_ok();
+        prop_assert!(!all_valid || accepted, "valid parameters refused");
+    }
+
+    /// Valid parameters and any request, extreme counts included (u32::MAX layers, tokens,
+    /// rows, ranks, holders): an answer or a typed error, never a panic or an overflow, and an
+    /// answer's costs are finite.
+    #[test]
+    fn extreme_counts_never_panic_or_overflow(
+        counts in proptest::collection::vec(prop_oneof![Just(0u32), Just(1u32), Just(u32::MAX), 0u32..100_000], 8),
+        mask in 0u8..8,
+    ) {
+        let dims = ModelDims { layers: counts[0].max(1), ..model_preset("deepseek-v3.2").unwrap().dims };
+        let costs = CostModel::new(CostParams::paper_defaults(dims, Fabric::measured(16.0, 25.0).unwrap())).unwrap();
+        let req = Request {
+            mq_rows: counts[1], chunk_tokens: counts[2],
+            selection: if counts[3] % 2 == 0 { Selection::Contiguous } else {
+                Selection::Sparse { topk: counts[3], holders: counts[4] }
+            },
+            tp_degree: counts[5], holder_requesters: counts[6],
+            allowed: Allowed { route: mask & 1 != 0, fetch: mask & 2 != 0, local: mask & 4 != 0 },
+        };
+        if let Ok(d) = costs.decide(&req) {
+            for p in Primitive::ALL {
+                prop_assert!(d.cost(p).total_us.is_finite(), "{p}: {d:?}");
             }
         }
     }

@@ -118,7 +118,7 @@ impl LengthProfile {
 
     /// `Phi_kv(l) = S_kv(l) / T_prefill(l)` in Gbps (paper 001 eq. 1).
     pub fn phi_kv_gbps(&self, tokens: f64) -> f64 {
-        super::throughput::phi_kv_gbps(self.kv_bytes(tokens), self.prefill_s(tokens))
+        super::throughput::phi_kv_unchecked(self.kv_bytes(tokens), self.prefill_s(tokens))
     }
 
     fn interpolate(&self, tokens: f64, value: impl Fn(&ProfilePoint) -> f64) -> f64 {

@@ -4,10 +4,17 @@
 use serde::{Deserialize, Serialize};
 
 use super::{LengthProfile, TruncatedLogNormal};
-use crate::error::{CostModelError, Result, count, positive};
+use crate::error::{CostModelError, Result, count, non_negative, positive, probability};
 
 /// Eq. 1: `Phi_kv = S_kv / T_prefill`, in Gbps (1e9 bit/s).
-pub fn phi_kv_gbps(kv_bytes: f64, prefill_s: f64) -> f64 {
+pub fn phi_kv_gbps(kv_bytes: f64, prefill_s: f64) -> Result<f64> {
+    Ok(phi_kv_unchecked(
+        positive("kv_bytes", kv_bytes)?,
+        positive("prefill_s", prefill_s)?,
+    ))
+}
+
+pub(super) fn phi_kv_unchecked(kv_bytes: f64, prefill_s: f64) -> f64 {
     kv_bytes * 8.0 / prefill_s / 1e9
 }
 
@@ -22,8 +29,17 @@ pub fn cluster_egress_gbps(gpus: u32, gpus_per_instance: u32, phi_kv_gbps: f64) 
 
 /// Eq. 6: `Lambda_max = min(Theta_prfaas / p, Theta_pd-p / (1 - p), Theta_pd-d)`; a stage that
 /// receives no requests (p = 0 or p = 1) does not limit.
-pub fn lambda_max(theta_prfaas: f64, theta_pd_p: f64, theta_pd_d: f64, p_prfaas: f64) -> f64 {
-    limiting_stage(theta_prfaas, theta_pd_p, theta_pd_d, p_prfaas).1
+pub fn lambda_max(
+    theta_prfaas: f64,
+    theta_pd_p: f64,
+    theta_pd_d: f64,
+    p_prfaas: f64,
+) -> Result<f64> {
+    non_negative("theta_prfaas", theta_prfaas)?;
+    non_negative("theta_pd_p", theta_pd_p)?;
+    non_negative("theta_pd_d", theta_pd_d)?;
+    probability("p_prfaas", p_prfaas)?;
+    Ok(limiting_stage(theta_prfaas, theta_pd_p, theta_pd_d, p_prfaas).1)
 }
 
 /// A stage of the PrfaaS-PD pipeline.
@@ -54,6 +70,7 @@ fn limiting_stage(theta_prfaas: f64, theta_pd_p: f64, theta_pd_d: f64, p: f64) -
 pub struct PrfaasCluster {
     /// `N_prfaas`: PrfaaS prefill instances.
     pub prfaas_instances: u32,
+    /// `N_prfaas = 0` models a homogeneous PD cluster: the search then sends nothing away.
     /// `Np + Nd`: instances in the PD cluster, split by the search.
     pub pd_instances: u32,
     /// `B_out`: PrfaaS egress bandwidth, Gbps.
@@ -220,7 +237,13 @@ impl PrfaasPlanner {
         let (lo, hi) = (spec.min_tokens.ln(), spec.max_tokens.ln());
         let mut best: Option<OperatingPoint> = None;
         for i in 0..thresholds {
-            let t = (lo + (hi - lo) * f64::from(i) / f64::from(thresholds - 1)).exp();
+            // The ends are the bounds themselves: exp(ln(max)) may round below max and leave a
+            // sliver of traffic on a PrfaaS cluster that should receive none.
+            let t = match i {
+                0 => spec.min_tokens,
+                i if i == thresholds - 1 => spec.max_tokens,
+                i => (lo + (hi - lo) * f64::from(i) / f64::from(thresholds - 1)).exp(),
+            };
             for np in 1..self.cluster.pd_instances {
                 let point = self.evaluate(t, np)?;
                 if best.is_none_or(|b| point.lambda_max > b.lambda_max) {
@@ -246,9 +269,9 @@ mod tests {
     /// min(2.45, 6.25) = 2.45; ratios 1.54x and 1.16x. Tolerance 0.5%.
     #[test]
     fn table_6_lambda_max_and_ratios_follow_from_its_theta_columns() {
-        let prfaas_pd = lambda_max(1.61, 1.64, 3.91, 0.496);
-        let homogeneous = lambda_max(0.0, 2.11, 2.35, 0.0);
-        let naive = lambda_max(2.45, 0.0, 6.25, 1.0);
+        let prfaas_pd = lambda_max(1.61, 1.64, 3.91, 0.496).unwrap();
+        let homogeneous = lambda_max(0.0, 2.11, 2.35, 0.0).unwrap();
+        let naive = lambda_max(2.45, 0.0, 6.25, 1.0).unwrap();
         let close = |got: f64, want: f64| (got - want).abs() / want < 0.005;
         assert!(close(prfaas_pd, 3.24), "{prfaas_pd}");
         assert!(close(homogeneous, 2.11) && close(naive, 2.45));
@@ -322,6 +345,43 @@ mod tests {
         assert!((prfaas - pd).abs() / pd < 0.05, "{prfaas} vs {pd}");
     }
 
+    /// Table 6's homogeneous baseline (96 H20 = 12 instances, no PrfaaS) splits 9 / 3. The same
+    /// search with no PrfaaS instances sends nothing away and finds that split. Its Lambda_max
+    /// (2.34 req/s) is 11% above the printed 2.11: one H20 slowdown factor, calibrated at
+    /// l_short = 10.2K, underprices H20 prefill at the 27K mean length this case runs at.
+    #[test]
+    fn homogeneous_baseline_search_finds_table_6s_9_to_3_split() {
+        let planner = PrfaasPlanner {
+            cluster: PrfaasCluster {
+                prfaas_instances: 0,
+                pd_instances: 12,
+                ..PrfaasCluster::PAPER_001_CASE_STUDY
+            },
+            ..PrfaasPlanner::paper_001_case_study()
+        };
+        let best = planner.search(257).unwrap();
+        assert_eq!((best.np, best.nd, best.p_prfaas), (9, 3, 0.0), "{best:?}");
+        assert!((best.lambda_max - 2.11).abs() / 2.11 < 0.15, "{best:?}");
+    }
+
+    /// With a length cap of 1M tokens, exp(ln(min) + (ln(max) - ln(min))) rounds to just below
+    /// 1M; were that the grid's last threshold, a sliver of traffic would be sent to a PrfaaS
+    /// cluster of zero instances and every configuration would score Lambda_max = 0.
+    #[test]
+    fn search_grid_ends_exactly_at_the_length_bounds() {
+        let planner = PrfaasPlanner {
+            cluster: PrfaasCluster {
+                prfaas_instances: 0,
+                ..PrfaasCluster::PAPER_001_CASE_STUDY
+            },
+            lengths: TruncatedLogNormal::new(9.9, 1.0, 128.0, 1_000_000.0).unwrap(),
+            ..PrfaasPlanner::paper_001_case_study()
+        };
+        let best = planner.search(64).unwrap();
+        assert_eq!(best.threshold_tokens, 1_000_000.0);
+        assert!(best.lambda_max > 0.0, "{best:?}");
+    }
+
     #[test]
     fn thresholds_beyond_the_range_disable_a_stage() {
         let planner = PrfaasPlanner::paper_001_case_study();
@@ -350,5 +410,8 @@ mod tests {
         planner.cluster.egress_gbps = 0.0;
         assert!(planner.evaluate(1000.0, 1).is_err());
         assert!(cluster_egress_gbps(0, 8, 1.0).is_err());
+        assert!(lambda_max(1.0, 1.0, 1.0, 1.5).is_err());
+        assert!(lambda_max(f64::NAN, 1.0, 1.0, 0.5).is_err());
+        assert!(phi_kv_gbps(1.0, 0.0).is_err());
     }
 }
