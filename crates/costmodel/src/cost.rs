@@ -130,6 +130,7 @@ pub struct CostBreakdown {
 
 impl CostBreakdown {
     /// The terms with their names, in the order of the decomposition.
+    #[inline]
     pub const fn terms(&self) -> [(Term, f64); 8] {
         [
             (Term::Probe, self.probe_us),
@@ -144,6 +145,7 @@ impl CostBreakdown {
     }
 
     /// The whole cost.
+    #[inline]
     pub fn total_us(&self) -> f64 {
         self.terms().iter().map(|(_, us)| us).sum()
     }
@@ -155,6 +157,7 @@ impl CostBreakdown {
     }
 
     /// The largest term (the first one on a tie).
+    #[inline]
     pub fn dominant(&self) -> Term {
         let terms = self.terms();
         let mut best = terms[0];
@@ -216,6 +219,7 @@ impl CostModel {
         Ok(self.local_unchecked(request))
     }
 
+    #[inline]
     pub(crate) fn route_unchecked(&self, request: &Request) -> CostBreakdown {
         let model = &self.params.model;
         let holders = match request.selection {
@@ -240,6 +244,7 @@ impl CostModel {
         }
     }
 
+    #[inline]
     pub(crate) fn fetch_unchecked(&self, request: &Request) -> CostBreakdown {
         let model = &self.params.model;
         let layers = model.layers;
@@ -269,6 +274,7 @@ impl CostModel {
         }
     }
 
+    #[inline]
     pub(crate) fn local_unchecked(&self, request: &Request) -> CostBreakdown {
         let token_layers = f64::from(request.chunk_tokens) * f64::from(self.params.model.layers);
         CostBreakdown {

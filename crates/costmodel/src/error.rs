@@ -161,6 +161,7 @@ pub(crate) fn finite(name: &'static str, value: f64) -> Result<f64> {
 }
 
 /// Accepts `value` if it is finite and > 0.
+#[inline]
 pub(crate) fn positive(name: &'static str, value: f64) -> Result<f64> {
     check(
         name,
@@ -171,6 +172,7 @@ pub(crate) fn positive(name: &'static str, value: f64) -> Result<f64> {
 }
 
 /// Accepts `value` if it is finite and >= 0.
+#[inline]
 pub(crate) fn non_negative(name: &'static str, value: f64) -> Result<f64> {
     check(
         name,
@@ -201,6 +203,7 @@ pub(crate) fn probability(name: &'static str, value: f64) -> Result<f64> {
 }
 
 /// Accepts a count of at least one.
+#[inline]
 pub(crate) fn count(name: &'static str, value: u32) -> Result<u32> {
     if value == 0 {
         return Err(CostModelError::InvalidParameter {
@@ -212,6 +215,7 @@ pub(crate) fn count(name: &'static str, value: u32) -> Result<u32> {
     Ok(value)
 }
 
+#[inline]
 fn check(name: &'static str, value: f64, requirement: Requirement, ok: bool) -> Result<f64> {
     if ok {
         Ok(value)

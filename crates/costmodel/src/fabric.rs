@@ -74,12 +74,14 @@ impl Fabric {
     }
 
     /// Microseconds to move `bytes` at this fabric's `BW`.
+    #[inline]
     pub fn transfer_us(&self, bytes: f64) -> f64 {
         bytes / (self.bw_gbps * BYTES_PER_US_PER_GBPS)
     }
 
     /// The transport round trip of `rows` routed rows of `row_bytes` each:
     /// `T_probe + turnaround + rows x row_bytes / BW` (paper 000 sections 4.2-4.3).
+    #[inline]
     pub fn round_trip_us(&self, rows: f64, row_bytes: f64) -> f64 {
         self.probe_us + self.turnaround_us + self.transfer_us(rows * row_bytes)
     }

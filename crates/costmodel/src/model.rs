@@ -66,28 +66,33 @@ impl ModelDims {
     }
 
     /// `q`: bytes of one routed query row, `d_qk` bf16 values (paper 000 section 3.2).
+    #[inline]
     pub const fn query_row_bytes(&self) -> u64 {
         self.d_qk as u64 * BF16_BYTES
     }
 
     /// `p`: bytes of one partial row, `o` as `d_v` bf16 plus `m` and `l` as f32
     /// (paper 000 section 3.2: p = 512 x 2 + 2 x 4 = 1032 B).
+    #[inline]
     pub const fn partial_row_bytes(&self) -> u64 {
         self.d_v as u64 * BF16_BYTES + 2 * F32_BYTES
     }
 
     /// `q + p`: bytes one routed row moves there and back.
+    #[inline]
     pub const fn routed_row_bytes(&self) -> u64 {
         self.query_row_bytes() + self.partial_row_bytes()
     }
 
     /// `b_KV`: cache bytes per token per layer, one `d_qk`-wide bf16 row.
+    #[inline]
     pub const fn kv_bytes_per_token_layer(&self) -> u64 {
         self.d_qk as u64 * BF16_BYTES
     }
 
     /// Cache bytes of `tokens` tokens over `layers` layers, as `f64`: exact below 2^53 bytes,
     /// and no product of counts can overflow or panic.
+    #[inline]
     pub fn chunk_bytes(&self, tokens: u32, layers: u32) -> f64 {
         f64::from(tokens) * f64::from(layers) * self.kv_bytes_per_token_layer() as f64
     }

@@ -83,6 +83,7 @@ impl Allowed {
     }
 
     /// Whether `primitive` may be chosen.
+    #[inline]
     pub const fn contains(self, primitive: Primitive) -> bool {
         match primitive {
             Primitive::Route => self.route,
@@ -145,6 +146,7 @@ impl Request {
     }
 
     /// Checks the counts and their consistency.
+    #[inline]
     pub fn validate(&self) -> Result<()> {
         count("mq_rows", self.mq_rows)?;
         count("chunk_tokens", self.chunk_tokens)?;

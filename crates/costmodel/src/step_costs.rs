@@ -39,6 +39,7 @@ impl SpliceCost {
     }
 
     /// The splice of a `tokens`-token chunk, in microseconds.
+    #[inline]
     pub fn at(&self, tokens: f64) -> f64 {
         self.fixed_us + self.per_token_us * tokens
     }
@@ -76,6 +77,7 @@ impl GatherCost {
     }
 
     /// The overhead of one layer's gather from `holders` holders, microseconds.
+    #[inline]
     pub fn per_layer_us(&self, holders: f64) -> f64 {
         self.fixed_us_per_layer + holders * self.per_holder_us_per_layer
     }
@@ -111,6 +113,7 @@ impl HolderCompute {
     }
 
     /// The partial's latency when `requesters` routed requesters share the holder.
+    #[inline]
     pub fn at(&self, requesters: u32) -> f64 {
         let extra = requesters.saturating_sub(self.elbow_requesters);
         self.flat_us + f64::from(extra) * self.per_extra_requester_us
