@@ -3,6 +3,8 @@
 //! - `deps [--check]`: check (and as root, install) the system packages the crates need.
 //! - `test`: what CI runs: deps, rustfmt, clippy with warnings denied, every test, rustdoc with
 //!   warnings denied.
+//! - `loom`: the loom models of the transport's completion logic (each with a broken variant
+//!   it must catch), built with `--cfg kvroute_loom` in a target folder of their own.
 //! - `demo [ARGS]`: build and run the main job in release mode.
 //! - `bench [ARGS]`: run the criterion benches (ARGS go to criterion, e.g. a name filter).
 
@@ -18,7 +20,8 @@ const USAGE: &str = "usage: cargo xtask <command>
 
 commands:
   deps [--check]  check the system packages the workspace needs; install missing ones as root
-  test            what CI runs: deps, fmt --check, clippy -D warnings, tests, docs -D warnings
+  test            what CI runs: deps, fmt --check, clippy -D warnings, tests, loom, docs -D warnings
+  loom            the loom models of the transport's completion logic
   demo [ARGS]     build in release mode and run the main job (ARGS are passed to it)
   bench [ARGS]    run the criterion benches (ARGS are passed to criterion)";
 
@@ -40,6 +43,7 @@ fn run(args: &[String]) -> Result<()> {
     match command {
         "deps" => deps::run(rest.iter().any(|a| a == "--check")),
         "test" | "ci" => test(),
+        "loom" => loom(),
         "demo" => cargo_step(
             "demo",
             &with_rest(
@@ -95,6 +99,7 @@ fn test() -> Result<()> {
         &[],
     )?;
     cargo_step("test", &["test", "--workspace", "--locked"], &[])?;
+    loom()?;
     cargo_step(
         "doc",
         &["doc", "--workspace", "--no-deps", "--locked"],
@@ -105,6 +110,28 @@ fn test() -> Result<()> {
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// The loom models, in release mode (loom explores thousands of interleavings) and in their
+/// own target folder, since `--cfg kvroute_loom` would otherwise invalidate the normal build.
+fn loom() -> Result<()> {
+    let target = workspace_root().join("target").join("loom");
+    let target = target.to_string_lossy();
+    cargo_step(
+        "loom",
+        &[
+            "test",
+            "--locked",
+            "--release",
+            "-p",
+            "kvroute-transport",
+            "--lib",
+            "--target-dir",
+            &target,
+            "loom_models",
+        ],
+        &[("RUSTFLAGS", "--cfg kvroute_loom")],
+    )
 }
 
 fn cargo_step(name: &str, args: &[&str], env: &[(&str, &str)]) -> Result<()> {

@@ -1,0 +1,168 @@
+//! [`RegisteredBuffer`]: host memory the engine allocates, registers, and frees, so a caller
+//! needs no `unsafe` to have a region to write from or into.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::ptr::NonNull;
+
+use crate::engine::TransferEngine;
+use crate::error::Side;
+use crate::error::TransportError;
+use crate::mr::{Device, MrDesc, MrHandle, check_range};
+
+/// Alignment of engine-allocated buffers: a cache line.
+const ALIGN: usize = 64;
+
+/// Registered host memory owned by the engine. Peers write into it through [`Self::desc`];
+/// it is the source of local writes through [`Self::handle`].
+///
+/// Reading bytes that a peer is writing at the same moment returns unspecified values, as it
+/// would with a NIC: a protocol reads a range after the immediates of the writes into it have
+/// been counted.
+pub struct RegisteredBuffer {
+    engine: TransferEngine,
+    ptr: NonNull<u8>,
+    len: usize,
+    handle: MrHandle,
+    desc: MrDesc,
+}
+
+// SAFETY: the buffer owns its allocation; shared access goes through raw-pointer copies whose
+// ordering against peers' writes is the protocol's (see the type's docs), as with memory a NIC
+// writes.
+unsafe impl Send for RegisteredBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for RegisteredBuffer {}
+
+impl std::fmt::Debug for RegisteredBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisteredBuffer")
+            .field("len", &self.len)
+            .field("desc", &self.desc)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RegisteredBuffer {
+    pub(crate) fn new(engine: TransferEngine, len: usize) -> Result<Self, TransportError> {
+        let layout = Layout::from_size_align(len, ALIGN)
+            .map_err(|_| TransportError::InvalidArgument("buffer length too large"))?;
+        if len == 0 {
+            return Err(TransportError::InvalidArgument("a buffer needs a length"));
+        }
+        // SAFETY: the layout has a non-zero size.
+        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })
+            .ok_or(TransportError::Domain("out of memory".to_owned()))?;
+        // SAFETY: the allocation lives until Drop, which deregisters before freeing.
+        match unsafe { engine.reg_mr(ptr.as_ptr(), len, Device::Host) } {
+            Ok((handle, desc)) => Ok(Self {
+                engine,
+                ptr,
+                len,
+                handle,
+                desc,
+            }),
+            Err(e) => {
+                // SAFETY: allocated above with this layout and not registered.
+                unsafe { dealloc(ptr.as_ptr(), layout) };
+                Err(e)
+            }
+        }
+    }
+
+    /// The local handle (source of writes).
+    pub fn handle(&self) -> &MrHandle {
+        &self.handle
+    }
+
+    /// The descriptor peers write through.
+    pub fn desc(&self) -> &MrDesc {
+        &self.desc
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty (never: buffers have a length).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies `bytes` into the buffer at `offset`.
+    pub fn write_at(&self, offset: usize, bytes: &[u8]) -> Result<(), TransportError> {
+        check_range(
+            Side::Source,
+            self.len as u64,
+            offset as u64,
+            bytes.len() as u64,
+        )?;
+        // SAFETY: the range is inside the allocation (checked); see the type's docs on
+        // concurrent peer writes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                self.ptr.as_ptr().add(offset),
+                bytes.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes from `offset` into `out`.
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), TransportError> {
+        check_range(
+            Side::Source,
+            self.len as u64,
+            offset as u64,
+            out.len() as u64,
+        )?;
+        // SAFETY: as in write_at.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// A copy of the whole buffer.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = vec![0; self.len];
+        // Cannot fail: the range is the whole buffer.
+        let _ = self.read_at(0, &mut out);
+        out
+    }
+
+    /// Sets every byte to `byte`.
+    pub fn fill(&self, byte: u8) {
+        // SAFETY: the whole allocation; see the type's docs on concurrent peer writes.
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), byte, self.len) };
+    }
+
+    /// The buffer's address, for code that hands it to a device.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for RegisteredBuffer {
+    fn drop(&mut self) {
+        // After this returns no peer write can land; after an engine shutdown the NICs are
+        // gone already, which is as safe.
+        if let Err(e) = self.engine.dereg_mr(&self.handle)
+            && e != TransportError::Shutdown
+        {
+            tracing::warn!(%e, "deregistering a buffer failed; freeing it anyway");
+        }
+        // SAFETY: allocated in `new` with this layout (which was valid then), freed once.
+        unsafe {
+            dealloc(
+                self.ptr.as_ptr(),
+                Layout::from_size_align_unchecked(self.len, ALIGN),
+            )
+        };
+    }
+}

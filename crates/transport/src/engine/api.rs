@@ -1,0 +1,583 @@
+//! The request side of [`TransferEngine`]: every call checks its request against the local
+//! region (from the group's directory) and the remote descriptor, resolves the peer (a
+//! directory lookup; a connect round trip to the worker only on first contact), and queues
+//! the result. A request that fails a check returns its error and posts nothing.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_channel::{Sender, TrySendError, bounded};
+
+use super::callbacks::Job;
+use super::message::{
+    Command, LocalSrc, Message, RemoteTarget, ScatterTarget, Submission, Work, Writes,
+};
+use super::shared::{GroupShared, PeerEntry, PeerGroupEntry, RegionEntry};
+use super::{Backpressure, TransferEngine};
+use crate::addr::{MAX_NICS, NetAddr};
+use crate::buffer::RegisteredBuffer;
+use crate::domain::Notify;
+use crate::error::{Side, TransportError};
+use crate::mr::{Device, MrDesc, MrHandle, check_range};
+use crate::on_done::{OnDone, TransferFuture};
+use crate::plan::{TransferShape, arrivals};
+use crate::request::{Pages, ScatterDst, validate_scatter};
+use crate::transfer_state::TransferState;
+use crate::watcher::WatchedWord;
+
+/// A registered group of peers, targeted by scatter and barrier without per-call lookups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PeerGroupHandle(u32);
+
+impl TransferEngine {
+    fn main_group(&self) -> &Arc<GroupShared> {
+        &self.inner.groups[0]
+    }
+
+    /// The address peers use to reach this engine's main group (NIC 0 first).
+    pub fn main_address(&self) -> NetAddr {
+        self.main_group().addr.clone()
+    }
+
+    /// The address of group `index`, if it exists.
+    pub fn group_address(&self, index: usize) -> Option<NetAddr> {
+        self.inner.groups.get(index).map(|g| g.addr.clone())
+    }
+
+    /// NICs of the main group.
+    pub fn nics(&self) -> usize {
+        self.main_group().nics()
+    }
+
+    /// How many immediates a transfer of `shape` delivers to its receiver (peers have as many
+    /// NICs as this engine): what to pass to [`TransferEngine::expect_imm_count`].
+    pub fn expected_arrivals(&self, shape: TransferShape) -> u64 {
+        arrivals(shape, self.nics())
+    }
+
+    fn group_for(&self, device: Device) -> Result<&Arc<GroupShared>, TransportError> {
+        self.inner
+            .groups
+            .iter()
+            .find(|g| g.device == device)
+            .or_else(|| (device == Device::Host).then(|| self.main_group()))
+            .ok_or_else(|| TransportError::UnsupportedDevice(device.to_string()))
+    }
+
+    fn command<T>(
+        &self,
+        group: &GroupShared,
+        make: impl FnOnce(Sender<T>) -> Command,
+    ) -> Result<T, TransportError> {
+        let (reply, answer) = bounded(1);
+        group
+            .tx
+            .send(Message::Command(make(reply)))
+            .map_err(|_| TransportError::Shutdown)?;
+        group.wake.notify();
+        answer.recv().map_err(|_| TransportError::Shutdown)
+    }
+
+    fn submit(
+        &self,
+        group: &GroupShared,
+        work: Work,
+        on_done: OnDone,
+    ) -> Result<(), TransportError> {
+        let state = Arc::new(TransferState::new());
+        if let Some(token) = &on_done.cancel {
+            token.register(&state);
+        }
+        let submitted_at = self.inner.engine.record_latency.then(Instant::now);
+        let message = Message::Transfer(Submission {
+            work,
+            state,
+            on_done,
+            submitted_at,
+        });
+        match self.inner.backpressure {
+            Backpressure::Wait => group
+                .tx
+                .send(message)
+                .map_err(|_| TransportError::Shutdown)?,
+            Backpressure::Fail => group.tx.try_send(message).map_err(|e| match e {
+                TrySendError::Full(_) => TransportError::QueueFull,
+                TrySendError::Disconnected(_) => TransportError::Shutdown,
+            })?,
+        }
+        group.wake.notify();
+        Ok(())
+    }
+
+    // ----- memory -----
+
+    /// Registers `[ptr, ptr + len)` with every NIC of the group serving `device`.
+    ///
+    /// # Safety
+    /// The memory must stay allocated and must not move until [`TransferEngine::dereg_mr`]
+    /// returns for the handle, and local accesses to bytes a peer may be writing are the
+    /// caller's protocol to order (wait for the writes' immediates).
+    pub unsafe fn reg_mr(
+        &self,
+        ptr: *const u8,
+        len: usize,
+        device: Device,
+    ) -> Result<(MrHandle, MrDesc), TransportError> {
+        if ptr.is_null() || len == 0 {
+            return Err(TransportError::InvalidArgument(
+                "a region needs a non-null pointer and a length",
+            ));
+        }
+        let group = self.group_for(device)?;
+        self.command(group, |reply| Command::Register {
+            addr: ptr as u64,
+            len: len as u64,
+            device,
+            reply,
+        })?
+    }
+
+    /// Deregisters a region: once this returns, no peer write reaches it.
+    pub fn dereg_mr(&self, handle: &MrHandle) -> Result<(), TransportError> {
+        let group = self
+            .inner
+            .groups
+            .get(handle.group as usize)
+            .filter(|_| handle.engine == self.inner.engine.id);
+        let group = group.ok_or(TransportError::UnknownRegion)?;
+        self.command(group, |reply| Command::Deregister {
+            key: handle.key,
+            reply,
+        })?
+    }
+
+    /// Allocates `len` bytes of zeroed host memory (64-byte aligned) owned by the engine and
+    /// registers it; dropping the buffer deregisters and frees it.
+    pub fn alloc_mr(&self, len: usize) -> Result<RegisteredBuffer, TransportError> {
+        RegisteredBuffer::new(self.clone(), len)
+    }
+
+    fn local(&self, handle: &MrHandle) -> Result<(&Arc<GroupShared>, RegionEntry), TransportError> {
+        let group = self
+            .inner
+            .groups
+            .get(handle.group as usize)
+            .filter(|_| handle.engine == self.inner.engine.id);
+        let group = group.ok_or(TransportError::UnknownRegion)?;
+        let entry = group
+            .directory
+            .region(handle.key)
+            .ok_or(TransportError::UnknownRegion)?;
+        Ok((group, entry))
+    }
+
+    // ----- peers -----
+
+    fn peer(&self, group: &GroupShared, addr: &NetAddr) -> Result<Arc<PeerEntry>, TransportError> {
+        let nic0 = addr
+            .nics
+            .first()
+            .ok_or_else(|| TransportError::MalformedAddress("no NICs".to_owned()))?;
+        match group.directory.peer(nic0) {
+            Some(entry) if entry.addr == *addr => Ok(entry),
+            Some(_) => Err(TransportError::MalformedAddress(
+                "NIC 0 is known as part of another peer".to_owned(),
+            )),
+            None => self.command(group, |reply| Command::Connect {
+                addr: addr.clone(),
+                reply,
+            })?,
+        }
+    }
+
+    /// Checks a descriptor's NICs against `entry` (if given) or resolves them, and returns
+    /// the target with one rkey per NIC.
+    fn target(
+        &self,
+        group: &GroupShared,
+        desc: &MrDesc,
+        entry: Option<&PeerEntry>,
+    ) -> Result<RemoteTarget, TransportError> {
+        if desc.rkeys.len() != group.nics() {
+            return Err(TransportError::NicCountMismatch {
+                local: group.nics(),
+                remote: desc.rkeys.len(),
+            });
+        }
+        let resolved;
+        let entry = match entry {
+            Some(e) => e,
+            None => {
+                let provider = &desc.rkeys[0].nic.provider;
+                if *provider != group.provider {
+                    return Err(TransportError::ProviderMismatch {
+                        local: group.provider.clone(),
+                        remote: provider.clone(),
+                    });
+                }
+                resolved = match group.directory.peer(&desc.rkeys[0].nic) {
+                    Some(e) => e,
+                    None => self.peer(group, &desc.net_addr())?,
+                };
+                &*resolved
+            }
+        };
+        let mut rkeys = [0; MAX_NICS];
+        for (i, key) in desc.rkeys.iter().enumerate() {
+            if key.nic != entry.addr.nics[i] {
+                return Err(TransportError::MalformedAddress(format!(
+                    "descriptor NIC {i} is not the peer's NIC {i}"
+                )));
+            }
+            rkeys[i] = key.rkey;
+        }
+        Ok(RemoteTarget {
+            peer: entry.index,
+            addr: desc.addr,
+            rkeys,
+        })
+    }
+
+    /// Connects to every peer of `addrs` (all through the main group) and registers them as a
+    /// group for low-latency scatter and barrier.
+    pub fn add_peer_group(&self, addrs: &[NetAddr]) -> Result<PeerGroupHandle, TransportError> {
+        if addrs.is_empty() {
+            return Err(TransportError::InvalidArgument(
+                "a peer group needs members",
+            ));
+        }
+        let group = self.main_group();
+        let members = addrs
+            .iter()
+            .map(|a| self.peer(group, a))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut groups = self
+            .inner
+            .peer_groups
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        groups.push(PeerGroupEntry {
+            group: group.index,
+            members,
+        });
+        tracing::debug!(peers = addrs.len(), "added a peer group");
+        Ok(PeerGroupHandle(groups.len() as u32 - 1))
+    }
+
+    /// Resolves scatter/barrier destinations, through the peer group if one is given.
+    /// Resolves scatter/barrier destinations (through the peer group if one is given) and
+    /// builds one `T` per destination with `build(index, target)`, in one allocation.
+    fn targets<'a, T>(
+        &self,
+        group: &GroupShared,
+        peers: Option<PeerGroupHandle>,
+        descs: impl ExactSizeIterator<Item = &'a MrDesc>,
+        build: impl Fn(usize, RemoteTarget) -> T,
+    ) -> Result<Vec<T>, TransportError> {
+        let Some(PeerGroupHandle(h)) = peers else {
+            return descs
+                .enumerate()
+                .map(|(i, d)| Ok(build(i, self.target(group, d, None)?)))
+                .collect();
+        };
+        let groups = self
+            .inner
+            .peer_groups
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let entry = groups
+            .get(h as usize)
+            .filter(|e| e.group == group.index)
+            .ok_or(TransportError::UnknownPeerGroup)?;
+        if descs.len() != entry.members.len() {
+            return Err(TransportError::PeerGroupSizeMismatch {
+                given: descs.len(),
+                group: entry.members.len(),
+            });
+        }
+        descs
+            .zip(&entry.members)
+            .enumerate()
+            .map(
+                |(index, (d, member))| match self.target(group, d, Some(member)) {
+                    Ok(target) => Ok(build(index, target)),
+                    Err(TransportError::MalformedAddress(_)) => {
+                        Err(TransportError::NotInPeerGroup { index })
+                    }
+                    Err(other) => Err(other),
+                },
+            )
+            .collect()
+    }
+
+    // ----- two-sided -----
+
+    /// Sends `msg` to the receive buffers of the peer at `to`. The bytes are copied, so `msg`
+    /// may be reused at once. With no buffer posted at the peer the send waits (RNR).
+    pub fn submit_send(
+        &self,
+        to: &NetAddr,
+        msg: &[u8],
+        on_done: OnDone,
+    ) -> Result<(), TransportError> {
+        if msg.len() > self.inner.max_send_bytes {
+            return Err(TransportError::MessageTooLarge {
+                len: msg.len(),
+                max: self.inner.max_send_bytes,
+            });
+        }
+        let group = self.main_group();
+        let peer = self.peer(group, to)?;
+        self.submit(
+            group,
+            Work::Send {
+                peer: peer.index,
+                payload: msg.into(),
+            },
+            on_done,
+        )
+    }
+
+    /// Posts `count` engine-owned buffers of `buf_len` bytes and calls `handler` with each
+    /// message that lands in one, on the callback thread; a buffer is reposted when `handler`
+    /// returns. One pool per engine.
+    pub fn submit_recvs(
+        &self,
+        buf_len: usize,
+        count: u32,
+        handler: impl FnMut(&[u8]) + Send + 'static,
+    ) -> Result<(), TransportError> {
+        if buf_len == 0 || count == 0 {
+            return Err(TransportError::InvalidArgument(
+                "a receive pool needs buffers",
+            ));
+        }
+        if self
+            .inner
+            .receiving
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            return Err(TransportError::AlreadyReceiving);
+        }
+        // The handler is in place before any buffer is posted, so no message finds none.
+        self.inner
+            .engine
+            .callbacks
+            .push(Job::SetRecvHandler(Box::new(handler)));
+        self.command(self.main_group(), |reply| Command::InstallRecvPool {
+            buf_len,
+            count,
+            reply,
+        })?
+    }
+
+    // ----- one-sided -----
+
+    /// Fires `on_done` once `count` writes with immediate `imm` have landed here, counting
+    /// those that landed before this call (paper 002's IMM counter). Arrivals beyond `count`
+    /// are kept for the next expectation of `imm`.
+    pub fn expect_imm_count(&self, imm: u32, count: u64, on_done: OnDone) {
+        if let Some(done) = self.inner.engine.imm.expect(imm, count, on_done) {
+            let callbacks = &self.inner.engine.callbacks;
+            done.finish(Ok(()), |f, o| callbacks.run_done(f, o));
+        }
+    }
+
+    /// [`TransferEngine::expect_imm_count`] as a future.
+    pub fn imm_count(&self, imm: u32, count: u64) -> TransferFuture {
+        let (done, future) = OnDone::future();
+        self.expect_imm_count(imm, count, done);
+        future
+    }
+
+    /// Arrivals of `imm` counted and not claimed by an expectation.
+    pub fn pending_imm(&self, imm: u32) -> u64 {
+        self.inner.engine.imm.pending(imm)
+    }
+
+    /// Claims and returns the arrivals of `imm` nobody expects.
+    pub fn take_imm(&self, imm: u32) -> u64 {
+        self.inner.engine.imm.take(imm)
+    }
+
+    /// Calls `handler(imm, count)` on the callback thread for arrivals that find no
+    /// expectation waiting (they also stay counted, for a later expectation or `take_imm`).
+    pub fn on_unexpected_imm(&self, handler: impl FnMut(u32, u64) + Send + 'static) {
+        self.inner
+            .engine
+            .callbacks
+            .push(Job::SetUnexpectedHandler(Box::new(handler)));
+        self.inner
+            .engine
+            .unexpected_imm_handler
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Writes `len` bytes from `src` (handle, offset) to `dst` (descriptor, offset), sharded
+    /// over the NICs; each shard carries `imm`.
+    pub fn submit_single_write(
+        &self,
+        len: u64,
+        imm: Option<u32>,
+        src: (&MrHandle, u64),
+        dst: (&MrDesc, u64),
+        on_done: OnDone,
+    ) -> Result<(), TransportError> {
+        if len == 0 && imm.is_none() {
+            return Err(TransportError::EmptyTransfer);
+        }
+        let (group, region) = self.local(src.0)?;
+        check_range(Side::Source, region.len, src.1, len)?;
+        check_range(Side::Destination, dst.0.len, dst.1, len)?;
+        let target = self.target(group, dst.0, None)?;
+        let src_ref = LocalSrc {
+            addr: region.addr,
+            lkeys: region.lkeys,
+        };
+        let work = Writes::Single {
+            src: src_ref,
+            dst: target,
+            src_offset: src.1,
+            dst_offset: dst.1,
+            len,
+            imm,
+        };
+        self.submit(group, Work::Writes(work), on_done)
+    }
+
+    /// Writes `page_len`-byte pages: source page `i` of `src` to destination page `i` of
+    /// `dst`, one write per page rotated over the NICs; each page carries `imm`.
+    pub fn submit_paged_writes(
+        &self,
+        page_len: u64,
+        imm: Option<u32>,
+        src: (&MrHandle, &Pages),
+        dst: (&MrDesc, &Pages),
+        on_done: OnDone,
+    ) -> Result<(), TransportError> {
+        let (src_pages, dst_pages) = (src.1, dst.1);
+        if src_pages.indices.len() != dst_pages.indices.len() {
+            return Err(TransportError::PageCountMismatch {
+                src: src_pages.indices.len(),
+                dst: dst_pages.indices.len(),
+            });
+        }
+        if src_pages.indices.is_empty() {
+            return Err(TransportError::EmptyTransfer);
+        }
+        if page_len == 0 {
+            return Err(TransportError::InvalidArgument("page_len must be positive"));
+        }
+        if u32::try_from(src_pages.indices.len()).is_err() {
+            return Err(TransportError::InvalidArgument(
+                "at most 2^32 - 1 pages per transfer",
+            ));
+        }
+        let (group, region) = self.local(src.0)?;
+        src_pages.validate(Side::Source, page_len, region.len)?;
+        dst_pages.validate(Side::Destination, page_len, dst.0.len)?;
+        let target = self.target(group, dst.0, None)?;
+        let work = Writes::Paged {
+            src: LocalSrc {
+                addr: region.addr,
+                lkeys: region.lkeys,
+            },
+            dst: target,
+            page_len,
+            src_pages: src_pages.clone(),
+            dst_pages: dst_pages.clone(),
+            imm,
+        };
+        self.submit(group, Work::Writes(work), on_done)
+    }
+
+    /// An immediate-only write to the region of `dst` (no bytes; the peer counts `imm`).
+    pub fn submit_imm(
+        &self,
+        imm: u32,
+        dst: &MrDesc,
+        on_done: OnDone,
+    ) -> Result<(), TransportError> {
+        let group = self.main_group();
+        let target = self.target(group, dst, None)?;
+        self.submit(
+            group,
+            Work::Writes(Writes::Imm { dst: target, imm }),
+            on_done,
+        )
+    }
+
+    /// Writes a slice of `src` to each target (paper 002 `submit_scatter`), targets spread
+    /// over the NICs. With `peers`, target `i` must be the group's member `i` and no lookups
+    /// are made.
+    pub fn submit_scatter(
+        &self,
+        peers: Option<PeerGroupHandle>,
+        imm: Option<u32>,
+        src: &MrHandle,
+        dsts: &[ScatterDst],
+        on_done: OnDone,
+    ) -> Result<(), TransportError> {
+        if dsts.is_empty() {
+            return Err(TransportError::EmptyTransfer);
+        }
+        let (group, region) = self.local(src)?;
+        validate_scatter(region.len, dsts)?;
+        let targets = self.targets(group, peers, dsts.iter().map(|d| &d.dst), |i, dst| {
+            ScatterTarget {
+                dst,
+                len: dsts[i].len,
+                src_offset: dsts[i].src_offset,
+                dst_offset: dsts[i].dst_offset,
+            }
+        })?;
+        let work = Writes::Scatter {
+            src: LocalSrc {
+                addr: region.addr,
+                lkeys: region.lkeys,
+            },
+            targets,
+            imm,
+        };
+        self.submit(group, Work::Writes(work), on_done)
+    }
+
+    /// An immediate-only write to each target (paper 002 `submit_barrier`).
+    pub fn submit_barrier(
+        &self,
+        peers: Option<PeerGroupHandle>,
+        imm: u32,
+        dsts: &[MrDesc],
+        on_done: OnDone,
+    ) -> Result<(), TransportError> {
+        if dsts.is_empty() {
+            return Err(TransportError::EmptyTransfer);
+        }
+        let group = self.main_group();
+        let targets = self.targets(group, peers, dsts.iter(), |_, target| target)?;
+        self.submit(
+            group,
+            Work::Writes(Writes::Barrier { targets, imm }),
+            on_done,
+        )
+    }
+
+    // ----- watcher -----
+
+    /// Allocates a 64-bit word and calls `handler(old, new)` on the callback thread whenever
+    /// it changes (paper 002's UVM watcher; host memory here). Changes in quick succession
+    /// may be seen as one, which is why the old value is passed.
+    pub fn alloc_watcher(
+        &self,
+        handler: impl FnMut(u64, u64) + Send + 'static,
+    ) -> Result<WatchedWord, TransportError> {
+        if self
+            .inner
+            .stopped
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            return Err(TransportError::Shutdown);
+        }
+        self.inner.watcher.watch(Box::new(handler))
+    }
+}

@@ -1,0 +1,779 @@
+//! A domain group as its worker drives it (paper 002 section 3.4): 1 to 4 NICs, the transfers
+//! in flight on them, and the peers they reach.
+//!
+//! A transfer is a number of *units* (single-write shards, pages, scatter or barrier targets),
+//! unit `u` going to NIC `(first + u) % nics`, `first` rotating from transfer to transfer.
+//! Each NIC keeps its own position in its share of the units, so a NIC that is full does not
+//! hold back the others and nothing ever has to be un-posted. Each unit's work request carries
+//! the rkey of the NIC it is posted on: sharding never pairs a NIC with another NIC's key.
+//! Work requests are built on the fly from the request (no per-page allocation), posted in
+//! batches, and at most a budget per transfer per pass, so a 10,000-page transfer does not
+//! starve completions or other transfers.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::callbacks::Job;
+use super::message::{Command, LocalSrc, RemoteTarget, Submission, Work, Writes};
+use super::shared::{EngineShared, GroupShared, PeerEntry, RegionEntry};
+use super::stats::{DomainCounters, LatencyLog};
+use crate::addr::MAX_NICS;
+use crate::domain::{Completion, CompletionKind, Domain, PeerId, RecvWr, SendWr, WriteWr};
+use crate::error::{TransferError, TransportError};
+use crate::imm_counter::Arrival;
+use crate::mr::{Device, MrDesc, MrHandle, RegionKey, RemoteKey};
+use crate::on_done::{OnDone, Outcome};
+use crate::plan::{shard, single_write_shards};
+use crate::recv_pool::RecvPool;
+use crate::transfer_state::TransferState;
+
+/// Work requests built and posted per call into a domain.
+const BATCH: u32 = 32;
+/// Work requests one transfer may post per pass before the worker turns to others.
+const BUDGET: u32 = 256;
+/// Completions taken from one domain per poll.
+const POLL_BATCH: usize = 64;
+
+struct InFlight {
+    state: Arc<TransferState>,
+    on_done: Option<OnDone>,
+    work: Work,
+    units: u32,
+    first: u32,
+    posted: [u32; MAX_NICS],
+    submitted_at: Option<Instant>,
+    /// When its first posting pass began (latency recording only).
+    posting_since: Option<Instant>,
+}
+
+impl InFlight {
+    /// The units NIC `d` carries: those with `(first + u) % nics == d`.
+    fn units_for(&self, d: u32, nics: u32) -> u32 {
+        let r = (d + nics - self.first) % nics;
+        if r >= self.units {
+            0
+        } else {
+            (self.units - 1 - r) / nics + 1
+        }
+    }
+
+    fn unit_at(&self, d: u32, k: u32, nics: u32) -> u32 {
+        (d + nics - self.first) % nics + k * nics
+    }
+}
+
+#[derive(Default)]
+struct Slot {
+    generation: u32,
+    transfer: Option<InFlight>,
+}
+
+enum Posted {
+    /// Every unit is posted.
+    Exhausted,
+    /// Units remain (budget spent or a NIC full).
+    More,
+    /// A cancellation refused further posts.
+    Stopped,
+    /// A NIC refused the request as malformed.
+    Failed(TransportError),
+}
+
+struct RecvState {
+    pool: Arc<RecvPool>,
+    lkey: u64,
+    to_post: Vec<u32>,
+}
+
+/// What the worker of one domain group owns.
+pub(crate) struct Group<D: Domain> {
+    /// Declared first so the NICs (and their registrations) go before the memory below.
+    domains: Vec<D>,
+    shared: Arc<GroupShared>,
+    engine: Arc<EngineShared>,
+    peers: Vec<[PeerId; MAX_NICS]>,
+    regions: Vec<Option<RegionEntry>>,
+    region_generations: Vec<u32>,
+    free_regions: Vec<u32>,
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
+    pending: VecDeque<u32>,
+    rr: u32,
+    null_src: LocalSrc,
+    scratch: Vec<WriteWr>,
+    completions: Vec<Completion>,
+    fired: Vec<OnDone>,
+    recv: Option<RecvState>,
+    /// Source of immediate-only writes (EFA wants a valid descriptor even for zero bytes).
+    _null_buf: Box<[u8; 8]>,
+}
+
+impl<D: Domain> Group<D> {
+    pub(crate) fn new(
+        mut domains: Vec<D>,
+        shared: Arc<GroupShared>,
+        engine: Arc<EngineShared>,
+    ) -> Result<Self, TransportError> {
+        let null_buf = Box::new([0u8; 8]);
+        let mut lkeys = [0; MAX_NICS];
+        for (i, d) in domains.iter_mut().enumerate() {
+            d.set_notify(shared.wake.clone());
+            // SAFETY: the buffer is owned by the group and declared after `domains`, so it is
+            // freed only after every domain (and its registration) is gone.
+            lkeys[i] = unsafe { d.register(null_buf.as_ptr() as u64, 8, Device::Host) }?.lkey;
+        }
+        Ok(Self {
+            domains,
+            shared,
+            engine,
+            peers: Vec::new(),
+            regions: Vec::new(),
+            region_generations: Vec::new(),
+            free_regions: Vec::new(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            pending: VecDeque::new(),
+            rr: 0,
+            null_src: LocalSrc {
+                addr: null_buf.as_ptr() as u64,
+                lkeys,
+            },
+            scratch: Vec::with_capacity(BATCH as usize),
+            completions: Vec::with_capacity(POLL_BATCH),
+            fired: Vec::new(),
+            recv: None,
+            _null_buf: null_buf,
+        })
+    }
+
+    fn nics(&self) -> u32 {
+        self.domains.len() as u32
+    }
+
+    pub(crate) fn may_park(&self) -> bool {
+        self.domains.iter().all(Domain::may_park)
+    }
+
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        self.domains.iter().filter_map(Domain::next_deadline).min()
+    }
+
+    // ----- transfers -----
+
+    /// Takes a submitted transfer and posts its first work requests at once.
+    pub(crate) fn accept(&mut self, sub: Submission) {
+        let nics = self.nics();
+        let units = match &sub.work {
+            Work::Writes(Writes::Single { len, .. }) => {
+                single_write_shards(*len, nics as usize) as u32
+            }
+            Work::Writes(Writes::Paged { src_pages, .. }) => src_pages.indices.len() as u32,
+            Work::Writes(Writes::Imm { .. }) | Work::Send { .. } => 1,
+            Work::Writes(Writes::Scatter { targets, .. }) => targets.len() as u32,
+            Work::Writes(Writes::Barrier { targets, .. }) => targets.len() as u32,
+        };
+        // Sends use NIC 0 only (paper 002 section 3.3); everything else rotates.
+        let first = if matches!(sub.work, Work::Send { .. }) {
+            0
+        } else {
+            self.rr
+        };
+        self.rr = (self.rr + units) % nics;
+        let slot = self.free_slots.pop().unwrap_or_else(|| {
+            self.slots.push(Slot::default());
+            (self.slots.len() - 1) as u32
+        });
+        self.slots[slot as usize].transfer = Some(InFlight {
+            state: sub.state,
+            on_done: Some(sub.on_done),
+            work: sub.work,
+            units,
+            first,
+            posted: [0; MAX_NICS],
+            submitted_at: sub.submitted_at,
+            posting_since: None,
+        });
+        self.shared
+            .in_flight
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if self.post(slot) {
+            self.pending.push_back(slot);
+        }
+    }
+
+    /// Posts more of every pending transfer. Returns whether anything was posted.
+    pub(crate) fn progress(&mut self) -> bool {
+        let mut busy = false;
+        for _ in 0..self.pending.len() {
+            let Some(slot) = self.pending.pop_front() else {
+                break;
+            };
+            let before = self.posted_total(slot);
+            let more = self.post(slot);
+            busy |= self.posted_total(slot) != before;
+            if more {
+                self.pending.push_back(slot);
+            }
+        }
+        busy
+    }
+
+    fn posted_total(&self, slot: u32) -> u32 {
+        self.slots[slot as usize]
+            .transfer
+            .as_ref()
+            .map_or(u32::MAX, |t| t.posted.iter().sum())
+    }
+
+    /// Posts what the budget allows of one transfer and settles it if posting is over.
+    /// Returns whether it still has units to post.
+    fn post(&mut self, slot: u32) -> bool {
+        let wr_id = u64::from(self.slots[slot as usize].generation) << 32 | u64::from(slot);
+        let record = self.engine.record_latency;
+        let Some(t) = self.slots[slot as usize].transfer.as_mut() else {
+            return false;
+        };
+        // With recording on: the posting span starts before the first pass; submit-to-post
+        // ends after it (one work request, in the latency bench).
+        let pass_start = (record && t.posting_since.is_none()).then(Instant::now);
+        let result = post_units(
+            &mut self.domains,
+            &self.peers,
+            &self.null_src,
+            &mut self.scratch,
+            &self.shared.counters,
+            t,
+            wr_id,
+        );
+        if let Some(start) = pass_start
+            && t.posted.iter().any(|&p| p > 0)
+        {
+            t.posting_since = Some(start);
+            if let Some(at) = t.submitted_at {
+                LatencyLog::push(&self.shared.latency.submit_to_post, at.elapsed());
+            }
+        }
+        let outcome = match result {
+            Posted::More => return true,
+            Posted::Exhausted => {
+                if record && let Some(since) = t.posting_since {
+                    LatencyLog::push(&self.shared.latency.post_span, since.elapsed());
+                }
+                t.state.seal()
+            }
+            Posted::Stopped => t.state.seal_cancelled(),
+            Posted::Failed(e) => {
+                tracing::warn!(error = %e, "a NIC refused a work request; failing the transfer");
+                t.state
+                    .complete(0, Err(TransferError::Provider(e.to_string())));
+                t.state.cancel();
+                t.state.seal()
+            }
+        };
+        if let Some(outcome) = outcome {
+            self.finish(slot, outcome);
+        }
+        false
+    }
+
+    fn finish(&mut self, slot: u32, outcome: Outcome) {
+        let entry = &mut self.slots[slot as usize];
+        let Some(mut t) = entry.transfer.take() else {
+            return;
+        };
+        entry.generation = entry.generation.wrapping_add(1);
+        self.free_slots.push(slot);
+        self.shared
+            .in_flight
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some(done) = t.on_done.take() {
+            let callbacks = &self.engine.callbacks;
+            done.finish(outcome, |f, o| callbacks.run_done(f, o));
+        }
+    }
+
+    // ----- completions -----
+
+    /// Polls every NIC once. Returns whether anything completed.
+    pub(crate) fn poll(&mut self) -> bool {
+        let mut busy = false;
+        for d in 0..self.domains.len() {
+            let mut completions = std::mem::take(&mut self.completions);
+            completions.clear();
+            self.domains[d].poll(&mut completions, POLL_BATCH);
+            busy |= !completions.is_empty();
+            for c in completions.drain(..) {
+                self.on_completion(d, c);
+            }
+            self.completions = completions;
+        }
+        busy
+    }
+
+    fn on_completion(&mut self, d: usize, c: Completion) {
+        match c.kind {
+            CompletionKind::Write | CompletionKind::Send => {
+                let counters = &self.shared.counters[d];
+                let counter = if c.result.is_ok() {
+                    &counters.completed
+                } else {
+                    &counters.failed
+                };
+                DomainCounters::add(counter, u64::from(c.count));
+                let slot = (c.wr_id & 0xFFFF_FFFF) as u32;
+                let generation = (c.wr_id >> 32) as u32;
+                let live = self
+                    .slots
+                    .get(slot as usize)
+                    .filter(|s| s.generation == generation);
+                let Some(t) = live.and_then(|s| s.transfer.as_ref()) else {
+                    tracing::error!(wr_id = c.wr_id, "completion for no transfer in flight");
+                    return;
+                };
+                if let Some(outcome) = t.state.complete(u64::from(c.count), c.result) {
+                    self.finish(slot, outcome);
+                }
+            }
+            CompletionKind::Arrival { imm } => {
+                let found = self
+                    .engine
+                    .imm
+                    .arrive(imm, u64::from(c.count), &mut self.fired);
+                let callbacks = &self.engine.callbacks;
+                for done in self.fired.drain(..) {
+                    done.finish(Ok(()), |f, o| callbacks.run_done(f, o));
+                }
+                if found == Arrival::Unexpected
+                    && self
+                        .engine
+                        .unexpected_imm_handler
+                        .load(std::sync::atomic::Ordering::Acquire)
+                {
+                    callbacks.push(Job::Unexpected {
+                        imm,
+                        count: u64::from(c.count),
+                    });
+                }
+            }
+            CompletionKind::Recv { len } => {
+                let Some(recv) = &self.recv else {
+                    tracing::error!("a message arrived with no receive pool installed");
+                    return;
+                };
+                let index = c.wr_id as u32;
+                match recv.pool.deliver(index) {
+                    Ok(()) => self.engine.callbacks.push(Job::Recv {
+                        pool: recv.pool.clone(),
+                        index,
+                        len: len as usize,
+                    }),
+                    Err(e) => tracing::error!(%e, "receive completion out of order"),
+                }
+            }
+        }
+    }
+
+    /// Posts the receive buffers whose callbacks have returned. Returns whether any were.
+    pub(crate) fn repost_recvs(&mut self) -> bool {
+        let Some(recv) = self.recv.as_mut() else {
+            return false;
+        };
+        if let Err(e) = recv.pool.reclaim(&mut recv.to_post) {
+            tracing::error!(%e, "receive pool out of order");
+        }
+        let busy = !recv.to_post.is_empty();
+        for index in recv.to_post.drain(..) {
+            let wr = RecvWr {
+                wr_id: u64::from(index),
+                addr: recv.pool.buffer_addr(index),
+                len: recv.pool.buf_len() as u64,
+                lkey: recv.lkey,
+            };
+            // SAFETY: the pool's memory lives as long as the Arc this group holds, which
+            // outlives NIC 0; the buffer is posted, so nothing reads it until its completion.
+            if let Err(e) = unsafe { self.domains[0].post_recv(&wr) } {
+                tracing::error!(%e, "could not repost a receive buffer");
+            }
+        }
+        busy
+    }
+
+    // ----- control -----
+
+    pub(crate) fn command(&mut self, command: Command) {
+        // A reply whose requester has gone away (engine dropped mid-call) is moot.
+        match command {
+            Command::Register {
+                addr,
+                len,
+                device,
+                reply,
+            } => {
+                let _ = reply.send(self.register(addr, len, device));
+            }
+            Command::Deregister { key, reply } => {
+                let _ = reply.send(self.deregister(key));
+            }
+            Command::Connect { addr, reply } => {
+                let _ = reply.send(self.connect(&addr));
+            }
+            Command::InstallRecvPool {
+                buf_len,
+                count,
+                reply,
+            } => {
+                let _ = reply.send(self.install_recv_pool(buf_len, count));
+            }
+            Command::Stop => {}
+        }
+    }
+
+    fn register(
+        &mut self,
+        addr: u64,
+        len: u64,
+        device: Device,
+    ) -> Result<(MrHandle, MrDesc), TransportError> {
+        if !self.domains.iter().all(|d| d.supports(device)) {
+            return Err(TransportError::UnsupportedDevice(device.to_string()));
+        }
+        let mut regs = Vec::with_capacity(self.domains.len());
+        for d in self.domains.iter_mut() {
+            // SAFETY: the caller of `reg_mr` promised the range stays valid until deregistered.
+            match unsafe { d.register(addr, len, device) } {
+                Ok(r) => regs.push(r),
+                Err(e) => {
+                    for (d, r) in self.domains.iter_mut().zip(&regs) {
+                        let _ = d.deregister(r.lkey);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        if regs.iter().any(|r| r.remote_addr != regs[0].remote_addr) {
+            for (d, r) in self.domains.iter_mut().zip(&regs) {
+                let _ = d.deregister(r.lkey);
+            }
+            return Err(TransportError::Domain(
+                "NICs of one group address memory differently".to_owned(),
+            ));
+        }
+        let slot = self.free_regions.pop().unwrap_or_else(|| {
+            self.regions.push(None);
+            self.region_generations.push(0);
+            (self.regions.len() - 1) as u32
+        });
+        let generation = self.region_generations[slot as usize].wrapping_add(1);
+        self.region_generations[slot as usize] = generation;
+        let mut lkeys = [0; MAX_NICS];
+        for (k, r) in lkeys.iter_mut().zip(&regs) {
+            *k = r.lkey;
+        }
+        let entry = RegionEntry {
+            addr,
+            len,
+            lkeys,
+            generation,
+            device,
+        };
+        self.regions[slot as usize] = Some(entry);
+        self.shared.directory.set_region(slot, Some(entry));
+        let desc = MrDesc {
+            addr: regs[0].remote_addr,
+            len,
+            rkeys: self
+                .domains
+                .iter()
+                .zip(&regs)
+                .map(|(d, r)| RemoteKey {
+                    nic: d.address(),
+                    rkey: r.rkey,
+                })
+                .collect(),
+        };
+        let handle = MrHandle {
+            engine: self.engine.id,
+            group: self.shared.index,
+            key: RegionKey { slot, generation },
+            addr,
+            len,
+        };
+        tracing::debug!(addr, len, %device, group = self.shared.index, "registered memory");
+        Ok((handle, desc))
+    }
+
+    fn deregister(&mut self, key: RegionKey) -> Result<(), TransportError> {
+        let entry = match self.regions.get(key.slot as usize) {
+            Some(Some(e)) if e.generation == key.generation => *e,
+            _ => return Err(TransportError::UnknownRegion),
+        };
+        self.shared.directory.set_region(key.slot, None);
+        self.regions[key.slot as usize] = None;
+        self.free_regions.push(key.slot);
+        for (d, lkey) in self.domains.iter_mut().zip(entry.lkeys) {
+            d.deregister(lkey)?;
+        }
+        Ok(())
+    }
+
+    fn connect(&mut self, addr: &crate::addr::NetAddr) -> Result<Arc<PeerEntry>, TransportError> {
+        addr.validate()?;
+        if addr.nics.len() != self.domains.len() {
+            return Err(TransportError::NicCountMismatch {
+                local: self.domains.len(),
+                remote: addr.nics.len(),
+            });
+        }
+        if addr.provider() != self.shared.provider {
+            return Err(TransportError::ProviderMismatch {
+                local: self.shared.provider.clone(),
+                remote: addr.provider().to_owned(),
+            });
+        }
+        if let Some(entry) = self.shared.directory.peer(&addr.nics[0]) {
+            return if entry.addr == *addr {
+                Ok(entry)
+            } else {
+                Err(TransportError::MalformedAddress(
+                    "NIC 0 is known as part of another peer".to_owned(),
+                ))
+            };
+        }
+        // A NIC belongs to one peer: an address that borrows a known peer's NIC is forged or
+        // stale. (NICs never seen before cannot be checked here; the targets' rkey and bounds
+        // checks still refuse any write that does not fit.)
+        if let Some(i) = addr
+            .nics
+            .iter()
+            .position(|nic| self.shared.directory.peer(nic).is_some())
+        {
+            return Err(TransportError::MalformedAddress(format!(
+                "NIC {i} belongs to another peer"
+            )));
+        }
+        let mut ids = [0; MAX_NICS];
+        for (i, (d, nic)) in self.domains.iter_mut().zip(&addr.nics).enumerate() {
+            ids[i] = d.connect(nic)?;
+        }
+        let entry = Arc::new(PeerEntry {
+            index: self.peers.len() as u32,
+            addr: addr.clone(),
+        });
+        self.peers.push(ids);
+        self.shared.directory.insert_peer(&entry);
+        tracing::debug!(
+            peer = entry.index,
+            group = self.shared.index,
+            "connected a peer"
+        );
+        Ok(entry)
+    }
+
+    fn install_recv_pool(&mut self, buf_len: usize, count: u32) -> Result<(), TransportError> {
+        if self.recv.is_some() {
+            return Err(TransportError::AlreadyReceiving);
+        }
+        let pool = Arc::new(RecvPool::new(count, buf_len));
+        let bytes = u64::from(count) * buf_len as u64;
+        // SAFETY: the pool's memory lives as long as the Arc kept in `self.recv` (and any
+        // callback job's clone), which outlives NIC 0 and so its registration.
+        let reg = unsafe { self.domains[0].register(pool.buffer_addr(0), bytes, Device::Host) }?;
+        self.recv = Some(RecvState {
+            pool,
+            lkey: reg.lkey,
+            to_post: (0..count).collect(),
+        });
+        self.repost_recvs();
+        Ok(())
+    }
+
+    /// Fails every transfer in flight (engine shutdown).
+    pub(crate) fn shutdown(&mut self) {
+        self.pending.clear();
+        for slot in 0..self.slots.len() as u32 {
+            if self.slots[slot as usize].transfer.is_some() {
+                self.finish(slot, Err(TransferError::Shutdown));
+            }
+        }
+    }
+}
+
+/// Builds and posts the next units of `t`, NIC by NIC, within the budget.
+fn post_units<D: Domain>(
+    domains: &mut [D],
+    peers: &[[PeerId; MAX_NICS]],
+    null_src: &LocalSrc,
+    scratch: &mut Vec<WriteWr>,
+    counters: &[DomainCounters],
+    t: &mut InFlight,
+    wr_id: u64,
+) -> Posted {
+    let writes = match &t.work {
+        Work::Writes(writes) => writes,
+        Work::Send { peer, payload } => {
+            let wr = SendWr {
+                wr_id,
+                peer: peers[*peer as usize][0],
+                addr: payload.as_ptr() as u64,
+                len: payload.len() as u64,
+            };
+            return post_send(&mut domains[0], &counters[0], t, &wr);
+        }
+    };
+    let nics = domains.len() as u32;
+    let mut budget = BUDGET;
+    let mut more = false;
+    for d in 0..nics {
+        let total = t.units_for(d, nics);
+        while t.posted[d as usize] < total {
+            if budget == 0 {
+                return Posted::More;
+            }
+            let n = (total - t.posted[d as usize]).min(BATCH).min(budget);
+            scratch.clear();
+            for k in t.posted[d as usize]..t.posted[d as usize] + n {
+                let unit = t.unit_at(d, k, nics);
+                scratch.push(build_wr(
+                    writes, t.units, unit, d as usize, wr_id, peers, null_src,
+                ));
+            }
+            if !t.state.try_post(u64::from(n)) {
+                return Posted::Stopped;
+            }
+            let accepted = match domains[d as usize].post_writes(scratch) {
+                Ok(a) => (a as u32).min(n),
+                Err(e) => {
+                    t.state.unpost(u64::from(n));
+                    return Posted::Failed(e);
+                }
+            };
+            if accepted < n {
+                t.state.unpost(u64::from(n - accepted));
+            }
+            t.posted[d as usize] += accepted;
+            budget -= accepted;
+            DomainCounters::add(&counters[d as usize].posted, u64::from(accepted));
+            if accepted < n {
+                more = true;
+                break;
+            }
+        }
+    }
+    if more {
+        Posted::More
+    } else {
+        Posted::Exhausted
+    }
+}
+
+/// Posts a transfer's one send, on NIC 0.
+fn post_send<D: Domain>(
+    nic0: &mut D,
+    counters: &DomainCounters,
+    t: &mut InFlight,
+    wr: &SendWr,
+) -> Posted {
+    if t.posted[0] == 1 {
+        return Posted::Exhausted;
+    }
+    if !t.state.try_post(1) {
+        return Posted::Stopped;
+    }
+    // SAFETY: the payload is owned by the transfer, which stays in its slot (the boxed bytes do
+    // not move) until the send's completion finishes it.
+    match unsafe { nic0.post_send(wr) } {
+        Ok(true) => {
+            t.posted[0] = 1;
+            DomainCounters::add(&counters.posted, 1);
+            Posted::Exhausted
+        }
+        Ok(false) => {
+            t.state.unpost(1);
+            Posted::More
+        }
+        Err(e) => {
+            t.state.unpost(1);
+            Posted::Failed(e)
+        }
+    }
+}
+
+/// The work request of unit `unit` (of `units`) of `writes`, posted on NIC `d`, with NIC
+/// `d`'s keys.
+#[inline]
+fn build_wr(
+    writes: &Writes,
+    units: u32,
+    unit: u32,
+    d: usize,
+    wr_id: u64,
+    peers: &[[PeerId; MAX_NICS]],
+    null_src: &LocalSrc,
+) -> WriteWr {
+    let u = unit as usize;
+    let imm_only = |dst: &RemoteTarget, imm: u32| WriteWr {
+        wr_id,
+        peer: peers[dst.peer as usize][d],
+        src_addr: null_src.addr,
+        lkey: null_src.lkeys[d],
+        len: 0,
+        dst_addr: dst.addr,
+        rkey: dst.rkeys[d],
+        imm: Some(imm),
+    };
+    match writes {
+        Writes::Single {
+            src,
+            dst,
+            src_offset,
+            dst_offset,
+            len,
+            imm,
+        } => {
+            let (offset, len) = shard(*len, units as usize, u);
+            WriteWr {
+                wr_id,
+                peer: peers[dst.peer as usize][d],
+                src_addr: src.addr + src_offset + offset,
+                lkey: src.lkeys[d],
+                len,
+                dst_addr: dst.addr + dst_offset + offset,
+                rkey: dst.rkeys[d],
+                imm: *imm,
+            }
+        }
+        Writes::Paged {
+            src,
+            dst,
+            page_len,
+            src_pages,
+            dst_pages,
+            imm,
+        } => WriteWr {
+            wr_id,
+            peer: peers[dst.peer as usize][d],
+            src_addr: src.addr + src_pages.byte_offset(u),
+            lkey: src.lkeys[d],
+            len: *page_len,
+            dst_addr: dst.addr + dst_pages.byte_offset(u),
+            rkey: dst.rkeys[d],
+            imm: *imm,
+        },
+        Writes::Imm { dst, imm } => imm_only(dst, *imm),
+        Writes::Scatter { src, targets, imm } => {
+            let target = &targets[u];
+            WriteWr {
+                wr_id,
+                peer: peers[target.dst.peer as usize][d],
+                src_addr: src.addr + target.src_offset,
+                lkey: src.lkeys[d],
+                len: target.len,
+                dst_addr: target.dst.addr + target.dst_offset,
+                rkey: target.dst.rkeys[d],
+                imm: *imm,
+            }
+        }
+        Writes::Barrier { targets, imm } => imm_only(&targets[u], *imm),
+    }
+}

@@ -1,0 +1,386 @@
+//! [`TransferEngine`]: the public API of paper 002 figure 2 over any [`Domain`].
+//!
+//! An engine is one or more *domain groups* (one per device, each with 1-4 NICs and its own
+//! worker thread), an IMM counter, a callback thread on which every user callback runs, and a
+//! memory-word watcher started on first use. Requests are checked and resolved on the calling
+//! thread, then queued to the worker of the group that owns the source memory; a full queue
+//! either waits or fails, as configured ([`Backpressure`]).
+
+mod api;
+pub(crate) mod callbacks;
+mod group;
+mod message;
+mod shared;
+mod stats;
+mod worker;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::thread::{JoinHandle, ThreadId};
+use std::time::Duration;
+
+pub use api::PeerGroupHandle;
+use callbacks::Job;
+use shared::{Directory, EngineShared, GroupShared, PeerGroupEntry, WorkerWake};
+pub use stats::{DomainStats, EngineStats, GroupStats};
+
+use crate::addr::{MAX_NICS, NetAddr};
+use crate::domain::Domain;
+use crate::error::{TransferError, TransportError};
+use crate::imm_counter::ImmCounter;
+use crate::mem::{FaultPlan, MemFabric};
+use crate::mr::Device;
+use crate::watcher::WatcherService;
+
+/// Engine ids, so a handle from one engine is refused by another.
+static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
+
+/// What a submit does when its worker's queue is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backpressure {
+    /// Wait for room (the default).
+    #[default]
+    Wait,
+    /// Return [`TransportError::QueueFull`] at once.
+    Fail,
+}
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Submissions a worker's queue holds.
+    pub queue_capacity: usize,
+    /// What a submit does when the queue is full.
+    pub backpressure: Backpressure,
+    /// CPU cores to pin the workers to, one per group in order (missing: unpinned).
+    pub pin_cores: Vec<usize>,
+    /// How long an idle worker keeps polling before it parks.
+    pub idle_spin: Duration,
+    /// Record submit-to-post and post-span latencies (for benches; off in production).
+    pub record_latency: bool,
+    /// How often the watcher thread looks at idle watched words.
+    pub watcher_poll: Duration,
+    /// Largest message `submit_send` accepts.
+    pub max_send_bytes: usize,
+    /// Prefix of the engine's thread names.
+    pub name: String,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            queue_capacity: 4096,
+            backpressure: Backpressure::Wait,
+            pin_cores: Vec::new(),
+            idle_spin: Duration::from_micros(50),
+            record_latency: false,
+            watcher_poll: Duration::from_micros(50),
+            max_send_bytes: 1 << 20,
+            name: "kvroute".to_owned(),
+        }
+    }
+}
+
+type Spawner = Box<
+    dyn FnOnce(
+        u16,
+        &Arc<EngineShared>,
+        &EngineConfig,
+    ) -> Result<(Arc<GroupShared>, JoinHandle<()>), TransportError>,
+>;
+
+/// Builds a [`TransferEngine`] from domain groups.
+pub struct EngineBuilder {
+    config: EngineConfig,
+    groups: Vec<Spawner>,
+}
+
+impl std::fmt::Debug for EngineBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineBuilder")
+            .field("config", &self.config)
+            .field("groups", &self.groups.len())
+            .finish()
+    }
+}
+
+impl EngineBuilder {
+    /// Replaces the configuration.
+    #[must_use]
+    pub fn config(mut self, config: EngineConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Adds a domain group serving `device` with `domains` (1 to 4 NICs of one provider). The
+    /// first group added is the engine's main one (sends, receives, host memory by default).
+    #[must_use]
+    pub fn group<D: Domain>(mut self, device: Device, domains: Vec<D>) -> Self {
+        self.groups.push(Box::new(move |index, engine, config| {
+            spawn_group(index, device, domains, engine, config)
+        }));
+        self
+    }
+
+    /// Starts the threads.
+    pub fn build(self) -> Result<TransferEngine, TransportError> {
+        if self.groups.is_empty() {
+            return Err(TransportError::InvalidArgument(
+                "an engine needs at least one domain group",
+            ));
+        }
+        if self.config.queue_capacity == 0 {
+            return Err(TransportError::InvalidArgument(
+                "queue_capacity must be positive",
+            ));
+        }
+        let (callbacks, callback_thread) =
+            callbacks::spawn(format!("{}-callbacks", self.config.name)).map_err(|e| {
+                TransportError::Domain(format!("spawning the callback thread: {e}"))
+            })?;
+        let engine = Arc::new(EngineShared {
+            id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
+            imm: ImmCounter::new(),
+            callbacks: callbacks.clone(),
+            unexpected_imm_handler: AtomicBool::new(false),
+            record_latency: self.config.record_latency,
+        });
+        let callback_thread_id = callback_thread.thread().id();
+        let mut inner = Inner {
+            engine,
+            groups: Vec::new(),
+            peer_groups: RwLock::new(Vec::new()),
+            backpressure: self.config.backpressure,
+            max_send_bytes: self.config.max_send_bytes,
+            workers: Mutex::new(Vec::new()),
+            callback_thread: Mutex::new(Some(callback_thread)),
+            callback_thread_id,
+            watcher: WatcherService::new(
+                callbacks,
+                self.config.watcher_poll,
+                format!("{}-watcher", self.config.name),
+            ),
+            receiving: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+        };
+        for (index, spawn) in self.groups.into_iter().enumerate() {
+            match spawn(index as u16, &inner.engine, &self.config) {
+                Ok((group, thread)) => {
+                    inner.groups.push(group);
+                    inner
+                        .workers
+                        .get_mut()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .push(thread);
+                }
+                Err(e) => {
+                    inner.shutdown();
+                    return Err(e);
+                }
+            }
+        }
+        tracing::info!(groups = inner.groups.len(), provider = %inner.groups[0].provider, "transfer engine started");
+        Ok(TransferEngine {
+            inner: Arc::new(inner),
+        })
+    }
+}
+
+fn spawn_group<D: Domain>(
+    index: u16,
+    device: Device,
+    domains: Vec<D>,
+    engine: &Arc<EngineShared>,
+    config: &EngineConfig,
+) -> Result<(Arc<GroupShared>, JoinHandle<()>), TransportError> {
+    if domains.is_empty() || domains.len() > MAX_NICS {
+        return Err(TransportError::InvalidArgument(
+            "a domain group has 1 to 4 NICs",
+        ));
+    }
+    let provider = domains[0].provider().to_owned();
+    if domains.iter().any(|d| d.provider() != provider) {
+        return Err(TransportError::InvalidArgument(
+            "the NICs of a group must share a provider",
+        ));
+    }
+    let addr = NetAddr {
+        nics: domains.iter().map(Domain::address).collect(),
+    };
+    let (tx, rx) = crossbeam_channel::bounded(config.queue_capacity);
+    let wake = Arc::new(WorkerWake::default());
+    let shared = Arc::new(GroupShared {
+        index,
+        device,
+        provider,
+        addr,
+        directory: Directory::default(),
+        tx,
+        wake: wake.clone(),
+        counters: (0..domains.len())
+            .map(|_| stats::DomainCounters::default())
+            .collect(),
+        in_flight: AtomicU64::new(0),
+        latency: stats::LatencyLog::default(),
+    });
+    let group = group::Group::new(domains, shared.clone(), engine.clone())?;
+    let worker_config = worker::WorkerConfig {
+        core: config.pin_cores.get(index as usize).copied(),
+        idle_spin: config.idle_spin,
+    };
+    let thread = std::thread::Builder::new()
+        .name(format!("{}-worker-{index}", config.name))
+        .spawn(move || worker::run(group, &rx, &wake, worker_config))
+        .map_err(|e| TransportError::Domain(format!("spawning a worker: {e}")))?;
+    Ok((shared, thread))
+}
+
+struct Inner {
+    engine: Arc<EngineShared>,
+    groups: Vec<Arc<GroupShared>>,
+    peer_groups: RwLock<Vec<PeerGroupEntry>>,
+    backpressure: Backpressure,
+    max_send_bytes: usize,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+    callback_thread: Mutex<Option<JoinHandle<()>>>,
+    callback_thread_id: ThreadId,
+    watcher: WatcherService,
+    receiving: AtomicBool,
+    stopped: AtomicBool,
+}
+
+impl Inner {
+    /// Stops everything once: workers fail what is in flight with `Shutdown`, waiting
+    /// expectations are failed, then the watcher and callback threads end.
+    fn shutdown(&self) {
+        if self.stopped.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        for g in &self.groups {
+            // Blocking send: a full queue drains, and Stop is handled after what precedes it.
+            let _ = g.tx.send(message::Message::Command(message::Command::Stop));
+            crate::domain::Notify::notify(&*g.wake);
+        }
+        for worker in
+            std::mem::take(&mut *self.workers.lock().unwrap_or_else(PoisonError::into_inner))
+        {
+            if worker.join().is_err() {
+                tracing::error!("a worker thread panicked");
+            }
+        }
+        for done in self.engine.imm.drain_waiting() {
+            done.finish(Err(TransferError::Shutdown), |f, o| {
+                self.engine.callbacks.run_done(f, o)
+            });
+        }
+        self.watcher.stop();
+        self.engine.callbacks.push(Job::Stop);
+        // A callback that drops the last engine handle runs this on the callback thread, which
+        // must not wait for itself: it stops after the current job instead.
+        if std::thread::current().id() != self.callback_thread_id
+            && let Some(t) = self
+                .callback_thread
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+        {
+            let _ = t.join();
+        }
+        tracing::info!("transfer engine stopped");
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A transfer engine. Cloning gives another handle to the same engine; the engine stops when
+/// the last handle is dropped or [`TransferEngine::shutdown`] is called. (A callback that holds
+/// a handle keeps the engine alive: call `shutdown` explicitly then.)
+#[derive(Clone)]
+pub struct TransferEngine {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for TransferEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferEngine")
+            .field("id", &self.inner.engine.id)
+            .field("groups", &self.inner.groups.len())
+            .field("provider", &self.inner.groups[0].provider)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TransferEngine {
+    /// A builder with the default configuration and no groups.
+    pub fn builder() -> EngineBuilder {
+        EngineBuilder {
+            config: EngineConfig::default(),
+            groups: Vec::new(),
+        }
+    }
+
+    /// An engine with one host group of `nics` NICs on an in-process fabric.
+    pub fn mem(fabric: &MemFabric, nics: usize) -> Result<Self, TransportError> {
+        Self::mem_with(fabric, nics, FaultPlan::NONE, EngineConfig::default())
+    }
+
+    /// The same with a fault plan on every NIC and a configuration.
+    pub fn mem_with(
+        fabric: &MemFabric,
+        nics: usize,
+        faults: FaultPlan,
+        config: EngineConfig,
+    ) -> Result<Self, TransportError> {
+        let domains = (0..nics)
+            .map(|i| {
+                fabric.domain_with(FaultPlan {
+                    seed: faults.seed.wrapping_add(i as u64),
+                    ..faults
+                })
+            })
+            .collect();
+        Self::builder()
+            .config(config)
+            .group(Device::Host, domains)
+            .build()
+    }
+
+    /// Stops the engine: workers fail what is in flight with [`TransferError::Shutdown`],
+    /// waiting expectations are failed, the watcher and callback threads end. Later calls fail
+    /// with [`TransportError::Shutdown`].
+    pub fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+
+    /// Counters of every group and NIC.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            groups: self
+                .inner
+                .groups
+                .iter()
+                .map(|g| stats::snapshot(&g.counters, &g.in_flight))
+                .collect(),
+            imm_values_tracked: self.inner.engine.imm.tracked_values(),
+        }
+    }
+
+    /// Takes the latency samples recorded so far (with `record_latency` on): per group,
+    /// submit-to-first-post and first-to-last-post durations.
+    pub fn take_latency_samples(&self) -> Vec<(Vec<Duration>, Vec<Duration>)> {
+        self.inner
+            .groups
+            .iter()
+            .map(|g| {
+                (
+                    stats::LatencyLog::take(&g.latency.submit_to_post),
+                    stats::LatencyLog::take(&g.latency.post_span),
+                )
+            })
+            .collect()
+    }
+}

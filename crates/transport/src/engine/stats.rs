@@ -1,0 +1,86 @@
+//! Counters readable from the API: work requests posted, completed and failed per NIC, and
+//! (when enabled) the latency samples the benches read. Updated with relaxed atomics by the
+//! worker only.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+/// One NIC's counters.
+#[derive(Debug, Default)]
+pub(crate) struct DomainCounters {
+    pub(crate) posted: AtomicU64,
+    pub(crate) completed: AtomicU64,
+    pub(crate) failed: AtomicU64,
+}
+
+impl DomainCounters {
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> DomainStats {
+        DomainStats {
+            posted: self.posted.load(Ordering::Relaxed),
+            completed: self.completed.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Work-request counts of one NIC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct DomainStats {
+    /// Work requests posted.
+    pub posted: u64,
+    /// Work requests completed successfully.
+    pub completed: u64,
+    /// Work requests completed with an error.
+    pub failed: u64,
+}
+
+/// Counters of one domain group.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize)]
+pub struct GroupStats {
+    /// Per NIC, NIC 0 first.
+    pub domains: Vec<DomainStats>,
+    /// Transfers accepted and not yet finished.
+    pub in_flight: u64,
+}
+
+/// Everything [`crate::TransferEngine::stats`] reports.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize)]
+pub struct EngineStats {
+    /// Per domain group.
+    pub groups: Vec<GroupStats>,
+    /// Immediate values with counts or expectations held by the IMM counter.
+    pub imm_values_tracked: usize,
+}
+
+/// Latency samples, recorded only when the engine is configured to.
+#[derive(Debug, Default)]
+pub(crate) struct LatencyLog {
+    /// Application submit call to the transfer's first posted work request.
+    pub(crate) submit_to_post: Mutex<Vec<Duration>>,
+    /// First to last posted work request of one transfer.
+    pub(crate) post_span: Mutex<Vec<Duration>>,
+}
+
+impl LatencyLog {
+    pub(crate) fn push(log: &Mutex<Vec<Duration>>, sample: Duration) {
+        log.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(sample);
+    }
+
+    pub(crate) fn take(log: &Mutex<Vec<Duration>>) -> Vec<Duration> {
+        std::mem::take(&mut *log.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+pub(crate) fn snapshot(domains: &[DomainCounters], in_flight: &AtomicU64) -> GroupStats {
+    GroupStats {
+        domains: domains.iter().map(DomainCounters::snapshot).collect(),
+        in_flight: in_flight.load(Ordering::Relaxed),
+    }
+}
