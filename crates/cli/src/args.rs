@@ -29,6 +29,25 @@ pub enum Command {
     Presets,
     /// A tour of the papers' operating points: what the models decide there and why.
     Tour,
+    /// Measure a crate on this machine, each number beside a baseline from the same run.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+/// `kvroute bench ...`.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// The transfer engine on the in-process `mem` domain: submit-to-post latency, paged-write
+    /// throughput, scatter posting time.
+    Transport(TransportBenchArgs),
+}
+
+/// `kvroute bench transport`.
+#[derive(Debug, Clone, Args)]
+pub struct TransportBenchArgs {
+    /// Fewer samples (a smoke run, seconds instead of a minute).
+    #[arg(long)]
+    pub quick: bool,
 }
 
 /// A primitive, as named on the command line.

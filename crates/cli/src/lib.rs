@@ -3,12 +3,13 @@
 //! only parses, calls [`run`] and prints; tests call [`run`] directly.
 //!
 //! Commands: `predict` (route / fetch / local for one request), `plan prfaas`, `plan helix`,
-//! `presets`, and `tour` (the papers' operating points; what `cargo xtask demo` runs until the
-//! end-to-end demo exists).
+//! `presets`, `tour` (the papers' operating points; what `cargo xtask demo` runs until the
+//! end-to-end demo exists), and `bench transport`.
 
 #![forbid(unsafe_code)]
 
 pub mod args;
+mod bench;
 mod plan;
 mod predict;
 mod presets;
@@ -17,7 +18,8 @@ mod units;
 
 use anyhow::Result;
 pub use args::Cli;
-use args::{Command, PlanCommand};
+use args::{BenchCommand, Command, PlanCommand};
+pub use bench::{Target, TransportBenchReport};
 pub use plan::{HelixReport, PrfaasReport};
 pub use predict::PredictReport;
 pub use presets::PresetsReport;
@@ -31,6 +33,7 @@ pub fn run(cli: &Cli) -> Result<String> {
         Command::Plan(PlanCommand::Helix(args)) => render(cli.json, &plan::helix(args)?),
         Command::Presets => render(cli.json, &presets::run()),
         Command::Tour => render(cli.json, &tour::run()?),
+        Command::Bench(BenchCommand::Transport(args)) => render(cli.json, &bench::transport(args)?),
     }
 }
 

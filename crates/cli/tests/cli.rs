@@ -210,3 +210,27 @@ fn tour_and_presets_run_and_serialise() {
     assert_eq!(presets["models"].as_array().unwrap().len(), 7);
     assert_eq!(presets["fabrics"].as_array().unwrap().len(), 5);
 }
+
+#[test]
+fn bench_transport_quick_reports_every_measurement_with_its_baseline() {
+    let v = json(&kvroute(&["bench", "transport", "--quick", "--json"]));
+    assert!(v["submit"]["engine"]["p50_ns"].as_f64().unwrap() > 0.0);
+    assert!(v["submit"]["baseline_handoff"]["p50_ns"].as_f64().unwrap() > 0.0);
+    let paged = v["paged"].as_array().unwrap();
+    assert_eq!(paged.len(), 5);
+    assert!(
+        paged
+            .iter()
+            .all(|p| p["engine_pages_per_s"].as_f64().unwrap() > 0.0
+                && p["memcpy_pages_per_s"].as_f64().unwrap() > 0.0)
+    );
+    let scatter = v["scatter"].as_array().unwrap();
+    assert_eq!(
+        scatter
+            .iter()
+            .map(|s| s["peers"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [8, 16, 32, 64]
+    );
+    assert_eq!(v["targets"].as_array().unwrap().len(), 3);
+}
