@@ -71,7 +71,7 @@ pub(crate) fn run<D: Domain>(
         // every IDLE_CHECK passes look at the clock and yield the core (a syscall a submission
         // arriving mid-way would have to wait out).
         idle_passes = idle_passes.wrapping_add(1);
-        if idle_passes % IDLE_CHECK != 0 {
+        if !idle_passes.is_multiple_of(IDLE_CHECK) {
             std::hint::spin_loop();
             continue;
         }
