@@ -122,26 +122,6 @@ fn wait(flag: &DoneFlag) {
     }
 }
 
-/// Parks until `future` resolves: for the throughput measurement, where both workers need the
-/// two cores and the application thread must stay out of their way.
-fn park_on<F: std::future::Future>(future: F) -> F::Output {
-    struct Unpark(std::thread::Thread);
-    impl std::task::Wake for Unpark {
-        fn wake(self: Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-    let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
-    let mut cx = std::task::Context::from_waker(&waker);
-    let mut future = std::pin::pin!(future);
-    loop {
-        if let std::task::Poll::Ready(out) = future.as_mut().poll(&mut cx) {
-            return out;
-        }
-        std::thread::park();
-    }
-}
-
 /// Submit-to-posted latency of the engine and of a bare channel hand-off.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct SubmitLatency {
@@ -260,7 +240,9 @@ pub fn paged_throughput(
             (dst.desc(), &dst_pages),
             OnDone::nothing(),
         )?;
-        park_on(landed)
+        // Parked, not spinning: both workers need the two cores.
+        landed
+            .wait()
             .map_err(|e| TransportError::Domain(format!("paged transfer failed: {e}")))?;
         let engine_time = start.elapsed();
         let start = Instant::now();

@@ -62,7 +62,9 @@ impl OnDone {
     }
 
     /// Run `f` with the result on the engine's callback thread. `f` may call back into the
-    /// engine.
+    /// engine. A transfer that raced [`TransferEngine::shutdown`](crate::TransferEngine::shutdown)
+    /// past the callback thread's end runs `f` on the thread that failed it instead (the
+    /// submitting one), so `f` runs exactly once either way.
     pub fn callback(f: impl FnOnce(Outcome) + Send + 'static) -> Self {
         Self::new(DoneAction::Callback(Box::new(f)))
     }
@@ -229,6 +231,28 @@ pub struct TransferFuture {
     slot: Arc<FutureSlot>,
 }
 
+impl TransferFuture {
+    /// Blocks the calling thread until the result is in (parking, not spinning): for code
+    /// that has no executor.
+    pub fn wait(self) -> Outcome {
+        struct Unpark(std::thread::Thread);
+        impl std::task::Wake for Unpark {
+            fn wake(self: Arc<Self>) {
+                self.0.unpark();
+            }
+        }
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = Context::from_waker(&waker);
+        let mut future = std::pin::pin!(self);
+        loop {
+            if let Poll::Ready(outcome) = future.as_mut().poll(&mut cx) {
+                return outcome;
+            }
+            std::thread::park();
+        }
+    }
+}
+
 impl Future for TransferFuture {
     type Output = Outcome;
 
@@ -278,7 +302,7 @@ mod tests {
     }
 
     #[test]
-    fn the_future_resolves_under_tokio_and_without_a_runtime() {
+    fn the_future_resolves_under_tokio_and_by_waiting_without_a_runtime() {
         let (done, fut) = OnDone::future();
         std::thread::spawn(move || finish(done, Ok(())));
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -287,26 +311,14 @@ mod tests {
         assert_eq!(rt.block_on(fut), Ok(()));
 
         let (done, fut) = OnDone::future();
-        finish(done, Err(TransferError::Shutdown));
-        assert_eq!(block_on(fut), Err(TransferError::Shutdown));
-    }
-
-    /// A minimal executor: proof the future needs no runtime.
-    fn block_on<F: Future>(fut: F) -> F::Output {
-        struct ThreadWaker(std::thread::Thread);
-        impl std::task::Wake for ThreadWaker {
-            fn wake(self: Arc<Self>) {
-                self.0.unpark();
-            }
-        }
-        let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-        let mut cx = Context::from_waker(&waker);
-        let mut fut = std::pin::pin!(fut);
-        loop {
-            if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
-                return v;
-            }
-            std::thread::park();
-        }
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            finish(done, Err(TransferError::Shutdown));
+        });
+        assert_eq!(
+            fut.wait(),
+            Err(TransferError::Shutdown),
+            "wait() parks until the result is in"
+        );
     }
 }

@@ -298,7 +298,7 @@ fn a_callback_may_submit_into_its_engine_without_deadlock() {
             let (done, fut) = OnDone::future();
             a2.submit_single_write(8, None, (s2.handle(), 8), (d2.desc(), 8), done)
                 .unwrap();
-            let second = futures_block(fut);
+            let second = fut.wait();
             tx.send((first, second)).unwrap();
         }),
     )
@@ -307,25 +307,6 @@ fn a_callback_may_submit_into_its_engine_without_deadlock() {
     assert_eq!(&dst.to_vec()[..16], &[1; 16]);
     drop((src, dst));
     a.shutdown();
-}
-
-/// Blocks the current thread on a future with a thread-parking waker (no runtime).
-fn futures_block<F: std::future::Future>(f: F) -> F::Output {
-    struct Unpark(std::thread::Thread);
-    impl std::task::Wake for Unpark {
-        fn wake(self: Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-    let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
-    let mut cx = std::task::Context::from_waker(&waker);
-    let mut f = std::pin::pin!(f);
-    loop {
-        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
-            return v;
-        }
-        std::thread::park_timeout(std::time::Duration::from_millis(10));
-    }
 }
 
 #[test]

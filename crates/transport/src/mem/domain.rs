@@ -256,6 +256,18 @@ fn push_completion(
     });
 }
 
+/// Completes every write in `wrs` with `error`.
+fn fail_all(wrs: &[WriteWr], error: &TransferError, completions: &mut VecDeque<Completion>) {
+    for wr in wrs {
+        push_completion(
+            completions,
+            wr.wr_id,
+            CompletionKind::Write,
+            Err(error.clone()),
+        );
+    }
+}
+
 /// Executes writes from `me` that all target `target`: checks the destination, copies,
 /// completes, and queues the immediates (merged per value) in the target's inbox. Holds only
 /// the target's lock: sources were checked when posted, and a deregistration since then has
@@ -267,14 +279,7 @@ fn deliver(
     completions: &mut VecDeque<Completion>,
 ) {
     if !target.is_alive() || !me.is_alive() {
-        for wr in wrs {
-            push_completion(
-                completions,
-                wr.wr_id,
-                CompletionKind::Write,
-                Err(TransferError::PeerUnreachable),
-            );
-        }
+        fail_all(wrs, &TransferError::PeerUnreachable, completions);
         return;
     }
     let regions = target.regions();
@@ -282,14 +287,7 @@ fn deliver(
     // under the lock, a write that raced the kill reports the peer gone, not a stale key.
     if !target.is_alive() {
         drop(regions);
-        for wr in wrs {
-            push_completion(
-                completions,
-                wr.wr_id,
-                CompletionKind::Write,
-                Err(TransferError::PeerUnreachable),
-            );
-        }
+        fail_all(wrs, &TransferError::PeerUnreachable, completions);
         return;
     }
     let mut pending: Option<(u32, u32)> = None;
