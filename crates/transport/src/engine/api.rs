@@ -4,6 +4,7 @@
 //! the result. A request that fails a check returns its error and posts nothing.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crossbeam_channel::{Sender, TrySendError, bounded};
@@ -69,12 +70,18 @@ impl TransferEngine {
         group: &GroupShared,
         make: impl FnOnce(Sender<T>) -> Command,
     ) -> Result<T, TransportError> {
+        // Not `stopped`: until the worker is done, a deregistration must still reach the NICs.
+        if group.worker_done.load(Ordering::Acquire) {
+            return Err(TransportError::Shutdown);
+        }
         let (reply, answer) = bounded(1);
         group
             .tx
             .send(Message::Command(make(reply)))
             .map_err(|_| TransportError::Shutdown)?;
         group.wake.notify();
+        group.after_send(&self.inner.engine.callbacks);
+        // Answered by the worker, by its last drain, or by `after_send` above.
         answer.recv().map_err(|_| TransportError::Shutdown)
     }
 
@@ -84,6 +91,9 @@ impl TransferEngine {
         work: Work,
         on_done: OnDone,
     ) -> Result<(), TransportError> {
+        if self.inner.stopped.load(Ordering::Acquire) {
+            return Err(TransportError::Shutdown);
+        }
         let state = Arc::new(TransferState::new());
         if let Some(token) = &on_done.cancel {
             token.register(&state);
@@ -106,6 +116,8 @@ impl TransferEngine {
             })?,
         }
         group.wake.notify();
+        // Past a racing shutdown this fails the transfer through `on_done`.
+        group.after_send(&self.inner.engine.callbacks);
         Ok(())
     }
 
@@ -139,16 +151,19 @@ impl TransferEngine {
 
     /// Deregisters a region: once this returns, no peer write reaches it.
     pub fn dereg_mr(&self, handle: &MrHandle) -> Result<(), TransportError> {
-        let group = self
-            .inner
-            .groups
-            .get(handle.group as usize)
-            .filter(|_| handle.engine == self.inner.engine.id);
-        let group = group.ok_or(TransportError::UnknownRegion)?;
-        self.command(group, |reply| Command::Deregister {
+        self.command(self.group_of(handle)?, |reply| Command::Deregister {
             key: handle.key,
             reply,
         })?
+    }
+
+    /// The group that registered `handle`, if it is this engine's.
+    fn group_of(&self, handle: &MrHandle) -> Result<&Arc<GroupShared>, TransportError> {
+        self.inner
+            .groups
+            .get(handle.group as usize)
+            .filter(|_| handle.engine == self.inner.engine.id)
+            .ok_or(TransportError::UnknownRegion)
     }
 
     /// Allocates `len` bytes of zeroed host memory (64-byte aligned) owned by the engine and
@@ -158,12 +173,7 @@ impl TransferEngine {
     }
 
     fn local(&self, handle: &MrHandle) -> Result<(&Arc<GroupShared>, RegionEntry), TransportError> {
-        let group = self
-            .inner
-            .groups
-            .get(handle.group as usize)
-            .filter(|_| handle.engine == self.inner.engine.id);
-        let group = group.ok_or(TransportError::UnknownRegion)?;
+        let group = self.group_of(handle)?;
         let entry = group
             .directory
             .region(handle.key)
@@ -571,11 +581,7 @@ impl TransferEngine {
         &self,
         handler: impl FnMut(u64, u64) + Send + 'static,
     ) -> Result<WatchedWord, TransportError> {
-        if self
-            .inner
-            .stopped
-            .load(std::sync::atomic::Ordering::Acquire)
-        {
+        if self.inner.stopped.load(Ordering::Acquire) {
             return Err(TransportError::Shutdown);
         }
         self.inner.watcher.watch(Box::new(handler))

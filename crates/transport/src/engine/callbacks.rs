@@ -21,7 +21,7 @@ pub(crate) type ImmHandler = Box<dyn FnMut(u32, u64) + Send>;
 pub(crate) type WatchHandler = Box<dyn FnMut(u64, u64) + Send>;
 
 pub(crate) enum Job {
-    Done(DoneCallback, Outcome),
+    Done(PendingDone),
     Recv {
         pool: Arc<RecvPool>,
         index: u32,
@@ -48,6 +48,25 @@ pub(crate) enum Job {
     Stop,
 }
 
+/// A completion callback with its outcome. It runs exactly once: on the callback thread, or,
+/// when the engine has stopped and the job can no longer reach that thread (the queue was
+/// discarded, or the push failed), on the thread that drops it.
+pub(crate) struct PendingDone(Option<(DoneCallback, Outcome)>);
+
+impl PendingDone {
+    fn fire(&mut self) {
+        if let Some((f, outcome)) = self.0.take() {
+            guarded("completion", || f(outcome));
+        }
+    }
+}
+
+impl Drop for PendingDone {
+    fn drop(&mut self) {
+        self.fire();
+    }
+}
+
 /// The sending side of the callback thread's queue.
 #[derive(Debug, Clone)]
 pub(crate) struct CallbackQueue {
@@ -56,12 +75,13 @@ pub(crate) struct CallbackQueue {
 
 impl CallbackQueue {
     pub(crate) fn push(&self, job: Job) {
-        // Fails only after the callback thread stopped (engine shutdown); the job is moot then.
+        // Fails only after the callback thread stopped (engine shutdown). The job is dropped
+        // here then: moot, except a completion, which runs as it drops (see PendingDone).
         let _ = self.tx.send(job);
     }
 
     pub(crate) fn run_done(&self, callback: DoneCallback, outcome: Outcome) {
-        self.push(Job::Done(callback, outcome));
+        self.push(Job::Done(PendingDone(Some((callback, outcome)))));
     }
 }
 
@@ -87,7 +107,7 @@ fn run(rx: &Receiver<Job>) {
     let mut watchers: HashMap<u64, WatchHandler> = HashMap::new();
     while let Ok(job) = rx.recv() {
         match job {
-            Job::Done(f, outcome) => guarded("completion", || f(outcome)),
+            Job::Done(mut done) => done.fire(),
             Job::Recv { pool, index, len } => {
                 if let Some(handler) = recv_handler.as_mut() {
                     // SAFETY: the worker delivered buffer `index` (posted -> in callback) before

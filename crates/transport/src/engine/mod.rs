@@ -216,6 +216,8 @@ fn spawn_group<D: Domain>(
         addr,
         directory: Directory::default(),
         tx,
+        rx: rx.clone(),
+        worker_done: AtomicBool::new(false),
         wake: wake.clone(),
         counters: (0..domains.len())
             .map(|_| stats::DomainCounters::default())
@@ -230,7 +232,14 @@ fn spawn_group<D: Domain>(
     };
     let thread = std::thread::Builder::new()
         .name(format!("{}-worker-{index}", config.name))
-        .spawn(move || worker::run(group, &rx, &wake, worker_config))
+        .spawn({
+            let retire = shared::RetireOnExit(shared.clone(), engine.callbacks.clone());
+            move || {
+                // Dropped after the group, even if the worker panics.
+                let _retire = retire;
+                worker::run(group, &rx, &wake, worker_config);
+            }
+        })
         .map_err(|e| TransportError::Domain(format!("spawning a worker: {e}")))?;
     Ok((shared, thread))
 }
@@ -349,9 +358,11 @@ impl TransferEngine {
             .build()
     }
 
-    /// Stops the engine: workers fail what is in flight with [`TransferError::Shutdown`],
-    /// waiting expectations are failed, the watcher and callback threads end. Later calls fail
-    /// with [`TransportError::Shutdown`].
+    /// Stops the engine: workers fail what is in flight or still queued with
+    /// [`TransferError::Shutdown`], waiting expectations are failed, the watcher and callback
+    /// threads end. Later calls fail with [`TransportError::Shutdown`]. Every transfer whose
+    /// submit returned `Ok` still completes exactly once, also one racing the shutdown from
+    /// another thread.
     pub fn shutdown(&self) {
         self.inner.shutdown();
     }

@@ -8,13 +8,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 use std::thread::Thread;
 
-use crossbeam_channel::Sender;
+use crossbeam_channel::{Receiver, Sender};
 
 use super::callbacks::CallbackQueue;
-use super::message::Message;
+use super::message::{Command, Message};
 use super::stats::{DomainCounters, LatencyLog};
 use crate::addr::{DomainAddr, MAX_NICS, NetAddr};
 use crate::domain::Notify;
+use crate::error::{TransferError, TransportError};
 use crate::imm_counter::ImmCounter;
 use crate::mr::{Device, RegionKey};
 use crate::on_done::OnDone;
@@ -125,6 +126,10 @@ pub(crate) struct GroupShared {
     pub(crate) addr: NetAddr,
     pub(crate) directory: Directory,
     pub(crate) tx: Sender<Message>,
+    /// The worker's queue, for whoever must empty it once the worker is gone.
+    pub(crate) rx: Receiver<Message>,
+    /// Set once the worker has stopped and its NICs are closed; see [`GroupShared::after_send`].
+    pub(crate) worker_done: AtomicBool,
     pub(crate) wake: Arc<WorkerWake>,
     pub(crate) counters: Vec<DomainCounters>,
     pub(crate) in_flight: AtomicU64,
@@ -134,6 +139,64 @@ pub(crate) struct GroupShared {
 impl GroupShared {
     pub(crate) fn nics(&self) -> usize {
         self.addr.nics.len()
+    }
+
+    /// Called (by [`RetireOnExit`]) once the worker has stopped and its NICs are closed: from
+    /// here on, nothing it has not taken will be.
+    pub(crate) fn retire_worker(&self, callbacks: &CallbackQueue) {
+        self.worker_done.store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        self.fail_queued(callbacks);
+    }
+
+    /// Called by a submitter right after it queued a message. A message queued after the
+    /// worker's last look would wait forever (the queue outlives the worker: the engine keeps
+    /// its sending side), so whoever sees the worker gone fails what is queued. With a
+    /// sequentially consistent fence on both sides, the worker's last drain sees the message
+    /// or this sees `worker_done`, the same argument as [`WorkerWake`].
+    pub(crate) fn after_send(&self, callbacks: &CallbackQueue) {
+        fence(Ordering::SeqCst);
+        if self.worker_done.load(Ordering::SeqCst) {
+            self.fail_queued(callbacks);
+        }
+    }
+
+    /// Fails every queued message with `Shutdown`: transfers through their completion,
+    /// commands through their reply.
+    fn fail_queued(&self, callbacks: &CallbackQueue) {
+        while let Ok(message) = self.rx.try_recv() {
+            match message {
+                Message::Transfer(sub) => {
+                    sub.on_done.finish(Err(TransferError::Shutdown), |f, o| {
+                        callbacks.run_done(f, o)
+                    })
+                }
+                // A requester that went away has nobody to tell.
+                Message::Command(Command::Register { reply, .. }) => {
+                    let _ = reply.send(Err(TransportError::Shutdown));
+                }
+                Message::Command(
+                    Command::Deregister { reply, .. } | Command::InstallRecvPool { reply, .. },
+                ) => {
+                    let _ = reply.send(Err(TransportError::Shutdown));
+                }
+                Message::Command(Command::Connect { reply, .. }) => {
+                    let _ = reply.send(Err(TransportError::Shutdown));
+                }
+                Message::Command(Command::Stop) => {}
+            }
+        }
+    }
+}
+
+/// Retires a group's worker when dropped at the end of the worker thread, after the group and
+/// with it every NIC is gone (also when the worker panicked): a deregistration answered
+/// `Shutdown` from then on may free its memory.
+pub(crate) struct RetireOnExit(pub(crate) Arc<GroupShared>, pub(crate) CallbackQueue);
+
+impl Drop for RetireOnExit {
+    fn drop(&mut self) {
+        self.0.retire_worker(&self.1);
     }
 }
 
