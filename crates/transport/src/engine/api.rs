@@ -17,13 +17,11 @@ use super::shared::{GroupShared, PeerEntry, PeerGroupEntry, RegionEntry};
 use super::{Backpressure, TransferEngine};
 use crate::addr::{MAX_NICS, NetAddr};
 use crate::buffer::RegisteredBuffer;
-use crate::domain::Notify;
 use crate::error::{Side, TransportError};
 use crate::mr::{Device, MrDesc, MrHandle, check_range};
 use crate::on_done::{OnDone, TransferFuture};
 use crate::plan::{TransferShape, arrivals};
 use crate::request::{Pages, ScatterDst, validate_scatter};
-use crate::transfer_state::TransferState;
 use crate::watcher::WatchedWord;
 
 /// A registered group of peers, targeted by scatter and barrier without per-call lookups.
@@ -79,7 +77,6 @@ impl TransferEngine {
             .tx
             .send(Message::Command(make(reply)))
             .map_err(|_| TransportError::Shutdown)?;
-        group.wake.notify();
         group.after_send(&self.inner.engine.callbacks);
         // Answered by the worker, by its last drain, or by `after_send` above.
         answer.recv().map_err(|_| TransportError::Shutdown)
@@ -94,14 +91,9 @@ impl TransferEngine {
         if self.inner.stopped.load(Ordering::Acquire) {
             return Err(TransportError::Shutdown);
         }
-        let state = Arc::new(TransferState::new());
-        if let Some(token) = &on_done.cancel {
-            token.register(&state);
-        }
         let submitted_at = self.inner.engine.record_latency.then(Instant::now);
         let message = Message::Transfer(Submission {
             work,
-            state,
             on_done,
             submitted_at,
         });
@@ -115,7 +107,6 @@ impl TransferEngine {
                 TrySendError::Disconnected(_) => TransportError::Shutdown,
             })?,
         }
-        group.wake.notify();
         // Past a racing shutdown this fails the transfer through `on_done`.
         group.after_send(&self.inner.engine.callbacks);
         Ok(())

@@ -180,12 +180,17 @@ impl<D: Domain> Group<D> {
             self.rr
         };
         self.rr = (self.rr + units) % nics;
+        let state = Arc::new(TransferState::new());
+        // A token cancelled since the submit cancels the transfer here, before any post.
+        if let Some(token) = &sub.on_done.cancel {
+            token.register(&state);
+        }
         let slot = self.free_slots.pop().unwrap_or_else(|| {
             self.slots.push(Slot::default());
             (self.slots.len() - 1) as u32
         });
         self.slots[slot as usize].transfer = Some(InFlight {
-            state: sub.state,
+            state,
             on_done: Some(sub.on_done),
             work: sub.work,
             units,
@@ -195,6 +200,7 @@ impl<D: Domain> Group<D> {
             posting_since: None,
         });
         self.shared
+            .worker_written
             .in_flight
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if self.post(slot) {
@@ -251,14 +257,20 @@ impl<D: Domain> Group<D> {
         {
             t.posting_since = Some(start);
             if let Some(at) = t.submitted_at {
-                LatencyLog::push(&self.shared.latency.submit_to_post, at.elapsed());
+                LatencyLog::push(
+                    &self.shared.worker_written.latency.submit_to_post,
+                    at.elapsed(),
+                );
             }
         }
         let outcome = match result {
             Posted::More => return true,
             Posted::Exhausted => {
                 if record && let Some(since) = t.posting_since {
-                    LatencyLog::push(&self.shared.latency.post_span, since.elapsed());
+                    LatencyLog::push(
+                        &self.shared.worker_written.latency.post_span,
+                        since.elapsed(),
+                    );
                 }
                 t.state.seal()
             }
@@ -285,6 +297,7 @@ impl<D: Domain> Group<D> {
         entry.generation = entry.generation.wrapping_add(1);
         self.free_slots.push(slot);
         self.shared
+            .worker_written
             .in_flight
             .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         if let Some(done) = t.on_done.take() {

@@ -12,7 +12,6 @@ use crate::error::TransportError;
 use crate::mr::{Device, MrDesc, MrHandle, RegionKey};
 use crate::on_done::OnDone;
 use crate::request::Pages;
-use crate::transfer_state::TransferState;
 
 /// A local source: its address and one local key per NIC.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,11 +78,11 @@ pub(crate) enum Work {
     Send { peer: u32, payload: Box<[u8]> },
 }
 
-/// A transfer with its completion state.
+/// A transfer as submitted. Its completion state is made by the worker that takes it, so the
+/// state's cache line starts out where it is used.
 #[derive(Debug)]
 pub(crate) struct Submission {
     pub(crate) work: Work,
-    pub(crate) state: Arc<TransferState>,
     pub(crate) on_done: OnDone,
     /// When the application called submit (only when latency recording is on).
     pub(crate) submitted_at: Option<Instant>,

@@ -19,6 +19,8 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Duration;
 
+use crossbeam_utils::CachePadded;
+
 pub use api::PeerGroupHandle;
 use callbacks::Job;
 use shared::{Directory, EngineShared, GroupShared, PeerGroupEntry, WorkerWake};
@@ -222,8 +224,7 @@ fn spawn_group<D: Domain>(
         counters: (0..domains.len())
             .map(|_| stats::DomainCounters::default())
             .collect(),
-        in_flight: AtomicU64::new(0),
-        latency: stats::LatencyLog::default(),
+        worker_written: CachePadded::default(),
     });
     let group = group::Group::new(domains, shared.clone(), engine.clone())?;
     let worker_config = worker::WorkerConfig {
@@ -374,7 +375,7 @@ impl TransferEngine {
                 .inner
                 .groups
                 .iter()
-                .map(|g| stats::snapshot(&g.counters, &g.in_flight))
+                .map(|g| stats::snapshot(&g.counters, &g.worker_written.in_flight))
                 .collect(),
             imm_values_tracked: self.inner.engine.imm.tracked_values(),
         }
@@ -388,8 +389,8 @@ impl TransferEngine {
             .iter()
             .map(|g| {
                 (
-                    stats::LatencyLog::take(&g.latency.submit_to_post),
-                    stats::LatencyLog::take(&g.latency.post_span),
+                    stats::LatencyLog::take(&g.worker_written.latency.submit_to_post),
+                    stats::LatencyLog::take(&g.worker_written.latency.post_span),
                 )
             })
             .collect()
