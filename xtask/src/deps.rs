@@ -18,8 +18,23 @@ pub(crate) struct SystemPackage {
     pub(crate) needed_for: &'static str,
 }
 
-/// What the workspace needs today. kvroute-costmodel and the CLI are pure Rust: nothing.
-pub(crate) const SYSTEM_PACKAGES: &[SystemPackage] = &[];
+/// What the workspace needs today. The transport's fabric domain opens `libfabric.so.1` at run
+/// time (a machine without it still builds), and its tests and benches need the library, the
+/// `fi_pingpong` baseline and `ip` for the network-namespace hosts.
+pub(crate) const SYSTEM_PACKAGES: &[SystemPackage] = &[
+    SystemPackage {
+        apt: "libfabric1",
+        needed_for: "the transport's libfabric domain (tcp, shm, efa providers)",
+    },
+    SystemPackage {
+        apt: "libfabric-bin",
+        needed_for: "fi_pingpong and fi_info, the baseline of `kvroute bench fabric`",
+    },
+    SystemPackage {
+        apt: "iproute2",
+        needed_for: "`ip netns`, the two-host fabric tests",
+    },
+];
 
 /// What `deps` will do, decided from facts about the machine (kept pure so it is testable).
 #[derive(Debug, PartialEq, Eq)]
@@ -112,7 +127,12 @@ fn run_apt(args: &[&str]) -> Result<()> {
 
 /// Checks, and unless `check_only`, installs what is missing.
 pub(crate) fn run(check_only: bool) -> Result<()> {
-    let plan = plan(SYSTEM_PACKAGES, dpkg_installed, is_root(), has_apt());
+    ensure(SYSTEM_PACKAGES, check_only)
+}
+
+/// Checks `packages`, and unless `check_only`, installs the missing ones.
+pub(crate) fn ensure(packages: &[SystemPackage], check_only: bool) -> Result<()> {
+    let plan = plan(packages, dpkg_installed, is_root(), has_apt());
     match plan {
         Plan::NothingRequired => println!("deps: no system packages are required"),
         Plan::AllPresent(n) => println!("deps: all {n} required system packages are installed"),
@@ -123,7 +143,7 @@ pub(crate) fn run(check_only: bool) -> Result<()> {
             )
         }
         Plan::Install(missing) => {
-            for p in SYSTEM_PACKAGES.iter().filter(|p| missing.contains(&p.apt)) {
+            for p in packages.iter().filter(|p| missing.contains(&p.apt)) {
                 println!("deps: installing {} ({})", p.apt, p.needed_for);
             }
             run_apt(&["update", "-q"])?;

@@ -7,7 +7,9 @@
 //!   it must catch), built with `--cfg kvroute_loom` in a target folder of their own.
 //! - `demo [ARGS]`: build and run the main job in release mode.
 //! - `bench [ARGS]`: run the criterion benches (ARGS go to criterion, e.g. a name filter).
+//! - `bindgen`: regenerate the checked-in libfabric bindings from the installed headers.
 
+mod bindgen;
 mod deps;
 
 use std::path::{Path, PathBuf};
@@ -23,7 +25,8 @@ commands:
   test            what CI runs: deps, fmt --check, clippy -D warnings, tests, loom, docs -D warnings
   loom            the loom models of the transport's completion logic
   demo [ARGS]     build in release mode and run the main job (ARGS are passed to it)
-  bench [ARGS]    run the criterion benches (ARGS are passed to criterion)";
+  bench [ARGS]    run the criterion benches (ARGS are passed to criterion)
+  bindgen         regenerate the libfabric bindings (installs libfabric-dev, libclang-dev as root)";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -65,6 +68,8 @@ fn run(args: &[String]) -> Result<()> {
             &with_rest(&["bench", "--workspace", "--locked", "--"], rest),
             &[],
         ),
+        "bindgen" => bindgen::run(&workspace_root()),
+        "bindgen-generate" => bindgen::generate(&workspace_root()),
         "help" | "-h" | "--help" => {
             println!("{USAGE}");
             Ok(())
@@ -134,7 +139,7 @@ fn loom() -> Result<()> {
     )
 }
 
-fn cargo_step(name: &str, args: &[&str], env: &[(&str, &str)]) -> Result<()> {
+pub(crate) fn cargo_step(name: &str, args: &[&str], env: &[(&str, &str)]) -> Result<()> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     println!("xtask {name}: cargo {}", args.join(" "));
     let started = Instant::now();
