@@ -1,3 +1,10 @@
-//! Cross-crate integration tests of the kvroute workspace live in `tests/`; this library is
-//! empty. What they check is the contracts between crates: for now, that the CLI's JSON is
-//! the cost model's own serde types and that the CLI computes what the library computes.
+//! Cross-crate integration tests of the kvroute workspace live in `tests/`; this library holds
+//! their harness:
+//!
+//! - [`peer`]: a transfer engine in another process (the `fabric-peer` binary), driven over
+//!   stdin/stdout, so tests run engines as separate processes that exchange their addresses and
+//!   descriptors out of band, as deployments do;
+//! - [`netns`]: two hosts on one machine (network namespaces joined by a veth pair).
+
+pub mod netns;
+pub mod peer;

@@ -144,6 +144,10 @@ pub enum TransportError {
     /// A domain (NIC backend) refused an operation.
     #[error("domain error: {0}")]
     Domain(String),
+    /// The NIC backend asked for cannot be used here: its library is missing or too old, the
+    /// provider is absent, or it lacks a capability the engine needs (remote CQ data, ...).
+    #[error("provider unavailable: {0}")]
+    ProviderUnavailable(String),
 }
 
 /// How a posted transfer failed. Delivered through its `OnDone`.
@@ -172,4 +176,8 @@ pub enum TransferError {
     /// A provider-specific error, with the provider's message.
     #[error("provider error: {0}")]
     Provider(String),
+    /// The NIC reported no completion within the deadline: the peer is gone or silently
+    /// refused the access (libfabric's shm provider does not answer a refused write).
+    #[error("no completion within {0:?}: the peer is gone or refused the access")]
+    TimedOut(std::time::Duration),
 }

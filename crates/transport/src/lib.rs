@@ -48,6 +48,7 @@ pub mod cancel;
 pub mod domain;
 mod engine;
 pub mod error;
+pub mod fabric;
 pub mod imm_counter;
 pub mod mem;
 pub mod mr;
@@ -68,6 +69,7 @@ pub use engine::{
     PeerGroupHandle, TransferEngine,
 };
 pub use error::{Side, TransferError, TransportError};
+pub use fabric::{FabricConfig, FabricDomain, FabricReport, ProviderChoice};
 pub use mem::{FaultPlan, MemFabric};
 pub use mr::{Device, MrDesc, MrHandle, RemoteKey};
 pub use on_done::{DoneCounter, DoneFlag, OnDone, Outcome, TransferFuture};

@@ -1,4 +1,5 @@
-//! Every TransferEngine call over the `mem` domain, on its intended path.
+//! Every TransferEngine call over the `mem` domain, on its intended path (the bodies shared
+//! with the fabric domain live in `common/suite.rs`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -6,307 +7,63 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use common::{block_on, engine, pattern, wait_for};
-use kvroute_transport::{
-    DoneCounter, DoneFlag, MemFabric, OnDone, Pages, ScatterDst, TransferEngine, TransferShape,
-};
+use common::{block_on, engine, suite, wait_for};
+use kvroute_transport::{MemFabric, OnDone};
 
 #[test]
 fn a_single_write_lands_and_every_kind_of_on_done_sees_it() {
     let fabric = MemFabric::new();
-    let (a, b) = (engine(&fabric, 1), engine(&fabric, 1));
-    let src = a.alloc_mr(4096).unwrap();
-    let dst = b.alloc_mr(4096).unwrap();
-    src.write_at(0, &pattern(4096, 1)).unwrap();
-
-    let flag = DoneFlag::new();
-    a.submit_single_write(
-        1000,
-        None,
-        (src.handle(), 10),
-        (dst.desc(), 20),
-        OnDone::from(&flag),
-    )
-    .unwrap();
-    wait_for("the flag", || flag.is_done());
-    assert_eq!(flag.result(), Some(Ok(())));
-    assert_eq!(dst.to_vec()[20..1020], pattern(4096, 1)[10..1010]);
-
-    let counter = DoneCounter::new();
-    for i in 0..8 {
-        a.submit_single_write(
-            8,
-            None,
-            (src.handle(), i * 8),
-            (dst.desc(), 2048 + i * 8),
-            OnDone::from(&counter),
-        )
-        .unwrap();
-    }
-    wait_for("eight writes", || counter.total() == 8);
-    assert_eq!(counter.ok(), 8);
-
-    let (tx, rx) = std::sync::mpsc::channel();
-    a.submit_single_write(
-        4,
-        None,
-        (src.handle(), 0),
-        (dst.desc(), 0),
-        OnDone::callback(move |o| tx.send(o).unwrap()),
-    )
-    .unwrap();
-    assert_eq!(rx.recv_timeout(common::TIMEOUT).unwrap(), Ok(()));
-
-    let (done, fut) = OnDone::future();
-    a.submit_single_write(4, None, (src.handle(), 0), (dst.desc(), 4092), done)
-        .unwrap();
-    assert_eq!(block_on(fut), Ok(()));
-    let stats = a.stats();
-    assert_eq!(
-        stats.groups[0].in_flight, 0,
-        "no transfer context outlives its transfer"
-    );
+    let mem = |nics| engine(&fabric, nics);
+    suite::single_write_with_every_on_done(&mem);
 }
 
 #[test]
 fn a_large_write_shards_over_four_nics_each_with_its_own_rkey() {
     let fabric = MemFabric::new();
-    let (a, b) = (engine(&fabric, 4), engine(&fabric, 4));
-    let len = 1 << 20;
-    let src = a.alloc_mr(len).unwrap();
-    let dst = b.alloc_mr(len).unwrap();
-    src.write_at(0, &pattern(len, 9)).unwrap();
-    assert_eq!(dst.desc().rkeys.len(), 4);
-    let shards = b.expected_arrivals(TransferShape::SingleWrite { len: len as u64 });
-    assert_eq!(shards, 4);
-    let landed = b.imm_count(5, shards);
-    a.submit_single_write(
-        len as u64,
-        Some(5),
-        (src.handle(), 0),
-        (dst.desc(), 0),
-        OnDone::nothing(),
-    )
-    .unwrap();
-    assert_eq!(block_on(landed), Ok(()));
-    assert_eq!(dst.to_vec(), pattern(len, 9));
-    // A shard presenting another NIC's rkey would have failed with a remote access error.
-    let per_nic: Vec<u64> = a.stats().groups[0]
-        .domains
-        .iter()
-        .map(|d| d.posted)
-        .collect();
-    assert_eq!(per_nic.iter().sum::<u64>(), 4);
-    assert!(per_nic.iter().all(|&n| n == 1), "{per_nic:?}");
-    assert!(a.stats().groups[0].domains.iter().all(|d| d.failed == 0));
+    let mem = |nics| engine(&fabric, nics);
+    suite::large_write_sharded_over_nics(&mem, 4);
 }
 
 #[test]
 fn paged_writes_land_where_the_indices_say_and_fire_the_expectation_once() {
     let fabric = MemFabric::new();
-    let (a, b) = (engine(&fabric, 2), engine(&fabric, 2));
-    let page = 256u64;
-    let src = a.alloc_mr(64 * 256 + 32).unwrap();
-    let dst = b.alloc_mr(128 * 512 + 64).unwrap();
-    src.write_at(0, &pattern(64 * 256 + 32, 3)).unwrap();
-    let src_pages = Pages::new((0..64).rev().collect::<Vec<u32>>(), page, 32);
-    let dst_pages = Pages::new((0..64).map(|i| i * 2).collect::<Vec<u32>>(), 512, 64);
-    let fired = DoneCounter::new();
-    b.expect_imm_count(
-        77,
-        b.expected_arrivals(TransferShape::PagedWrites { pages: 64 }),
-        OnDone::from(&fired),
-    );
-    let done = DoneFlag::new();
-    a.submit_paged_writes(
-        page,
-        Some(77),
-        (src.handle(), &src_pages),
-        (dst.desc(), &dst_pages),
-        OnDone::from(&done),
-    )
-    .unwrap();
-    wait_for("the expectation", || fired.total() == 1);
-    wait_for("the sender", || done.is_done());
-    let (s, d) = (src.to_vec(), dst.to_vec());
-    for i in 0..64usize {
-        let from = 32 + (63 - i) * 256;
-        let to = 64 + i * 2 * 512;
-        assert_eq!(d[to..to + 256], s[from..from + 256], "page {i}");
-        assert!(
-            d[to + 256..to + 512].iter().all(|&x| x == 0),
-            "gap after page {i} untouched"
-        );
-    }
-    std::thread::sleep(std::time::Duration::from_millis(5));
-    assert_eq!(fired.total(), 1, "fired exactly once");
-    assert_eq!(b.pending_imm(77), 0);
+    let mem = |nics| engine(&fabric, nics);
+    suite::paged_writes(&mem);
 }
 
 #[test]
 fn arrivals_before_the_expectation_count_and_the_excess_carries_over() {
     let fabric = MemFabric::new();
-    let (a, b) = (engine(&fabric, 1), engine(&fabric, 1));
-    let dst = b.alloc_mr(64).unwrap();
-    let sent = DoneCounter::new();
-    for _ in 0..5 {
-        a.submit_imm(9, dst.desc(), OnDone::from(&sent)).unwrap();
-    }
-    wait_for("five immediates", || sent.total() == 5);
-    wait_for("five counted", || b.pending_imm(9) == 5);
-    assert_eq!(block_on(b.imm_count(9, 3)), Ok(()));
-    assert_eq!(b.pending_imm(9), 2);
-    assert_eq!(block_on(b.imm_count(9, 2)), Ok(()));
-    assert_eq!(b.stats().imm_values_tracked, 0);
+    let mem = |nics| engine(&fabric, nics);
+    suite::arrivals_before_the_expectation(&mem);
 }
 
 #[test]
 fn unexpected_immediates_reach_the_handler_and_stay_claimable() {
     let fabric = MemFabric::new();
-    let (a, b) = (engine(&fabric, 1), engine(&fabric, 1));
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let s = seen.clone();
-    b.on_unexpected_imm(move |imm, n| s.lock().unwrap().push((imm, n)));
-    let dst = b.alloc_mr(8).unwrap();
-    a.submit_imm(123, dst.desc(), OnDone::nothing()).unwrap();
-    wait_for("the handler", || !seen.lock().unwrap().is_empty());
-    assert_eq!(seen.lock().unwrap()[0], (123, 1));
-    assert_eq!(b.take_imm(123), 1);
-    assert_eq!(b.take_imm(123), 0);
+    let mem = |nics| engine(&fabric, nics);
+    suite::unexpected_immediates(&mem);
 }
 
 #[test]
 fn scatter_and_barrier_reach_a_group_of_64_peers() {
     let fabric = MemFabric::new();
-    let sender = engine(&fabric, 2);
-    let peers: Vec<TransferEngine> = (0..64).map(|_| engine(&fabric, 2)).collect();
-    let bufs: Vec<_> = peers.iter().map(|p| p.alloc_mr(4096).unwrap()).collect();
-    let group = sender
-        .add_peer_group(
-            &peers
-                .iter()
-                .map(TransferEngine::main_address)
-                .collect::<Vec<_>>(),
-        )
-        .unwrap();
-    let src = sender.alloc_mr(64 * 64).unwrap();
-    src.write_at(0, &pattern(64 * 64, 5)).unwrap();
-    let dsts: Vec<ScatterDst> = bufs
-        .iter()
-        .enumerate()
-        .map(|(i, b)| ScatterDst {
-            len: 64,
-            src_offset: i as u64 * 64,
-            dst: b.desc().clone(),
-            dst_offset: 128,
-        })
-        .collect();
-    let landed: Vec<_> = peers.iter().map(|p| p.imm_count(1, 1)).collect();
-    let done = DoneFlag::new();
-    sender
-        .submit_scatter(
-            Some(group),
-            Some(1),
-            src.handle(),
-            &dsts,
-            OnDone::from(&done),
-        )
-        .unwrap();
-    for f in landed {
-        assert_eq!(block_on(f), Ok(()));
-    }
-    wait_for("the scatter", || done.is_done());
-    assert_eq!(done.result(), Some(Ok(())));
-    let expect = pattern(64 * 64, 5);
-    for (i, b) in bufs.iter().enumerate() {
-        assert_eq!(
-            b.to_vec()[128..192],
-            expect[i * 64..i * 64 + 64],
-            "peer {i}"
-        );
-    }
-    // The same without the group (per-target lookups), then a barrier to all.
-    let again: Vec<_> = peers.iter().map(|p| p.imm_count(2, 1)).collect();
-    sender
-        .submit_scatter(None, Some(2), src.handle(), &dsts, OnDone::nothing())
-        .unwrap();
-    for f in again {
-        assert_eq!(block_on(f), Ok(()));
-    }
-    let barrier: Vec<_> = peers.iter().map(|p| p.imm_count(3, 1)).collect();
-    let descs: Vec<_> = bufs.iter().map(|b| b.desc().clone()).collect();
-    sender
-        .submit_barrier(Some(group), 3, &descs, OnDone::nothing())
-        .unwrap();
-    for f in barrier {
-        assert_eq!(block_on(f), Ok(()));
-    }
-    let posted: u64 = sender.stats().groups[0]
-        .domains
-        .iter()
-        .map(|d| d.posted)
-        .sum();
-    assert_eq!(posted, 64 * 3);
+    let mem = |nics| engine(&fabric, nics);
+    suite::scatter_and_barrier(&mem, 64);
 }
 
 #[test]
 fn more_messages_than_receive_buffers_all_arrive_through_back_pressure() {
     let fabric = MemFabric::new();
-    let (a, b) = (engine(&fabric, 1), engine(&fabric, 1));
-    let got = Arc::new(Mutex::new(Vec::new()));
-    let g = got.clone();
-    b.submit_recvs(64, 4, move |msg| {
-        std::thread::sleep(std::time::Duration::from_micros(50));
-        g.lock()
-            .unwrap()
-            .push(u32::from_le_bytes(msg[..4].try_into().unwrap()));
-    })
-    .unwrap();
-    let sent = DoneCounter::new();
-    for i in 0..500u32 {
-        a.submit_send(&b.main_address(), &i.to_le_bytes(), OnDone::from(&sent))
-            .unwrap();
-    }
-    wait_for("500 messages", || got.lock().unwrap().len() == 500);
-    wait_for("500 send completions", || sent.total() == 500);
-    assert_eq!(sent.ok(), 500);
-    let mut got = got.lock().unwrap().clone();
-    got.sort_unstable();
-    assert_eq!(
-        got,
-        (0..500).collect::<Vec<_>>(),
-        "none lost, none duplicated"
-    );
+    let mem = |nics| engine(&fabric, nics);
+    suite::messages_through_back_pressure(&mem);
 }
 
 #[test]
 fn a_callback_may_submit_into_its_engine_without_deadlock() {
     let fabric = MemFabric::new();
-    let (a, b) = (engine(&fabric, 1), engine(&fabric, 1));
-    let src = Arc::new(a.alloc_mr(64).unwrap());
-    let dst = Arc::new(b.alloc_mr(64).unwrap());
-    src.write_at(0, &[1; 64]).unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let (a2, s2, d2) = (a.clone(), src.clone(), dst.clone());
-    a.submit_single_write(
-        8,
-        None,
-        (src.handle(), 0),
-        (dst.desc(), 0),
-        OnDone::callback(move |first| {
-            // Re-entrant: submit from the callback thread and wait for that result there too.
-            let (done, fut) = OnDone::future();
-            a2.submit_single_write(8, None, (s2.handle(), 8), (d2.desc(), 8), done)
-                .unwrap();
-            let second = fut.wait();
-            tx.send((first, second)).unwrap();
-        }),
-    )
-    .unwrap();
-    assert_eq!(rx.recv_timeout(common::TIMEOUT).unwrap(), (Ok(()), Ok(())));
-    assert_eq!(&dst.to_vec()[..16], &[1; 16]);
-    drop((src, dst));
-    a.shutdown();
+    let mem = |nics| engine(&fabric, nics);
+    suite::callback_submits_into_its_engine(&mem);
 }
 
 #[test]

@@ -2,6 +2,7 @@
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub(crate) mod suite;
 pub(crate) mod throttle;
 
 use std::future::Future;

@@ -1,0 +1,862 @@
+//! [`FabricDomain`]: one NIC as a libfabric `FI_EP_RDM` endpoint with its completion queue,
+//! address vector and registered regions.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::ptr::null_mut;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use libfabric_sys as fi;
+
+use super::FabricConfig;
+use super::ctx::{ContextPool, OpKind, Released};
+use super::info::{Chosen, MrMode, c_str};
+use crate::addr::DomainAddr;
+use crate::domain::{
+    Completion, CompletionKind, Domain, Notify, PeerId, RecvWr, Registration, SendWr, WriteWr,
+};
+use crate::error::{TransferError, TransportError};
+use crate::mr::Device;
+
+/// Access every region is registered with: source and target of writes, sends and receives.
+const ACCESS: u64 = fi::FI_SEND
+    | fi::FI_RECV
+    | fi::FI_WRITE
+    | fi::FI_REMOTE_WRITE
+    | fi::FI_READ
+    | fi::FI_REMOTE_READ;
+
+/// Longest address accepted from a peer (EFA's are 32 bytes, tcp's 16-28, shm's names ~64).
+const MAX_ADDR_LEN: usize = 256;
+
+/// A registered region.
+#[derive(Debug)]
+struct Region {
+    mr: *mut fi::fid_mr,
+    addr: u64,
+    len: u64,
+    desc: *mut c_void,
+}
+
+/// A peer NIC in the address vector.
+#[derive(Debug)]
+struct Peer {
+    fi_addr: fi::fi_addr_t,
+    /// Since when the provider has refused new operations to it (`-FI_EAGAIN`).
+    refusing_since: Option<Instant>,
+}
+
+/// Registered buffers that sends are copied into, for providers that need registered sources.
+#[derive(Debug)]
+struct Bounce {
+    memory: Box<[u8]>,
+    slot_len: usize,
+    lkey: u64,
+    free: Vec<u32>,
+}
+
+/// One NIC: a libfabric endpoint and everything bound to it. Owned and called by one worker
+/// thread (the objects are opened with `FI_THREAD_DOMAIN`, which is that promise).
+#[derive(Debug)]
+pub struct FabricDomain {
+    lib: &'static fi::Library,
+    info: *mut fi::fi_info,
+    fabric: *mut fi::fid_fabric,
+    domain: *mut fi::fid_domain,
+    cq: *mut fi::fid_cq,
+    av: *mut fi::fid_av,
+    ep: *mut fi::fid_ep,
+    provider: String,
+    domain_name: String,
+    addr: DomainAddr,
+    addr_is_string: bool,
+    mr_mode: MrMode,
+    max_msg_size: usize,
+    regions: Vec<Option<Region>>,
+    generations: Vec<u32>,
+    free_regions: Vec<u32>,
+    next_key: u64,
+    peers: Vec<Peer>,
+    peer_ids: HashMap<Vec<u8>, PeerId>,
+    contexts: ContextPool,
+    cq_buf: Vec<fi::fi_cq_data_entry>,
+    bounce: Option<Bounce>,
+    idle_poll: Option<Duration>,
+    op_timeout: Duration,
+    next_sweep: Instant,
+}
+
+// SAFETY: the raw pointers are libfabric objects this value alone owns; libfabric objects
+// opened with FI_THREAD_DOMAIN may be used from any thread as long as one thread at a time
+// does, which `&mut self` on every call that touches them guarantees.
+unsafe impl Send for FabricDomain {}
+
+/// Turns a libfabric return code into an error naming the call.
+fn check(lib: &fi::Library, what: &str, rc: i32) -> Result<(), TransportError> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(TransportError::Domain(format!(
+            "{what}: {}",
+            lib.strerror(rc)
+        )))
+    }
+}
+
+impl FabricDomain {
+    /// Opens NIC `nic` of the chosen provider: fabric, domain, CQ, AV and an enabled endpoint.
+    pub(crate) fn open(
+        lib: &'static fi::Library,
+        chosen: &Chosen,
+        nic: usize,
+        config: &FabricConfig,
+    ) -> Result<Self, TransportError> {
+        // SAFETY: an entry of the chosen list; the copy is ours and freed in Drop.
+        let info = unsafe { lib.dupinfo(chosen.info(nic)) };
+        if info.is_null() {
+            return Err(TransportError::Domain("fi_dupinfo failed".to_owned()));
+        }
+        let candidate = &chosen.candidate;
+        let mut d = Self {
+            lib,
+            info,
+            fabric: null_mut(),
+            domain: null_mut(),
+            cq: null_mut(),
+            av: null_mut(),
+            ep: null_mut(),
+            provider: format!("fabric:{}", candidate.provider),
+            // SAFETY: a complete fi_info.
+            domain_name: unsafe { c_str((*(*info).domain_attr).name) },
+            addr: DomainAddr {
+                provider: String::new(),
+                bytes: Vec::new(),
+            },
+            // SAFETY: as above.
+            addr_is_string: unsafe { (*info).addr_format } == fi::FI_ADDR_STR,
+            mr_mode: if config.force_mr_local {
+                MrMode(candidate.mr_mode.0 | fi::FI_MR_LOCAL)
+            } else {
+                candidate.mr_mode
+            },
+            max_msg_size: candidate.max_msg_size,
+            regions: Vec::new(),
+            generations: Vec::new(),
+            free_regions: Vec::new(),
+            next_key: 1,
+            peers: Vec::new(),
+            peer_ids: HashMap::new(),
+            contexts: ContextPool::default(),
+            cq_buf: vec![fi::fi_cq_data_entry::default(); config.cq_batch],
+            bounce: None,
+            idle_poll: config.idle_poll,
+            op_timeout: config.op_timeout,
+            next_sweep: Instant::now(),
+        };
+        // Everything opened so far is closed by Drop if a later step fails.
+        d.open_objects(config.cq_size)?;
+        d.addr = DomainAddr {
+            provider: d.provider.clone(),
+            bytes: d.local_name()?,
+        };
+        if d.mr_mode.has(fi::FI_MR_LOCAL) {
+            d.bounce = Some(d.bounce_buffers(config.send_buffers, config.send_buffer_len)?);
+        }
+        tracing::debug!(provider = %d.provider, domain = %d.domain_name, nic, "opened fabric NIC");
+        Ok(d)
+    }
+
+    fn open_objects(&mut self, cq_size: usize) -> Result<(), TransportError> {
+        let lib = self.lib;
+        // SAFETY: each call gets live objects opened just before and a fresh out-pointer;
+        // attribute structs live across the call.
+        unsafe {
+            check(
+                lib,
+                "fi_fabric",
+                lib.fabric((*self.info).fabric_attr, &raw mut self.fabric, null_mut()),
+            )?;
+            check(
+                lib,
+                "fi_domain",
+                fi::fi_domain(self.fabric, self.info, &raw mut self.domain, null_mut()),
+            )?;
+            let mut cq_attr = fi::fi_cq_attr {
+                size: cq_size,
+                format: fi::FI_CQ_FORMAT_DATA,
+                wait_obj: fi::FI_WAIT_NONE,
+                ..Default::default()
+            };
+            check(
+                lib,
+                "fi_cq_open",
+                fi::fi_cq_open(self.domain, &raw mut cq_attr, &raw mut self.cq, null_mut()),
+            )?;
+            let av_type = match (*(*self.info).domain_attr).av_type {
+                fi::FI_AV_UNSPEC => fi::FI_AV_TABLE,
+                t => t,
+            };
+            let mut av_attr = fi::fi_av_attr {
+                type_: av_type,
+                count: 64,
+                ..Default::default()
+            };
+            check(
+                lib,
+                "fi_av_open",
+                fi::fi_av_open(self.domain, &raw mut av_attr, &raw mut self.av, null_mut()),
+            )?;
+            check(
+                lib,
+                "fi_endpoint",
+                fi::fi_endpoint(self.domain, self.info, &raw mut self.ep, null_mut()),
+            )?;
+            check(
+                lib,
+                "fi_ep_bind (cq)",
+                fi::fi_ep_bind(
+                    self.ep,
+                    &raw mut (*self.cq).fid,
+                    fi::FI_TRANSMIT | fi::FI_RECV,
+                ),
+            )?;
+            check(
+                lib,
+                "fi_ep_bind (av)",
+                fi::fi_ep_bind(self.ep, &raw mut (*self.av).fid, 0),
+            )?;
+            check(lib, "fi_enable", fi::fi_enable(self.ep))?;
+        }
+        Ok(())
+    }
+
+    fn local_name(&mut self) -> Result<Vec<u8>, TransportError> {
+        let mut buf = vec![0u8; MAX_ADDR_LEN];
+        let mut len = buf.len();
+        // SAFETY: the endpoint is enabled; `buf` has `len` bytes.
+        let rc = unsafe { fi::fi_getname(self.ep, buf.as_mut_ptr().cast(), &raw mut len) };
+        check(self.lib, "fi_getname", rc)?;
+        buf.truncate(len);
+        Ok(buf)
+    }
+
+    fn bounce_buffers(&mut self, count: usize, slot_len: usize) -> Result<Bounce, TransportError> {
+        let memory = vec![0u8; count * slot_len].into_boxed_slice();
+        // SAFETY: the memory is owned by the Bounce, which is dropped only after Drop closed
+        // its registration.
+        let reg =
+            unsafe { self.register(memory.as_ptr() as u64, memory.len() as u64, Device::Host) }?;
+        Ok(Bounce {
+            memory,
+            slot_len,
+            lkey: reg.lkey,
+            free: (0..count as u32).rev().collect(),
+        })
+    }
+
+    /// The domain (NIC) name the provider reported.
+    pub fn domain_name(&self) -> &str {
+        &self.domain_name
+    }
+
+    /// The memory-registration mode in force.
+    pub fn mr_mode(&self) -> MrMode {
+        self.mr_mode
+    }
+
+    fn region(&self, lkey: u64) -> Option<&Region> {
+        let (slot, generation) = ((lkey & 0xffff_ffff) as usize, (lkey >> 32) as u32);
+        self.regions
+            .get(slot)?
+            .as_ref()
+            .filter(|_| self.generations[slot] == generation)
+    }
+
+    /// The descriptor for `[addr, addr + len)` inside the region of `lkey`.
+    fn local_desc(&self, lkey: u64, addr: u64, len: u64) -> Result<*mut c_void, TransportError> {
+        let r = self
+            .region(lkey)
+            .ok_or_else(|| TransportError::Domain(format!("unknown local key {lkey:#x}")))?;
+        let inside = addr >= r.addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= r.addr + r.len);
+        if !inside {
+            return Err(TransportError::Domain(format!(
+                "[{addr:#x}, +{len}) is outside the region of local key {lkey:#x}"
+            )));
+        }
+        Ok(r.desc)
+    }
+
+    /// The AV address of `peer`.
+    fn peer_addr(&self, peer: PeerId) -> Result<fi::fi_addr_t, TransportError> {
+        self.peers
+            .get(peer as usize)
+            .map(|p| p.fi_addr)
+            .ok_or_else(|| TransportError::Domain(format!("unknown peer id {peer}")))
+    }
+
+    /// Inserts an address (already checked for length) into the AV.
+    fn insert(&mut self, bytes: &[u8]) -> Result<fi::fi_addr_t, TransportError> {
+        let mut fi_addr: fi::fi_addr_t = fi::FI_ADDR_NOTAVAIL;
+        // SAFETY: the AV is live; the address has the length of this provider's addresses;
+        // one output slot for one address.
+        let rc = unsafe {
+            fi::fi_av_insert(
+                self.av,
+                bytes.as_ptr().cast(),
+                1,
+                &raw mut fi_addr,
+                0,
+                null_mut(),
+            )
+        };
+        if rc != 1 || fi_addr == fi::FI_ADDR_NOTAVAIL {
+            return Err(TransportError::MalformedAddress(format!(
+                "{} refused the address ({})",
+                self.provider,
+                if rc < 0 {
+                    self.lib.strerror(rc)
+                } else {
+                    "not inserted".to_owned()
+                }
+            )));
+        }
+        Ok(fi_addr)
+    }
+
+    /// Records a post's outcome for its peer; a provider refusing (`-FI_EAGAIN`) operations to
+    /// a peer for longer than the deadline is an error (the peer is gone or stuck).
+    fn note_post(&mut self, peer: PeerId, accepted: bool) -> Result<(), TransportError> {
+        let timeout = self.op_timeout;
+        let Some(p) = self.peers.get_mut(peer as usize) else {
+            return Ok(());
+        };
+        if accepted {
+            p.refusing_since = None;
+            return Ok(());
+        }
+        // Kept while the refusals last: once past the deadline, every further refusal fails
+        // its transfer at once instead of each waiting the deadline again.
+        let since = *p.refusing_since.get_or_insert_with(Instant::now);
+        if since.elapsed() > timeout {
+            return Err(TransportError::Domain(format!(
+                "the provider has refused new operations to peer {peer} for {timeout:?} \
+                 (-FI_EAGAIN): it is gone or stuck"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Posts one write; `Ok(false)` is `-FI_EAGAIN`.
+    fn post_write(&mut self, wr: &WriteWr) -> Result<bool, TransportError> {
+        let desc = self.local_desc(wr.lkey, wr.src_addr, wr.len)?;
+        let dest = self.peer_addr(wr.peer)?;
+        let len = usize::try_from(wr.len)
+            .ok()
+            .filter(|&l| l <= self.max_msg_size)
+            .ok_or_else(|| {
+                TransportError::Domain(format!(
+                    "a {}-byte write exceeds the provider's {}-byte limit",
+                    wr.len, self.max_msg_size
+                ))
+            })?;
+        let context = self
+            .contexts
+            .acquire(wr.wr_id, OpKind::Write, wr.peer, None, Instant::now());
+        let iov = fi::iovec {
+            iov_base: wr.src_addr as *mut c_void,
+            iov_len: len,
+        };
+        let mut descs = [desc];
+        let rma = fi::fi_rma_iov {
+            addr: wr.dst_addr,
+            len,
+            key: wr.rkey,
+        };
+        let msg = fi::fi_msg_rma {
+            msg_iov: &raw const iov,
+            desc: descs.as_mut_ptr(),
+            iov_count: 1,
+            addr: dest,
+            rma_iov: &raw const rma,
+            rma_iov_count: 1,
+            context,
+            data: u64::from(wr.imm.unwrap_or(0)),
+        };
+        // Delivery-complete: the write completes once placed at the target, so a target's
+        // refusal reaches the sender (transmit-complete would report the write done as soon
+        // as it left). Not for immediate-only writes: there is nothing to place, and shm
+        // (1.17) never answers a zero-length delivery-complete write.
+        let delivery = if len > 0 { fi::FI_DELIVERY_COMPLETE } else { 0 };
+        let flags = fi::FI_COMPLETION
+            | delivery
+            | if wr.imm.is_some() {
+                fi::FI_REMOTE_CQ_DATA
+            } else {
+                0
+            };
+        // SAFETY: the endpoint is live; `msg` and what it points to live across the call (the
+        // provider copies the iovecs); the source stays registered until the completion, which
+        // the engine's transfer tracking guarantees; `context` is a pool slot.
+        let rc = unsafe { fi::fi_writemsg(self.ep, &raw const msg, flags) };
+        let accepted = self.posted(rc, context, "fi_writemsg")?;
+        self.note_post(wr.peer, accepted)?;
+        Ok(accepted)
+    }
+
+    /// Settles a post's return code: accepted, EAGAIN (slot returned), or an error.
+    fn posted(
+        &mut self,
+        rc: isize,
+        context: *mut c_void,
+        what: &str,
+    ) -> Result<bool, TransportError> {
+        match rc {
+            0 => Ok(true),
+            rc if rc == -(fi::FI_EAGAIN as isize) => {
+                self.contexts.cancel(context);
+                Ok(false)
+            }
+            rc => {
+                self.contexts.cancel(context);
+                Err(TransportError::Domain(format!(
+                    "{what}: {}",
+                    self.lib.strerror(rc as i32)
+                )))
+            }
+        }
+    }
+
+    /// Turns one CQ error entry into a completion of its operation.
+    fn error_completion(&mut self, out: &mut Vec<Completion>) -> bool {
+        let mut err = fi::fi_cq_err_entry::default();
+        // SAFETY: the CQ is live; `err` asks for no provider-specific error data buffer.
+        let rc = unsafe { fi::fi_cq_readerr(self.cq, &raw mut err, 0) };
+        if rc < 0 {
+            return false;
+        }
+        // SAFETY: the entry's err_data is the provider's, valid until the next CQ read.
+        let detail = unsafe { fi::fi_cq_strerror(self.cq, err.prov_errno, err.err_data) }
+            .unwrap_or_default();
+        let error = transfer_error(err.err, &self.lib.strerror(err.err), &detail);
+        match self.contexts.release(err.op_context) {
+            Released::Live(ctx) => {
+                if let Some(b) = ctx.bounce {
+                    self.give_back_bounce(b);
+                }
+                tracing::debug!(%error, wr_id = ctx.wr_id, peer = ctx.peer, "operation failed");
+                out.push(Completion {
+                    wr_id: ctx.wr_id,
+                    count: 1,
+                    kind: completion_kind(ctx.kind, err.len),
+                    result: Err(error),
+                });
+            }
+            Released::Abandoned { bounce } => {
+                if let Some(b) = bounce {
+                    self.give_back_bounce(b);
+                }
+            }
+            Released::Unknown => {
+                tracing::warn!(%error, flags = err.flags, "a completion error for no posted operation (target side)");
+            }
+        }
+        true
+    }
+
+    /// Fails the writes and sends the provider has not completed within the deadline.
+    fn sweep(&mut self, out: &mut Vec<Completion>) {
+        let now = Instant::now();
+        if now < self.next_sweep {
+            return;
+        }
+        self.next_sweep = now + (self.op_timeout / 4).min(Duration::from_millis(100));
+        for ctx in self.contexts.expire(now, self.op_timeout) {
+            tracing::warn!(wr_id = ctx.wr_id, peer = ctx.peer, timeout = ?self.op_timeout, "an operation was not completed in time; failing it");
+            out.push(Completion {
+                wr_id: ctx.wr_id,
+                count: 1,
+                kind: completion_kind(ctx.kind, 0),
+                result: Err(TransferError::TimedOut(self.op_timeout)),
+            });
+        }
+    }
+
+    fn give_back_bounce(&mut self, slot: u32) {
+        if let Some(b) = self.bounce.as_mut() {
+            b.free.push(slot);
+        }
+    }
+
+    fn close_region(&mut self, region: &Region) -> Result<(), TransportError> {
+        // SAFETY: a live registration, closed once (removed from the table by the caller).
+        let rc = unsafe { fi::fi_close(&raw mut (*region.mr).fid) };
+        check(self.lib, "fi_close (mr)", rc)
+    }
+}
+
+/// The kind of completion an operation of `kind` reports.
+fn completion_kind(kind: OpKind, len: usize) -> CompletionKind {
+    match kind {
+        OpKind::Write => CompletionKind::Write,
+        OpKind::Send => CompletionKind::Send,
+        OpKind::Recv => CompletionKind::Recv { len: len as u64 },
+    }
+}
+
+/// Maps a CQ error (positive errno) to what the transfer reports.
+fn transfer_error(errno: i32, text: &str, provider_detail: &str) -> TransferError {
+    let message = if provider_detail.is_empty() || provider_detail == text {
+        text.to_owned()
+    } else {
+        format!("{text} ({provider_detail})")
+    };
+    match errno {
+        e if e == fi::FI_ECONNREFUSED
+            || e == fi::FI_ECONNRESET
+            || e == fi::FI_ECONNABORTED
+            || e == fi::FI_EHOSTUNREACH
+            || e == fi::FI_ENETUNREACH
+            || e == fi::FI_EHOSTDOWN
+            || e == fi::FI_ENOTCONN
+            || e == fi::FI_ESHUTDOWN
+            || e == fi::FI_ETIMEDOUT
+            || e == fi::FI_ENETDOWN =>
+        {
+            tracing::debug!(%message, "peer unreachable");
+            TransferError::PeerUnreachable
+        }
+        e if e == fi::FI_EACCES || e == fi::FI_EKEYREJECTED || e == fi::FI_EFAULT => {
+            TransferError::RemoteAccess(message)
+        }
+        _ => TransferError::Provider(message),
+    }
+}
+
+impl Domain for FabricDomain {
+    fn provider(&self) -> &str {
+        &self.provider
+    }
+
+    fn address(&self) -> DomainAddr {
+        self.addr.clone()
+    }
+
+    fn supports(&self, device: Device) -> bool {
+        device == Device::Host
+    }
+
+    unsafe fn register(
+        &mut self,
+        addr: u64,
+        len: u64,
+        device: Device,
+    ) -> Result<Registration, TransportError> {
+        if device != Device::Host {
+            return Err(TransportError::UnsupportedDevice(device.to_string()));
+        }
+        let size = usize::try_from(len)
+            .map_err(|_| TransportError::InvalidArgument("a region larger than memory"))?;
+        let requested_key = if self.mr_mode.has(fi::FI_MR_PROV_KEY) {
+            0
+        } else {
+            self.next_key
+        };
+        let mut mr: *mut fi::fid_mr = null_mut();
+        // SAFETY: the caller keeps the range valid until deregistered; the domain is live.
+        let rc = unsafe {
+            fi::fi_mr_reg(
+                self.domain,
+                addr as *const c_void,
+                size,
+                ACCESS,
+                0,
+                requested_key,
+                0,
+                &raw mut mr,
+                null_mut(),
+            )
+        };
+        check(self.lib, "fi_mr_reg", rc)?;
+        let region = Region {
+            mr,
+            addr,
+            len,
+            // SAFETY: a live registration.
+            desc: unsafe { fi::fi_mr_desc(mr) },
+        };
+        if self.mr_mode.has(fi::FI_MR_ENDPOINT) {
+            // SAFETY: live registration and endpoint.
+            let bound = unsafe {
+                check(
+                    self.lib,
+                    "fi_mr_bind",
+                    fi::fi_mr_bind(mr, &raw mut (*self.ep).fid, 0),
+                )
+                .and_then(|()| check(self.lib, "fi_mr_enable", fi::fi_mr_enable(mr)))
+            };
+            if let Err(e) = bound {
+                let _ = self.close_region(&region);
+                return Err(e);
+            }
+        }
+        // SAFETY: a live registration.
+        let rkey = unsafe { fi::fi_mr_key(mr) };
+        if rkey == fi::FI_KEY_NOTAVAIL {
+            let _ = self.close_region(&region);
+            return Err(TransportError::Domain(
+                "the provider uses raw (over 64-bit) memory keys".to_owned(),
+            ));
+        }
+        if requested_key != 0 {
+            self.next_key += 1;
+        }
+        let slot = self.free_regions.pop().unwrap_or_else(|| {
+            self.regions.push(None);
+            self.generations.push(0);
+            (self.regions.len() - 1) as u32
+        });
+        let generation = self.generations[slot as usize].wrapping_add(1).max(1);
+        self.generations[slot as usize] = generation;
+        self.regions[slot as usize] = Some(region);
+        Ok(Registration {
+            lkey: u64::from(generation) << 32 | u64::from(slot),
+            rkey,
+            // Without FI_MR_VIRT_ADDR peers address the region by offset from its start.
+            remote_addr: if self.mr_mode.has(fi::FI_MR_VIRT_ADDR) {
+                addr
+            } else {
+                0
+            },
+        })
+    }
+
+    fn deregister(&mut self, lkey: u64) -> Result<(), TransportError> {
+        if self.region(lkey).is_none() {
+            return Err(TransportError::UnknownRegion);
+        }
+        let slot = (lkey & 0xffff_ffff) as usize;
+        let Some(region) = self.regions[slot].take() else {
+            return Err(TransportError::UnknownRegion);
+        };
+        self.free_regions.push(slot as u32);
+        self.close_region(&region)
+    }
+
+    fn connect(&mut self, peer: &DomainAddr) -> Result<PeerId, TransportError> {
+        if peer.provider != self.provider {
+            return Err(TransportError::ProviderMismatch {
+                local: self.provider.clone(),
+                remote: peer.provider.clone(),
+            });
+        }
+        if let Some(&id) = self.peer_ids.get(&peer.bytes) {
+            return Ok(id);
+        }
+        // The provider reads as many bytes as its address format has: a binary address must
+        // be exactly as long as ours, a string address (shm names vary in length) must end
+        // with its NUL within the bytes given.
+        let well_formed = if self.addr_is_string {
+            peer.bytes.len() <= MAX_ADDR_LEN && peer.bytes.last() == Some(&0)
+        } else {
+            peer.bytes.len() == self.addr.bytes.len()
+        };
+        if !well_formed {
+            return Err(TransportError::MalformedAddress(format!(
+                "a {}-byte {} address (this NIC's are {} bytes)",
+                peer.bytes.len(),
+                self.provider,
+                self.addr.bytes.len()
+            )));
+        }
+        let fi_addr = self.insert(&peer.bytes)?;
+        let id = self.peers.len() as PeerId;
+        self.peers.push(Peer {
+            fi_addr,
+            refusing_since: None,
+        });
+        self.peer_ids.insert(peer.bytes.clone(), id);
+        Ok(id)
+    }
+
+    fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, TransportError> {
+        for (i, wr) in wrs.iter().enumerate() {
+            match self.post_write(wr) {
+                Ok(true) => {}
+                Ok(false) => return Ok(i),
+                // What was posted before the failing write stands; the engine retries the
+                // rest, and the failing write fails again at the head of the next batch.
+                Err(_) if i > 0 => return Ok(i),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(wrs.len())
+    }
+
+    unsafe fn post_send(&mut self, wr: &SendWr) -> Result<bool, TransportError> {
+        let dest = self.peer_addr(wr.peer)?;
+        let len = wr.len as usize;
+        let (buf, desc, bounce) = match self.bounce.as_mut() {
+            Some(b) => {
+                if len > b.slot_len {
+                    return Err(TransportError::MessageTooLarge {
+                        len,
+                        max: b.slot_len,
+                    });
+                }
+                let Some(slot) = b.free.pop() else {
+                    return Ok(false);
+                };
+                let start = slot as usize * b.slot_len;
+                // SAFETY: the caller keeps the payload valid for the call.
+                let payload = unsafe { std::slice::from_raw_parts(wr.addr as *const u8, len) };
+                b.memory[start..start + len].copy_from_slice(payload);
+                let lkey = b.lkey;
+                let ptr = b.memory[start..].as_ptr() as u64;
+                (ptr, self.local_desc(lkey, ptr, len as u64)?, Some(slot))
+            }
+            None => (wr.addr, null_mut(), None),
+        };
+        let context =
+            self.contexts
+                .acquire(wr.wr_id, OpKind::Send, wr.peer, bounce, Instant::now());
+        // SAFETY: the endpoint is live; the buffer (bounce slot or the caller's payload, which
+        // it keeps until the completion) outlives the send; `context` is a pool slot.
+        let rc = unsafe { fi::fi_send(self.ep, buf as *const c_void, len, desc, dest, context) };
+        let posted = self
+            .posted(rc, context, "fi_send")
+            .and_then(|accepted| self.note_post(wr.peer, accepted).map(|()| accepted));
+        if !matches!(posted, Ok(true))
+            && let Some(slot) = bounce
+        {
+            self.give_back_bounce(slot);
+        }
+        posted
+    }
+
+    unsafe fn post_recv(&mut self, wr: &RecvWr) -> Result<bool, TransportError> {
+        let desc = self.local_desc(wr.lkey, wr.addr, wr.len)?;
+        let context = self
+            .contexts
+            .acquire(wr.wr_id, OpKind::Recv, u32::MAX, None, Instant::now());
+        // SAFETY: the caller keeps the registered buffer valid and untouched until the
+        // completion; the endpoint is live; `context` is a pool slot.
+        let rc = unsafe {
+            fi::fi_recv(
+                self.ep,
+                wr.addr as *mut c_void,
+                wr.len as usize,
+                desc,
+                fi::FI_ADDR_UNSPEC,
+                context,
+            )
+        };
+        self.posted(rc, context, "fi_recv")
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
+        let start = out.len();
+        let want = max.min(self.cq_buf.len());
+        if want == 0 {
+            return 0;
+        }
+        // SAFETY: the CQ is live and in FI_CQ_FORMAT_DATA; the buffer has `want` entries.
+        let n = unsafe { fi::fi_cq_read(self.cq, self.cq_buf.as_mut_ptr().cast(), want) };
+        if n > 0 {
+            for i in 0..n as usize {
+                let e = self.cq_buf[i];
+                let remote_write = e.flags & fi::FI_REMOTE_WRITE != 0
+                    || (e.flags & fi::FI_REMOTE_CQ_DATA != 0 && e.flags & fi::FI_RECV == 0);
+                if remote_write {
+                    // A peer's write with an immediate has landed (the data is placed before
+                    // the target completion is generated).
+                    out.push(Completion {
+                        wr_id: 0,
+                        count: 1,
+                        kind: CompletionKind::Arrival { imm: e.data as u32 },
+                        result: Ok(()),
+                    });
+                    continue;
+                }
+                match self.contexts.release(e.op_context) {
+                    Released::Live(ctx) => {
+                        if let Some(b) = ctx.bounce {
+                            self.give_back_bounce(b);
+                        }
+                        out.push(Completion {
+                            wr_id: ctx.wr_id,
+                            count: 1,
+                            kind: completion_kind(ctx.kind, e.len),
+                            result: Ok(()),
+                        });
+                    }
+                    Released::Abandoned { bounce } => {
+                        if let Some(b) = bounce {
+                            self.give_back_bounce(b);
+                        }
+                    }
+                    Released::Unknown => {
+                        tracing::error!(flags = e.flags, "a completion for no posted operation");
+                    }
+                }
+            }
+        } else if n == -(fi::FI_EAVAIL as isize) {
+            self.error_completion(out);
+        } else if n != -(fi::FI_EAGAIN as isize) {
+            tracing::error!(error = %self.lib.strerror(n as i32), "fi_cq_read failed");
+        }
+        if out.len() - start < max {
+            self.sweep(out);
+        }
+        out.len() - start
+    }
+
+    fn set_notify(&mut self, _notify: Arc<dyn Notify>) {
+        // Nothing pushes to the worker: it polls the CQ (libfabric's progress needs that).
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.idle_poll.map(|d| Instant::now() + d)
+    }
+
+    fn may_park(&self) -> bool {
+        self.idle_poll.is_some()
+    }
+}
+
+impl Drop for FabricDomain {
+    fn drop(&mut self) {
+        let live = self.contexts.live();
+        if live > 0 {
+            tracing::debug!(live, "closing a fabric NIC with operations outstanding");
+        }
+        for slot in 0..self.regions.len() {
+            if let Some(region) = self.regions[slot].take() {
+                let _ = self.close_region(&region);
+            }
+        }
+        // SAFETY: each object is live or null, closed once, endpoint before what it is bound
+        // to; the info copy is ours. The context pool and bounce memory are dropped after
+        // this, so nothing the provider still references is freed before the endpoint closes.
+        unsafe {
+            for fid in [
+                self.ep.cast::<fi::fid>(),
+                self.av.cast(),
+                self.cq.cast(),
+                self.domain.cast(),
+                self.fabric.cast(),
+            ] {
+                if !fid.is_null() {
+                    let rc = fi::fi_close(fid);
+                    if rc != 0 {
+                        tracing::warn!(error = %self.lib.strerror(rc), "fi_close failed");
+                    }
+                }
+            }
+            self.lib.freeinfo(self.info);
+        }
+    }
+}
