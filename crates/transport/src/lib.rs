@@ -66,7 +66,7 @@ pub use cancel::CancellationToken;
 pub use domain::Domain;
 pub use engine::{
     Backpressure, DomainStats, EngineBuilder, EngineConfig, EngineStats, GroupStats,
-    PeerGroupHandle, TransferEngine,
+    PeerGroupHandle, Progress, TransferEngine,
 };
 pub use error::{Side, TransferError, TransportError};
 pub use fabric::{FabricConfig, FabricDomain, FabricReport, ProviderChoice};

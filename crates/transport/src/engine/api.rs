@@ -73,13 +73,47 @@ impl TransferEngine {
             return Err(TransportError::Shutdown);
         }
         let (reply, answer) = bounded(1);
-        group
-            .tx
-            .send(Message::Command(make(reply)))
-            .map_err(|_| TransportError::Shutdown)?;
+        self.send_waiting(group, Message::Command(make(reply)))?;
         group.after_send(&self.inner.engine.callbacks);
-        // Answered by the worker, by its last drain, or by `after_send` above.
-        answer.recv().map_err(|_| TransportError::Shutdown)
+        // Answered by the worker, by its last drain, or by `after_send` above; with manual
+        // progress, by the passes this thread runs while it waits.
+        if !self.inner.manual_progress {
+            return answer.recv().map_err(|_| TransportError::Shutdown);
+        }
+        loop {
+            match answer.try_recv() {
+                Ok(v) => return Ok(v),
+                Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                    return Err(TransportError::Shutdown);
+                }
+                Err(crossbeam_channel::TryRecvError::Empty) => {
+                    if !self.progress() {
+                        std::thread::yield_now();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Queues `message`, waiting for room if the queue is full (running passes meanwhile with
+    /// manual progress, since nobody else will).
+    fn send_waiting(&self, group: &GroupShared, message: Message) -> Result<(), TransportError> {
+        if !self.inner.manual_progress {
+            return group.tx.send(message).map_err(|_| TransportError::Shutdown);
+        }
+        let mut message = message;
+        loop {
+            match group.tx.try_send(message) {
+                Ok(()) => return Ok(()),
+                Err(TrySendError::Disconnected(_)) => return Err(TransportError::Shutdown),
+                Err(TrySendError::Full(m)) => {
+                    message = m;
+                    if !self.progress() {
+                        std::thread::yield_now();
+                    }
+                }
+            }
+        }
     }
 
     fn submit(
@@ -98,10 +132,7 @@ impl TransferEngine {
             submitted_at,
         });
         match self.inner.backpressure {
-            Backpressure::Wait => group
-                .tx
-                .send(message)
-                .map_err(|_| TransportError::Shutdown)?,
+            Backpressure::Wait => self.send_waiting(group, message)?,
             Backpressure::Fail => group.tx.try_send(message).map_err(|e| match e {
                 TrySendError::Full(_) => TransportError::QueueFull,
                 TrySendError::Disconnected(_) => TransportError::Shutdown,

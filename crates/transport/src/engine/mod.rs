@@ -47,6 +47,19 @@ pub enum Backpressure {
     Fail,
 }
 
+/// Who runs the domain groups' passes (posting, polling, reposting).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Progress {
+    /// A worker thread per group (paper 002 section 3.4): the default.
+    #[default]
+    Thread,
+    /// No worker threads: passes run inside [`TransferEngine::progress`], which the
+    /// application calls (also while it waits for a completion, an arrival or a reply). For
+    /// machines with fewer cores than busy threads, and for run-to-completion loops. Control
+    /// calls (`reg_mr`, connecting, ...) progress the engine themselves while they wait.
+    Manual,
+}
+
 /// Engine settings.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -66,6 +79,8 @@ pub struct EngineConfig {
     pub max_send_bytes: usize,
     /// Prefix of the engine's thread names.
     pub name: String,
+    /// Worker threads, or passes run by the application.
+    pub progress: Progress,
 }
 
 impl Default for EngineConfig {
@@ -79,8 +94,15 @@ impl Default for EngineConfig {
             watcher_poll: Duration::from_micros(50),
             max_send_bytes: 1 << 20,
             name: "kvroute".to_owned(),
+            progress: Progress::Thread,
         }
     }
+}
+
+/// What runs a group's passes.
+enum Runner {
+    Thread(JoinHandle<()>),
+    Manual(Box<dyn worker::ManualProgress>),
 }
 
 type Spawner = Box<
@@ -88,7 +110,7 @@ type Spawner = Box<
         u16,
         &Arc<EngineShared>,
         &EngineConfig,
-    ) -> Result<(Arc<GroupShared>, JoinHandle<()>), TransportError>,
+    ) -> Result<(Arc<GroupShared>, Runner), TransportError>,
 >;
 
 /// Builds a [`TransferEngine`] from domain groups.
@@ -155,6 +177,8 @@ impl EngineBuilder {
             backpressure: self.config.backpressure,
             max_send_bytes: self.config.max_send_bytes,
             workers: Mutex::new(Vec::new()),
+            manual: Vec::new(),
+            manual_progress: self.config.progress == Progress::Manual,
             callback_thread: Mutex::new(Some(callback_thread)),
             callback_thread_id,
             watcher: WatcherService::new(
@@ -167,13 +191,16 @@ impl EngineBuilder {
         };
         for (index, spawn) in self.groups.into_iter().enumerate() {
             match spawn(index as u16, &inner.engine, &self.config) {
-                Ok((group, thread)) => {
+                Ok((group, runner)) => {
                     inner.groups.push(group);
-                    inner
-                        .workers
-                        .get_mut()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .push(thread);
+                    match runner {
+                        Runner::Thread(thread) => inner
+                            .workers
+                            .get_mut()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .push(thread),
+                        Runner::Manual(m) => inner.manual.push(Mutex::new(Some(m))),
+                    }
                 }
                 Err(e) => {
                     inner.shutdown();
@@ -194,7 +221,7 @@ fn spawn_group<D: Domain>(
     domains: Vec<D>,
     engine: &Arc<EngineShared>,
     config: &EngineConfig,
-) -> Result<(Arc<GroupShared>, JoinHandle<()>), TransportError> {
+) -> Result<(Arc<GroupShared>, Runner), TransportError> {
     if domains.is_empty() || domains.len() > MAX_NICS {
         return Err(TransportError::InvalidArgument(
             "a domain group has 1 to 4 NICs",
@@ -227,22 +254,27 @@ fn spawn_group<D: Domain>(
         worker_written: CachePadded::default(),
     });
     let group = group::Group::new(domains, shared.clone(), engine.clone())?;
+    let driver = worker::Driver::new(group, rx);
+    let retire = shared::RetireOnExit(shared.clone(), engine.callbacks.clone());
+    if config.progress == Progress::Manual {
+        return Ok((
+            shared,
+            Runner::Manual(Box::new(worker::Manual::new(driver, retire))),
+        ));
+    }
     let worker_config = worker::WorkerConfig {
         core: config.pin_cores.get(index as usize).copied(),
         idle_spin: config.idle_spin,
     };
     let thread = std::thread::Builder::new()
         .name(format!("{}-worker-{index}", config.name))
-        .spawn({
-            let retire = shared::RetireOnExit(shared.clone(), engine.callbacks.clone());
-            move || {
-                // Dropped after the group, even if the worker panics.
-                let _retire = retire;
-                worker::run(group, &rx, &wake, worker_config);
-            }
+        .spawn(move || {
+            // Dropped after the group, even if the worker panics.
+            let _retire = retire;
+            worker::run(driver, &wake, worker_config);
         })
         .map_err(|e| TransportError::Domain(format!("spawning a worker: {e}")))?;
-    Ok((shared, thread))
+    Ok((shared, Runner::Thread(thread)))
 }
 
 struct Inner {
@@ -252,6 +284,9 @@ struct Inner {
     backpressure: Backpressure,
     max_send_bytes: usize,
     workers: Mutex<Vec<JoinHandle<()>>>,
+    /// Groups without a worker thread (manual progress), taken when they stop.
+    manual: Vec<Mutex<Option<Box<dyn worker::ManualProgress>>>>,
+    manual_progress: bool,
     callback_thread: Mutex<Option<JoinHandle<()>>>,
     callback_thread_id: ThreadId,
     watcher: WatcherService,
@@ -266,7 +301,12 @@ impl Inner {
         if self.stopped.swap(true, Ordering::AcqRel) {
             return;
         }
-        for g in &self.groups {
+        for m in &self.manual {
+            if let Some(mut group) = m.lock().unwrap_or_else(PoisonError::into_inner).take() {
+                group.stop();
+            }
+        }
+        for g in self.groups.iter().filter(|_| !self.manual_progress) {
             // Blocking send: a full queue drains, and Stop is handled after what precedes it.
             let _ = g.tx.send(message::Message::Command(message::Command::Stop));
             crate::domain::Notify::notify(&*g.wake);
@@ -366,6 +406,32 @@ impl TransferEngine {
     /// another thread.
     pub fn shutdown(&self) {
         self.inner.shutdown();
+    }
+
+    /// Runs one pass of every group (posting, polling completions, reposting receive
+    /// buffers) if the engine uses [`Progress::Manual`]; returns whether any pass did
+    /// something. With worker threads it does nothing and returns `false`. A group another
+    /// thread is progressing at the moment is skipped.
+    pub fn progress(&self) -> bool {
+        let mut busy = false;
+        for m in &self.inner.manual {
+            let guard = match m.try_lock() {
+                Ok(g) => Some(g),
+                Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            };
+            if let Some(mut g) = guard
+                && let Some(group) = g.as_mut()
+            {
+                busy |= group.pass();
+            }
+        }
+        busy
+    }
+
+    /// Whether the application runs the passes ([`Progress::Manual`]).
+    pub fn manual_progress(&self) -> bool {
+        self.inner.manual_progress
     }
 
     /// Counters of every group and NIC.

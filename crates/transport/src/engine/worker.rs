@@ -1,8 +1,12 @@
-//! The worker thread of one domain group (paper 002 section 3.4). Each pass: take new
-//! submissions first (their first work request is posted at once), then progress pending
-//! posts, then poll completions in batches, then repost receive buffers. When a pass finds
-//! nothing to do the worker spins briefly (to keep submit-to-post latency low under load) and
-//! then, if its NICs allow it, parks until a submitter or a peer wakes it.
+//! The worker of one domain group (paper 002 section 3.4). Each pass: take new submissions
+//! first (their first work request is posted at once), then progress pending posts, then poll
+//! completions in batches, then repost receive buffers.
+//!
+//! A pass is run by the group's worker thread ([`run`]): when a pass finds nothing to do the
+//! thread spins briefly (to keep submit-to-post latency low under load) and then, if its NICs
+//! allow it, parks until a submitter or a peer wakes it. With manual progress
+//! ([`crate::Progress::Manual`]) there is no thread: whoever calls
+//! [`crate::TransferEngine::progress`] runs the pass ([`Manual`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,7 +15,7 @@ use crossbeam_channel::{Receiver, TryRecvError};
 
 use super::group::Group;
 use super::message::{Command, Message};
-use super::shared::WorkerWake;
+use super::shared::{RetireOnExit, WorkerWake};
 use crate::domain::Domain;
 
 /// Messages taken per pass, so completions are polled even under a flood of submissions.
@@ -21,7 +25,7 @@ const IDLE_CHECK: u32 = 64;
 /// Longest park: a safety net only; wake-ups normally come through `WorkerWake`.
 const MAX_PARK: Duration = Duration::from_millis(20);
 
-/// How a worker runs.
+/// How a worker thread runs.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct WorkerConfig {
     /// CPU core to pin the worker to.
@@ -30,13 +34,52 @@ pub(crate) struct WorkerConfig {
     pub(crate) idle_spin: Duration,
 }
 
-/// Runs a worker until it is told to stop or its engine is dropped.
-pub(crate) fn run<D: Domain>(
-    mut group: Group<D>,
-    rx: &Receiver<Message>,
-    wake: &Arc<WorkerWake>,
-    config: WorkerConfig,
-) {
+/// What a pass did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pass {
+    /// Something was taken, posted, completed or reposted.
+    Busy,
+    /// Nothing to do.
+    Idle,
+    /// Told to stop: everything in flight has been failed.
+    Stopped,
+}
+
+/// A group and its submission queue: the pass, whoever runs it.
+pub(crate) struct Driver<D: Domain> {
+    group: Group<D>,
+    rx: Receiver<Message>,
+}
+
+impl<D: Domain> Driver<D> {
+    pub(crate) fn new(group: Group<D>, rx: Receiver<Message>) -> Self {
+        Self { group, rx }
+    }
+
+    /// One pass over submissions, pending posts, completions and receive buffers.
+    pub(crate) fn pass(&mut self) -> Pass {
+        let mut busy = false;
+        for _ in 0..DRAIN {
+            match self.rx.try_recv() {
+                Ok(Message::Transfer(sub)) => self.group.accept(sub),
+                Ok(Message::Command(Command::Stop)) | Err(TryRecvError::Disconnected) => {
+                    self.group.shutdown();
+                    return Pass::Stopped;
+                }
+                Ok(Message::Command(c)) => self.group.command(c),
+                Err(TryRecvError::Empty) => break,
+            }
+            busy = true;
+        }
+        busy |= self.group.progress();
+        busy |= self.group.poll();
+        busy |= self.group.repost_recvs();
+        if busy { Pass::Busy } else { Pass::Idle }
+    }
+}
+
+/// Runs a worker thread until it is told to stop.
+pub(crate) fn run<D: Domain>(mut driver: Driver<D>, wake: &Arc<WorkerWake>, config: WorkerConfig) {
     wake.bind(std::thread::current());
     if let Some(core) = config.core
         && !core_affinity::set_for_current(core_affinity::CoreId { id: core })
@@ -46,26 +89,14 @@ pub(crate) fn run<D: Domain>(
     let mut idle_since: Option<Instant> = None;
     let mut idle_passes: u32 = 0;
     loop {
-        let mut busy = false;
-        for _ in 0..DRAIN {
-            match rx.try_recv() {
-                Ok(Message::Transfer(sub)) => group.accept(sub),
-                Ok(Message::Command(Command::Stop)) | Err(TryRecvError::Disconnected) => {
-                    group.shutdown();
-                    return;
-                }
-                Ok(Message::Command(c)) => group.command(c),
-                Err(TryRecvError::Empty) => break,
+        match driver.pass() {
+            Pass::Stopped => return,
+            Pass::Busy => {
+                idle_since = None;
+                idle_passes = 0;
+                continue;
             }
-            busy = true;
-        }
-        busy |= group.progress();
-        busy |= group.poll();
-        busy |= group.repost_recvs();
-        if busy {
-            idle_since = None;
-            idle_passes = 0;
-            continue;
+            Pass::Idle => {}
         }
         // Idle: spin with the pause hint (a submission is picked up within a pass), and only
         // every IDLE_CHECK passes look at the clock and yield the core (a syscall a submission
@@ -76,22 +107,69 @@ pub(crate) fn run<D: Domain>(
             continue;
         }
         let since = *idle_since.get_or_insert_with(Instant::now);
-        if since.elapsed() < config.idle_spin || !group.may_park() {
+        if since.elapsed() < config.idle_spin || !driver.group.may_park() {
             std::thread::yield_now();
             continue;
         }
         // Announce, look once more, then park: see WorkerWake for why no wake-up is lost.
         wake.announce_sleep();
-        if !rx.is_empty() || group.poll() {
+        if !driver.rx.is_empty() || driver.group.poll() {
             wake.awake();
             idle_since = None;
             continue;
         }
-        let timeout = group
+        let timeout = driver
+            .group
             .next_deadline()
             .map_or(MAX_PARK, |d| d.saturating_duration_since(Instant::now()))
             .min(MAX_PARK);
         std::thread::park_timeout(timeout);
         wake.awake();
+    }
+}
+
+/// A group without a thread: its passes run inside [`crate::TransferEngine::progress`].
+pub(crate) trait ManualProgress: Send {
+    /// Runs one pass; returns whether it did anything.
+    fn pass(&mut self) -> bool;
+    /// Fails everything in flight or queued, closes the NICs and retires the group.
+    fn stop(&mut self);
+}
+
+/// The manual counterpart of a worker thread.
+pub(crate) struct Manual<D: Domain> {
+    driver: Option<Driver<D>>,
+    retire: Option<RetireOnExit>,
+}
+
+impl<D: Domain> Manual<D> {
+    pub(crate) fn new(driver: Driver<D>, retire: RetireOnExit) -> Self {
+        Self {
+            driver: Some(driver),
+            retire: Some(retire),
+        }
+    }
+}
+
+impl<D: Domain> ManualProgress for Manual<D> {
+    fn pass(&mut self) -> bool {
+        match self.driver.as_mut().map(Driver::pass) {
+            Some(Pass::Busy) => true,
+            Some(Pass::Idle) | None => false,
+            Some(Pass::Stopped) => {
+                self.stop();
+                false
+            }
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut driver) = self.driver.take() {
+            driver.group.shutdown();
+            // The group and its NICs go first; then the group retires (as a worker thread's
+            // RetireOnExit does when the thread ends).
+            drop(driver);
+        }
+        drop(self.retire.take());
     }
 }
