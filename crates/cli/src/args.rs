@@ -40,6 +40,41 @@ pub enum BenchCommand {
     /// The transfer engine on the in-process `mem` domain: submit-to-post latency, paged-write
     /// throughput, scatter posting time.
     Transport(TransportBenchArgs),
+    /// The libfabric domain between two processes, beside fi_pingpong on the same provider:
+    /// the immediate-only round trip, single writes (64 KiB-32 MiB), paged writes (1-64 KiB).
+    Fabric(FabricBenchArgs),
+    /// The second process of `bench fabric` (started by it).
+    #[command(hide = true)]
+    FabricPeer(FabricPeerArgs),
+}
+
+/// `kvroute bench fabric`.
+#[derive(Debug, Clone, Args)]
+pub struct FabricBenchArgs {
+    /// libfabric provider: tcp (tcp;ofi_rxm) or shm.
+    #[arg(long, default_value = "tcp")]
+    pub provider: String,
+    /// Who runs the engines' passes: `manual` (the bench's own thread, as fi_pingpong's one
+    /// thread does; fair on machines with few cores) or `thread` (a worker thread each).
+    #[arg(long, default_value = "manual")]
+    pub progress: String,
+    /// One round and shorter runs (a smoke run).
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// `kvroute bench fabric-peer`.
+#[derive(Debug, Clone, Args)]
+pub struct FabricPeerArgs {
+    /// libfabric provider.
+    #[arg(long)]
+    pub provider: String,
+    /// Address to bind.
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Manual progress.
+    #[arg(long)]
+    pub manual: bool,
 }
 
 /// `kvroute bench transport`.

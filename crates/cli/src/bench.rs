@@ -45,7 +45,7 @@ pub struct TransportBenchReport {
     pub targets: Vec<Target>,
 }
 
-fn machine() -> String {
+pub(crate) fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {

@@ -4,12 +4,13 @@
 //!
 //! Commands: `predict` (route / fetch / local for one request), `plan prfaas`, `plan helix`,
 //! `presets`, `tour` (the papers' operating points; what `cargo xtask demo` runs until the
-//! end-to-end demo exists), and `bench transport`.
+//! end-to-end demo exists), `bench transport` and `bench fabric`.
 
 #![forbid(unsafe_code)]
 
 pub mod args;
 mod bench;
+mod bench_fabric;
 mod plan;
 mod predict;
 mod presets;
@@ -20,6 +21,7 @@ use anyhow::Result;
 pub use args::Cli;
 use args::{BenchCommand, Command, PlanCommand};
 pub use bench::{Target, TransportBenchReport};
+pub use bench_fabric::{Compared, FabricBenchReport, PagedRow};
 pub use plan::{HelixReport, PrfaasReport};
 pub use predict::PredictReport;
 pub use presets::PresetsReport;
@@ -34,6 +36,11 @@ pub fn run(cli: &Cli) -> Result<String> {
         Command::Presets => render(cli.json, &presets::run()),
         Command::Tour => render(cli.json, &tour::run()?),
         Command::Bench(BenchCommand::Transport(args)) => render(cli.json, &bench::transport(args)?),
+        Command::Bench(BenchCommand::Fabric(args)) => render(cli.json, &bench_fabric::run(args)?),
+        Command::Bench(BenchCommand::FabricPeer(args)) => {
+            bench_fabric::peer(args)?;
+            Ok(String::new())
+        }
     }
 }
 

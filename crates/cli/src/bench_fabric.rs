@@ -1,0 +1,548 @@
+//! `kvroute bench fabric`: the libfabric domain between two processes (this one and a copy of
+//! itself started as `kvroute bench fabric-peer`), each number beside `fi_pingpong` on the
+//! same provider, run in the same invocation and interleaved with the engine's runs.
+//!
+//! Targets (issue 5): single writes of 64 KiB and more at 0.9x `fi_pingpong`'s MB/s or better;
+//! the immediate-only round trip at 1.2x `fi_pingpong`'s usec/xfer or less.
+
+use std::fmt;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use kvroute_transport::fabric::bench::{self, Pingpong, RawAddress, RawEndpoint, Stream};
+use kvroute_transport::{
+    EngineConfig, FabricConfig, FabricReport, MrDesc, NetAddr, Progress, ProviderChoice,
+    TransferEngine,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::args::{FabricBenchArgs, FabricPeerArgs};
+use crate::bench::{Target, machine};
+
+/// Bytes each side registers: the largest single write.
+const BUFFER: usize = 32 << 20;
+/// Single-write sizes (issue 5: 64 KiB to 32 MiB).
+const SINGLE: &[u64] = &[64 << 10, 256 << 10, 1 << 20, 4 << 20, 32 << 20];
+/// Page sizes of the paged writes (1 KiB to 64 KiB).
+const PAGES: &[u64] = &[1 << 10, 4 << 10, 16 << 10, 64 << 10];
+/// Bytes per paged transfer.
+const PAGED_BYTES: u64 = 16 << 20;
+/// Single writes in flight in a stream.
+const WINDOW: u64 = 8;
+/// fi_pingpong's control port (a fixed one, as fi_pingpong's own default is).
+const PINGPONG_PORT: u16 = 47_611;
+
+/// Single writes of at least 64 KiB: 0.9x fi_pingpong's MB/s or more.
+const BANDWIDTH_RATIO_TARGET: f64 = 0.9;
+/// The small round trip: 1.2x fi_pingpong's usec/xfer or less.
+const LATENCY_RATIO_TARGET: f64 = 1.2;
+
+/// What the parent tells the peer, one JSON line each.
+#[derive(Debug, Serialize, Deserialize)]
+enum PeerCommand {
+    /// Answer `count` pings of `size` bytes.
+    Answer { size: u64, count: u64 },
+    /// Answer `count` pings of `size` bytes on the raw endpoint, from `parent`'s.
+    AnswerRaw {
+        parent: RawAddress,
+        size: u64,
+        count: u64,
+    },
+    /// Keep running passes until the next command (the parent is writing into this process:
+    /// with manual progress its writes land only while the target progresses).
+    Serve,
+    /// Stop serving (the next measurement is fi_pingpong's, which must have the cores).
+    Rest,
+    /// Exit.
+    Exit,
+}
+
+/// An address and a buffer, exchanged at start, and the raw endpoint's.
+#[derive(Debug, Serialize, Deserialize)]
+struct Hello {
+    addr: NetAddr,
+    desc: MrDesc,
+    raw: RawAddress,
+}
+
+/// One size, the engine's ping-pong beside fi_pingpong's and beside the provider's bare RMA
+/// path (medians over the rounds).
+#[derive(Debug, Clone, Serialize)]
+pub struct Compared {
+    /// Bytes per message (0: the engine's immediate-only write).
+    pub size: u64,
+    /// The engine.
+    pub engine: Pingpong,
+    /// fi_pingpong on the same provider (send/recv messages).
+    pub fi_pingpong: Pingpong,
+    /// The same writes posted and polled on a bare NIC, without the engine.
+    pub raw: Pingpong,
+    /// engine / fi_pingpong, MB/s (single writes) or usec/xfer (the round trip): the target.
+    pub ratio: f64,
+    /// engine / raw, the same way: what the engine itself costs.
+    pub over_raw: f64,
+}
+
+/// A paged transfer beside fi_pingpong at the page size.
+#[derive(Debug, Clone, Serialize)]
+pub struct PagedRow {
+    /// The engine's paged transfer (median over the rounds).
+    pub engine: Stream,
+    /// fi_pingpong at the page size.
+    pub fi_pingpong: Pingpong,
+}
+
+/// Everything `bench fabric` measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct FabricBenchReport {
+    /// The machine.
+    pub machine: String,
+    /// What libfabric opened.
+    pub fabric: FabricReport,
+    /// Who ran the engines' passes: `thread` (worker threads) or `manual` (the bench's threads).
+    pub progress: String,
+    /// Rounds each number is the median of.
+    pub rounds: usize,
+    /// The immediate-only round trip beside fi_pingpong's smallest message.
+    pub round_trip: Compared,
+    /// Single writes, ping-pong, beside fi_pingpong.
+    pub single: Vec<Compared>,
+    /// Single writes streamed (`window` in flight); no fi_pingpong counterpart.
+    pub streams: Vec<Stream>,
+    /// Writes in flight in the streams.
+    pub window: u64,
+    /// Paged writes, one transfer of 16 MiB per page size.
+    pub paged: Vec<PagedRow>,
+    /// The targets and whether this run met them.
+    pub targets: Vec<Target>,
+}
+
+fn median_by<T: Clone>(mut runs: Vec<T>, key: impl Fn(&T) -> f64) -> T {
+    runs.sort_by(|a, b| key(a).total_cmp(&key(b)));
+    runs[runs.len() / 2].clone()
+}
+
+/// Iterations for about `budget` of ping-pong at `size` bytes, assuming `mb_per_s`.
+fn iters_for(size: u64, budget: Duration, quick: bool) -> u64 {
+    // Roughly what tcp on loopback does; shm is faster, so its runs are shorter.
+    let per_xfer_us = 6.0 + size as f64 / 2500.0;
+    let n = (budget.as_secs_f64() * 1e6 / (2.0 * per_xfer_us)) as u64;
+    n.clamp(if quick { 5 } else { 10 }, 20_000)
+}
+
+struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Peer {
+    fn start(provider: &str, node: Option<&str>, manual: bool) -> Result<Self> {
+        let exe = std::env::current_exe().context("finding the kvroute binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.args(["bench", "fabric-peer", "--provider", provider]);
+        if manual {
+            cmd.arg("--manual");
+        }
+        if let Some(n) = node {
+            cmd.args(["--node", n]);
+        }
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting the bench peer")?;
+        let stdin = child.stdin.take().ok_or_else(|| anyhow!("no peer stdin"))?;
+        let stdout = BufReader::new(
+            child
+                .stdout
+                .take()
+                .ok_or_else(|| anyhow!("no peer stdout"))?,
+        );
+        Ok(Self {
+            child,
+            stdin,
+            stdout,
+        })
+    }
+
+    fn send<T: Serialize>(&mut self, msg: &T) -> Result<()> {
+        writeln!(self.stdin, "{}", serde_json::to_string(msg)?)?;
+        self.stdin.flush()?;
+        Ok(())
+    }
+
+    fn recv<T: for<'de> Deserialize<'de>>(&mut self) -> Result<T> {
+        let mut line = String::new();
+        if self.stdout.read_line(&mut line)? == 0 {
+            bail!("the bench peer exited");
+        }
+        serde_json::from_str(&line).with_context(|| format!("the bench peer said: {line}"))
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.send(&PeerCommand::Exit);
+        let _ = self.child.wait();
+    }
+}
+
+fn fabric_config(provider: &str, node: Option<&str>, threads: bool) -> Result<FabricConfig> {
+    Ok(FabricConfig {
+        provider: provider.parse()?,
+        node: node.map(str::to_owned),
+        required: true,
+        // Worker threads park when idle, leaving the cores to fi_pingpong's runs.
+        idle_poll: threads.then_some(Duration::from_millis(1)),
+        ..FabricConfig::default()
+    })
+}
+
+fn open(
+    provider: &str,
+    node: Option<&str>,
+    progress: Progress,
+) -> Result<(TransferEngine, FabricReport)> {
+    let config = fabric_config(provider, node, progress == Progress::Thread)?;
+    let engine = EngineConfig {
+        progress,
+        ..EngineConfig::default()
+    };
+    Ok(TransferEngine::fabric(&config, engine)?)
+}
+
+fn progress_of(manual: bool) -> Progress {
+    if manual {
+        Progress::Manual
+    } else {
+        Progress::Thread
+    }
+}
+
+/// `kvroute bench fabric-peer`: the other process of `bench fabric`. Its one thread runs the
+/// engine's passes (manual progress) between commands too, since the parent's writes land only
+/// while the target progresses (tcp;ofi_rxm progresses manually); a second thread reads stdin.
+pub(crate) fn peer(args: &FabricPeerArgs) -> Result<()> {
+    let (engine, _) = open(
+        &args.provider,
+        args.node.as_deref(),
+        progress_of(args.manual),
+    )?;
+    let buf = engine.alloc_mr(BUFFER)?;
+    let config = fabric_config(&args.provider, args.node.as_deref(), false)?;
+    let mut raw = RawEndpoint::open(&config, BUFFER)?;
+    let mut out = std::io::stdout();
+    writeln!(
+        out,
+        "{}",
+        serde_json::to_string(&Hello {
+            addr: engine.main_address(),
+            desc: buf.desc().clone(),
+            raw: raw.address(),
+        })?
+    )?;
+    out.flush()?;
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    // While serving, spins like the bench's own waits: the pause hint, and the core yielded
+    // every 64 idle passes (a yield per pass would cost a syscall each time a write is about
+    // to land). Otherwise it blocks, leaving the cores to whatever is measured.
+    let next_line = |engine: &TransferEngine, serving: bool| -> Option<String> {
+        if !serving {
+            return rx.recv().ok();
+        }
+        let mut idle = 0u32;
+        loop {
+            match rx.try_recv() {
+                Ok(line) => return Some(line),
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => return None,
+                Err(std::sync::mpsc::TryRecvError::Empty) => {
+                    if engine.progress() {
+                        continue;
+                    }
+                    idle = idle.wrapping_add(1);
+                    if idle.is_multiple_of(64) {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+            }
+        }
+    };
+    let hello = next_line(&engine, false).ok_or_else(|| anyhow!("no hello"))?;
+    let parent: Hello = serde_json::from_str(&hello)?;
+    let mut serving = false;
+    while let Some(line) = next_line(&engine, serving) {
+        match serde_json::from_str::<PeerCommand>(&line)? {
+            PeerCommand::AnswerRaw {
+                parent,
+                size,
+                count,
+            } => {
+                let result = raw
+                    .connect(&parent)
+                    .and_then(|()| raw.answer(size, count))
+                    .map_err(|e| e.to_string());
+                writeln!(out, "{}", serde_json::to_string(&result)?)?;
+                out.flush()?;
+            }
+            PeerCommand::Serve => serving = true,
+            PeerCommand::Rest => serving = false,
+            PeerCommand::Answer { size, count } => {
+                let result = bench::answer_pings(&engine, &buf, &parent.desc, size, count)
+                    .map_err(|e| e.to_string());
+                writeln!(out, "{}", serde_json::to_string(&result)?)?;
+                out.flush()?;
+            }
+            PeerCommand::Exit => break,
+        }
+    }
+    drop((buf, raw));
+    engine.shutdown();
+    Ok(())
+}
+
+/// `kvroute bench fabric`.
+pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
+    let choice: ProviderChoice = args.provider.parse()?;
+    let provider = choice
+        .prov_name()
+        .ok_or_else(|| anyhow!("bench fabric needs a named provider (tcp or shm), not auto"))?
+        .to_owned();
+    let node = (choice != ProviderChoice::Shm).then_some("127.0.0.1");
+    let rounds = if args.quick { 1 } else { 3 };
+    let budget = Duration::from_millis(if args.quick { 60 } else { 300 });
+
+    let manual = args.progress == "manual";
+    if !manual && args.progress != "thread" {
+        bail!("--progress is thread or manual, not {}", args.progress);
+    }
+    let mut peer = Peer::start(&args.provider, node, manual)?;
+    let hello: Hello = peer.recv()?;
+    let (engine, fabric) = open(&args.provider, node, progress_of(manual))?;
+    let buf = engine.alloc_mr(BUFFER)?;
+    let mut raw = RawEndpoint::open(&fabric_config(&args.provider, node, false)?, BUFFER)?;
+    raw.connect(&hello.raw)?;
+    peer.send(&Hello {
+        addr: engine.main_address(),
+        desc: buf.desc().clone(),
+        raw: raw.address(),
+    })?;
+
+    // One ping-pong with the peer answering: through the engines, or on the bare NICs.
+    let mut pingpong = |raw_path: bool, size: u64, iters: u64| -> Result<Pingpong> {
+        let warmup = (iters / 10).max(2);
+        let count = warmup + iters;
+        if raw_path {
+            peer.send(&PeerCommand::AnswerRaw {
+                parent: raw.address(),
+                size,
+                count,
+            })?;
+        } else {
+            peer.send(&PeerCommand::Answer { size, count })?;
+        }
+        let result = if raw_path {
+            raw.pingpong(size, warmup, iters)
+        } else {
+            bench::pingpong(&engine, &buf, &hello.desc, size, warmup, iters)
+        };
+        let answered: Result<(), String> = peer.recv()?;
+        answered.map_err(|e| anyhow!("the peer: {e}"))?;
+        Ok(result?)
+    };
+    let fi = |size: u64, iters: u64| -> Result<Pingpong> {
+        bench::fi_pingpong(&provider, size, iters, PINGPONG_PORT).map_err(|e| anyhow!(e))
+    };
+    // Rounds interleave the three, so drift on this shared machine hits each alike.
+    let mut compare = |size: u64, fi_size: u64, latency: bool| -> Result<Compared> {
+        let iters = iters_for(size, budget, args.quick);
+        let (mut mine, mut theirs, mut bare) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            mine.push(pingpong(false, size, iters)?);
+            theirs.push(fi(fi_size, iters)?);
+            bare.push(pingpong(true, size, iters)?);
+        }
+        let key = |p: &Pingpong| if latency { p.usec_per_xfer } else { p.mb_per_s };
+        let (engine, fi_pingpong, raw) = (
+            median_by(mine, key),
+            median_by(theirs, key),
+            median_by(bare, key),
+        );
+        Ok(Compared {
+            size,
+            ratio: key(&engine) / key(&fi_pingpong),
+            over_raw: key(&engine) / key(&raw),
+            engine,
+            fi_pingpong,
+            raw,
+        })
+    };
+
+    // The engine's immediate-only write carries 4 bytes (the immediate): fi_pingpong's
+    // 4-byte message is its counterpart.
+    let round_trip = compare(0, 4, true)?;
+    let mut single = Vec::new();
+    for &size in SINGLE {
+        single.push(compare(size, size, false)?);
+    }
+
+    peer.send(&PeerCommand::Serve)?;
+    let mut streams = Vec::new();
+    for &size in SINGLE {
+        let count = (PAGED_BYTES * 4 / size).clamp(16, 4096) / if args.quick { 4 } else { 1 };
+        let runs = (0..rounds)
+            .map(|_| bench::stream(&engine, &buf, &hello.desc, size, count, WINDOW))
+            .collect::<Result<Vec<_>, _>>()?;
+        streams.push(median_by(runs, |s| s.mb_per_s));
+    }
+    let mut paged_runs = Vec::new();
+    for &page in PAGES {
+        let pages = (PAGED_BYTES / page / if args.quick { 4 } else { 1 }) as u32;
+        let runs = (0..rounds)
+            .map(|_| bench::paged(&engine, &buf, &hello.desc, page, pages))
+            .collect::<Result<Vec<_>, _>>()?;
+        paged_runs.push(median_by(runs, |s| s.mb_per_s));
+    }
+    peer.send(&PeerCommand::Rest)?;
+    let mut paged = Vec::new();
+    for (&page, engine) in PAGES.iter().zip(paged_runs) {
+        paged.push(PagedRow {
+            engine,
+            fi_pingpong: fi(page, iters_for(page, budget, args.quick))?,
+        });
+    }
+    drop(peer);
+
+    let mut targets = vec![Target {
+        what: "immediate-only round trip, engine / fi_pingpong usec/xfer",
+        target: "<= 1.2",
+        measured: round_trip.ratio,
+        met: round_trip.ratio <= LATENCY_RATIO_TARGET,
+    }];
+    for c in &single {
+        targets.push(Target {
+            what: "single write >= 64 KiB, engine / fi_pingpong MB/s",
+            target: ">= 0.9",
+            measured: c.ratio,
+            met: c.ratio >= BANDWIDTH_RATIO_TARGET,
+        });
+    }
+    Ok(FabricBenchReport {
+        machine: machine(),
+        fabric,
+        progress: args.progress.clone(),
+        rounds,
+        round_trip,
+        single,
+        streams,
+        window: WINDOW,
+        paged,
+        targets,
+    })
+}
+
+fn size(bytes: u64) -> String {
+    match bytes {
+        0 => "imm".to_owned(),
+        b if b >= 1 << 20 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
+impl fmt::Display for FabricBenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "fabric domain between two processes; {}", self.machine)?;
+        writeln!(f, "{}", self.fabric)?;
+        writeln!(f, "engine progress: {}", self.progress)?;
+        writeln!(
+            f,
+            "medians of {} rounds, engine and fi_pingpong interleaved\n",
+            self.rounds
+        )?;
+        writeln!(
+            f,
+            "round trip (usec/xfer = half a round trip, as fi_pingpong reports)"
+        )?;
+        let r = &self.round_trip;
+        writeln!(
+            f,
+            "  engine imm-only write {:>7.2} us   fi_pingpong 4 B {:>7.2} us   ratio {:.2}",
+            r.engine.usec_per_xfer, r.fi_pingpong.usec_per_xfer, r.ratio
+        )?;
+        writeln!(
+            f,
+            "  bare NIC imm-only write {:>5.2} us   (engine / bare NIC {:.2})\n",
+            r.raw.usec_per_xfer, r.over_raw
+        )?;
+        writeln!(
+            f,
+            "single writes, ping-pong (MB/s as fi_pingpong computes it)"
+        )?;
+        writeln!(
+            f,
+            "  {:>8} {:>12} {:>12} {:>8} {:>12} {:>9}",
+            "size", "engine MB/s", "fi_pp MB/s", "ratio", "bare MB/s", "eng/bare"
+        )?;
+        for c in &self.single {
+            writeln!(
+                f,
+                "  {:>8} {:>12.1} {:>12.1} {:>8.2} {:>12.1} {:>9.2}",
+                size(c.size),
+                c.engine.mb_per_s,
+                c.fi_pingpong.mb_per_s,
+                c.ratio,
+                c.raw.mb_per_s,
+                c.over_raw
+            )?;
+        }
+        writeln!(f, "\nsingle writes streamed, {} in flight", self.window)?;
+        for s in &self.streams {
+            writeln!(f, "  {:>8} {:>14.1} MB/s", size(s.size), s.mb_per_s)?;
+        }
+        writeln!(
+            f,
+            "\npaged writes, 16 MiB per transfer (fi_pingpong at the page size beside)"
+        )?;
+        writeln!(
+            f,
+            "  {:>8} {:>14} {:>14} {:>14}",
+            "page", "pages/s", "engine MB/s", "fi_pp MB/s"
+        )?;
+        for p in &self.paged {
+            writeln!(
+                f,
+                "  {:>8} {:>14.0} {:>14.1} {:>14.1}",
+                size(p.engine.size),
+                p.engine.per_s,
+                p.engine.mb_per_s,
+                p.fi_pingpong.mb_per_s
+            )?;
+        }
+        writeln!(f, "\ntargets")?;
+        for t in &self.targets {
+            writeln!(
+                f,
+                "  [{}] {}: {:.2} (target {})",
+                if t.met { "met" } else { "MISSED" },
+                t.what,
+                t.measured,
+                t.target
+            )?;
+        }
+        Ok(())
+    }
+}

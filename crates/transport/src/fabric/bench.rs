@@ -1,0 +1,548 @@
+//! Measurements of the fabric domain between two engines, and the baseline a user would trust
+//! beside them: libfabric's own `fi_pingpong` on the same provider.
+//!
+//! `fi_pingpong` reports, per fabtests' `show_perf`, `usec/xfer` = elapsed / (iterations x 2)
+//! (half a round trip) and `MB/sec` = bytes moved / elapsed microseconds, with 2 x size bytes
+//! moved per iteration. [`Pingpong`] computes the engine's ping-pong the same way, so the two
+//! columns compare directly. Streams (several writes in flight) are reported separately: they
+//! are what the engine is for, but have no `fi_pingpong` counterpart.
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::{FabricConfig, FabricDomain};
+use crate::TransferEngine;
+use crate::addr::DomainAddr;
+use crate::buffer::RegisteredBuffer;
+use crate::domain::{Completion, CompletionKind, Domain, PeerId, Registration, WriteWr};
+use crate::error::TransportError;
+use crate::mr::{Device, MrDesc};
+use crate::on_done::{DoneCounter, DoneFlag, OnDone};
+use crate::request::Pages;
+
+/// The immediate of a ping.
+pub const PING: u32 = 0x5049_4e47;
+/// The immediate of a pong.
+pub const PONG: u32 = 0x504f_4e47;
+/// The immediate of a paged transfer's pages.
+pub const PAGE: u32 = 0x5041_4745;
+
+/// A ping-pong's result in `fi_pingpong`'s units.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Pingpong {
+    /// Bytes per message (0: immediate-only writes).
+    pub size: u64,
+    /// Round trips timed.
+    pub iters: u64,
+    /// Half a round trip, microseconds.
+    pub usec_per_xfer: f64,
+    /// Bytes moved (2 x size per round trip) per microsecond.
+    pub mb_per_s: f64,
+}
+
+impl Pingpong {
+    /// From `iters` round trips of `size` bytes taking `elapsed`, as fabtests computes it.
+    pub fn from_elapsed(size: u64, iters: u64, elapsed: Duration) -> Self {
+        let usec = elapsed.as_secs_f64() * 1e6;
+        Self {
+            size,
+            iters,
+            usec_per_xfer: usec / (iters as f64 * 2.0),
+            mb_per_s: (size as f64 * iters as f64 * 2.0) / usec,
+        }
+    }
+}
+
+/// A one-way stream's result.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Stream {
+    /// Bytes per write (or per page).
+    pub size: u64,
+    /// Writes (or pages).
+    pub count: u64,
+    /// Bytes per microsecond, from the first submit to the last completion at the sender
+    /// (writes are delivery-complete: placed at the target).
+    pub mb_per_s: f64,
+    /// Writes (or pages) per second.
+    pub per_s: f64,
+}
+
+impl Stream {
+    fn from_elapsed(size: u64, count: u64, elapsed: Duration) -> Self {
+        let secs = elapsed.as_secs_f64();
+        Self {
+            size,
+            count,
+            mb_per_s: size as f64 * count as f64 / (secs * 1e6),
+            per_s: count as f64 / secs,
+        }
+    }
+}
+
+/// Spins until `cond` holds, running the engine's passes if it uses manual progress and
+/// yielding now and then so a thread sharing the core runs; fails past `deadline`.
+fn spin_until(
+    engine: &TransferEngine,
+    deadline: Instant,
+    what: &str,
+    mut cond: impl FnMut() -> bool,
+) -> Result<(), TransportError> {
+    let mut spins = 0u32;
+    while !cond() {
+        if engine.progress() {
+            continue;
+        }
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(64) {
+            if Instant::now() > deadline {
+                return Err(TransportError::Domain(format!(
+                    "{what} did not happen within the bench's deadline"
+                )));
+            }
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    Ok(())
+}
+
+/// Waits until `imm` has arrived once more, claiming it: an expectation of one arrival with a
+/// flag, spun on (the counter's lock is taken once, not on every spin).
+fn await_one(engine: &TransferEngine, imm: u32, deadline: Instant) -> Result<(), TransportError> {
+    let landed = DoneFlag::new();
+    engine.expect_imm_count(imm, 1, OnDone::from(&landed));
+    spin_until(engine, deadline, "an immediate", || landed.is_done())
+}
+
+fn one_write(
+    engine: &TransferEngine,
+    buf: &RegisteredBuffer,
+    peer: &MrDesc,
+    size: u64,
+    imm: u32,
+    done: &Arc<DoneCounter>,
+) -> Result<(), TransportError> {
+    if size == 0 {
+        engine.submit_imm(imm, peer, OnDone::from(done))
+    } else {
+        engine.submit_single_write(
+            size,
+            Some(imm),
+            (buf.handle(), 0),
+            (peer, 0),
+            OnDone::from(done),
+        )
+    }
+}
+
+/// Waits until all `count` writes counted by `done` completed, and fails if any failed.
+fn settle(
+    engine: &TransferEngine,
+    done: &DoneCounter,
+    count: u64,
+    deadline: Instant,
+) -> Result<(), TransportError> {
+    spin_until(engine, deadline, "the writes' completions", || {
+        done.total() == count
+    })?;
+    if done.failed() > 0 {
+        return Err(TransportError::Domain(format!(
+            "{} of {count} writes failed",
+            done.failed()
+        )));
+    }
+    Ok(())
+}
+
+/// The initiating side of a ping-pong: `warmup` untimed round trips, then `iters` timed ones,
+/// each a `size`-byte write with [`PING`] answered by one with [`PONG`] (immediate-only writes
+/// for size 0). The peer runs [`answer_pings`] for `warmup + iters`.
+pub fn pingpong(
+    engine: &TransferEngine,
+    buf: &RegisteredBuffer,
+    peer: &MrDesc,
+    size: u64,
+    warmup: u64,
+    iters: u64,
+) -> Result<Pingpong, TransportError> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let done = DoneCounter::new();
+    let mut start = Instant::now();
+    for i in 0..warmup + iters {
+        if i == warmup {
+            start = Instant::now();
+        }
+        one_write(engine, buf, peer, size, PING, &done)?;
+        await_one(engine, PONG, deadline)?;
+    }
+    let elapsed = start.elapsed();
+    settle(engine, &done, warmup + iters, deadline)?;
+    Ok(Pingpong::from_elapsed(size, iters, elapsed))
+}
+
+/// The answering side of a ping-pong: `count` times, waits for a [`PING`] and answers with a
+/// [`PONG`] of the same size; returns once its pongs completed.
+pub fn answer_pings(
+    engine: &TransferEngine,
+    buf: &RegisteredBuffer,
+    peer: &MrDesc,
+    size: u64,
+    count: u64,
+) -> Result<(), TransportError> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let done = DoneCounter::new();
+    for _ in 0..count {
+        await_one(engine, PING, deadline)?;
+        one_write(engine, buf, peer, size, PONG, &done)?;
+    }
+    // With manual progress the last pong is posted by a pass: run them until it completed.
+    settle(engine, &done, count, deadline)
+}
+
+/// `count` single writes of `size` bytes with at most `window` in flight.
+pub fn stream(
+    engine: &TransferEngine,
+    buf: &RegisteredBuffer,
+    peer: &MrDesc,
+    size: u64,
+    count: u64,
+    window: u64,
+) -> Result<Stream, TransportError> {
+    let done = DoneCounter::new();
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(120);
+    for i in 0..count {
+        spin_until(engine, deadline, "room in the window", || {
+            i - done.total() < window
+        })?;
+        engine.submit_single_write(
+            size,
+            None,
+            (buf.handle(), 0),
+            (peer, 0),
+            OnDone::from(&done),
+        )?;
+    }
+    spin_until(engine, deadline, "the stream's completions", || {
+        done.total() == count
+    })?;
+    if done.failed() > 0 {
+        return Err(TransportError::Domain(format!(
+            "{} writes failed",
+            done.failed()
+        )));
+    }
+    Ok(Stream::from_elapsed(size, count, start.elapsed()))
+}
+
+/// One paged transfer of `pages` pages of `page` bytes (consecutive on both sides), with an
+/// immediate per page as KV-cache transfers carry.
+pub fn paged(
+    engine: &TransferEngine,
+    buf: &RegisteredBuffer,
+    peer: &MrDesc,
+    page: u64,
+    pages: u32,
+) -> Result<Stream, TransportError> {
+    let indices: Vec<u32> = (0..pages).collect();
+    let (src, dst) = (
+        Pages::new(indices.clone(), page, 0),
+        Pages::new(indices, page, 0),
+    );
+    let done = DoneFlag::new();
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(120);
+    engine.submit_paged_writes(
+        page,
+        Some(PAGE),
+        (buf.handle(), &src),
+        (peer, &dst),
+        OnDone::from(&done),
+    )?;
+    spin_until(engine, deadline, "the paged transfer", || done.is_done())?;
+    if let Some(Err(e)) = done.result() {
+        return Err(TransportError::Domain(format!("paged writes failed: {e}")));
+    }
+    Ok(Stream::from_elapsed(
+        page,
+        u64::from(pages),
+        start.elapsed(),
+    ))
+}
+
+/// What a [`RawEndpoint`]'s peer needs: its NIC address and its buffer's address and key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RawAddress {
+    /// The NIC.
+    pub nic: DomainAddr,
+    /// The buffer's base as the NIC addresses it.
+    pub remote_addr: u64,
+    /// The buffer's remote key.
+    pub rkey: u64,
+}
+
+/// The provider's own RMA path, without the engine: one [`FabricDomain`] and a registered
+/// buffer, driven directly (no submission queue, no transfer bookkeeping, no IMM counter).
+/// Its ping-pong is the baseline that separates what the engine costs from what the provider
+/// costs: the engine's ping-pong minus this one is the engine's overhead.
+#[derive(Debug)]
+pub struct RawEndpoint {
+    // Declared before the buffer: the NIC (and its registration) closes first.
+    domain: FabricDomain,
+    buf: Box<[u8]>,
+    reg: Registration,
+    peer: Option<(PeerId, RawAddress)>,
+    completions: Vec<Completion>,
+    outstanding: u64,
+}
+
+impl RawEndpoint {
+    /// Opens one NIC of `config`'s provider with a `len`-byte registered buffer.
+    pub fn open(config: &FabricConfig, len: usize) -> Result<Self, TransportError> {
+        let (mut domains, _) = super::open(&FabricConfig {
+            nics: 1,
+            ..config.clone()
+        })?;
+        let mut domain = domains.remove(0);
+        let buf = vec![0u8; len.max(1)].into_boxed_slice();
+        // SAFETY: the buffer is owned by the endpoint and dropped after the domain.
+        let reg = unsafe { domain.register(buf.as_ptr() as u64, buf.len() as u64, Device::Host) }?;
+        Ok(Self {
+            domain,
+            buf,
+            reg,
+            peer: None,
+            completions: Vec::with_capacity(64),
+            outstanding: 0,
+        })
+    }
+
+    /// Where a peer writes to reach this endpoint.
+    pub fn address(&self) -> RawAddress {
+        RawAddress {
+            nic: self.domain.address(),
+            remote_addr: self.reg.remote_addr,
+            rkey: self.reg.rkey,
+        }
+    }
+
+    /// Makes `peer` the endpoint's target.
+    pub fn connect(&mut self, peer: &RawAddress) -> Result<(), TransportError> {
+        let id = self.domain.connect(&peer.nic)?;
+        self.peer = Some((id, peer.clone()));
+        Ok(())
+    }
+
+    /// Polls once; returns whether an arrival was among the completions.
+    fn poll(&mut self) -> Result<bool, TransportError> {
+        self.completions.clear();
+        self.domain.poll(&mut self.completions, 64);
+        let mut arrived = false;
+        for c in &self.completions {
+            match (&c.kind, &c.result) {
+                (CompletionKind::Arrival { .. }, _) => arrived = true,
+                (CompletionKind::Write, Ok(())) => self.outstanding -= u64::from(c.count),
+                (_, Err(e)) => {
+                    return Err(TransportError::Domain(format!("raw write failed: {e}")));
+                }
+                _ => {}
+            }
+        }
+        Ok(arrived)
+    }
+
+    fn write(&mut self, size: u64, imm: u32, deadline: Instant) -> Result<bool, TransportError> {
+        let Some((peer, addr)) = &self.peer else {
+            return Err(TransportError::InvalidArgument(
+                "the raw endpoint is not connected",
+            ));
+        };
+        let wr = WriteWr {
+            wr_id: 1,
+            peer: *peer,
+            src_addr: self.buf.as_ptr() as u64,
+            lkey: self.reg.lkey,
+            len: size,
+            dst_addr: addr.remote_addr,
+            rkey: addr.rkey,
+            imm: Some(imm),
+        };
+        let mut arrived = false;
+        while self.domain.post_writes(&[wr])? == 0 {
+            arrived |= self.poll()?;
+            if Instant::now() > deadline {
+                return Err(TransportError::Domain(
+                    "the raw endpoint stayed full".to_owned(),
+                ));
+            }
+        }
+        self.outstanding += 1;
+        Ok(arrived)
+    }
+
+    fn await_arrival(
+        &mut self,
+        mut already: bool,
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
+        let mut spins = 0u32;
+        while !already {
+            already = self.poll()?;
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1024) && Instant::now() > deadline {
+                return Err(TransportError::Domain(
+                    "no arrival at the raw endpoint".to_owned(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn settle(&mut self, deadline: Instant) -> Result<(), TransportError> {
+        while self.outstanding > 0 {
+            self.poll()?;
+            if Instant::now() > deadline {
+                return Err(TransportError::Domain(
+                    "raw writes did not complete".to_owned(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The initiating side of a raw ping-pong, as [`pingpong`].
+    pub fn pingpong(
+        &mut self,
+        size: u64,
+        warmup: u64,
+        iters: u64,
+    ) -> Result<Pingpong, TransportError> {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut start = Instant::now();
+        for i in 0..warmup + iters {
+            if i == warmup {
+                start = Instant::now();
+            }
+            let arrived = self.write(size, PING, deadline)?;
+            self.await_arrival(arrived, deadline)?;
+        }
+        let elapsed = start.elapsed();
+        self.settle(deadline)?;
+        Ok(Pingpong::from_elapsed(size, iters, elapsed))
+    }
+
+    /// The answering side of a raw ping-pong, as [`answer_pings`].
+    pub fn answer(&mut self, size: u64, count: u64) -> Result<(), TransportError> {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        // An arrival seen while posting belongs to the next ping.
+        let mut early = false;
+        for _ in 0..count {
+            self.await_arrival(early, deadline)?;
+            early = self.write(size, PONG, deadline)?;
+        }
+        self.settle(deadline)
+    }
+}
+
+/// Runs `fi_pingpong` (libfabric-bin) on loopback: a server and a client on `provider`'s RDM
+/// endpoints, `iters` round trips of `size` bytes, on control port `port`; returns the
+/// client's row.
+pub fn fi_pingpong(provider: &str, size: u64, iters: u64, port: u16) -> Result<Pingpong, String> {
+    let common = |c: &mut Command| {
+        c.args(["-p", provider, "-e", "rdm", "-I"])
+            .arg(iters.to_string())
+            .arg("-S")
+            .arg(size.to_string())
+            .stdin(Stdio::null());
+    };
+    let mut server = Command::new("fi_pingpong");
+    common(&mut server);
+    let mut server = server
+        .args(["-B", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| {
+            format!("running fi_pingpong: {e} (install libfabric-bin: `cargo xtask deps`)")
+        })?;
+    // The server listens on its control port; retry the client until it answers.
+    let started = Instant::now();
+    let output = loop {
+        let mut client = Command::new("fi_pingpong");
+        common(&mut client);
+        let out = client
+            .args(["-P", &port.to_string(), "127.0.0.1"])
+            .output()
+            .map_err(|e| format!("running fi_pingpong: {e}"))?;
+        if out.status.success() || started.elapsed() > Duration::from_secs(10) {
+            break out;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = server.wait();
+    if !output.status.success() {
+        return Err(format!(
+            "fi_pingpong failed: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        ));
+    }
+    parse_fi_pingpong(&String::from_utf8_lossy(&output.stdout), size)
+}
+
+/// Reads the row of a `fi_pingpong` report: `bytes #sent #ack total time MB/sec usec/xfer
+/// Mxfers/sec`, where `bytes` is abbreviated (`64k`, `1m`).
+pub fn parse_fi_pingpong(report: &str, size: u64) -> Result<Pingpong, String> {
+    for line in report.lines() {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        if cols.len() < 8 || cols[0] == "bytes" {
+            continue;
+        }
+        let iters: u64 = cols[1]
+            .trim_end_matches('k')
+            .parse::<u64>()
+            .map(|n| if cols[1].ends_with('k') { n * 1000 } else { n })
+            .map_err(|_| format!("unreadable fi_pingpong row: {line}"))?;
+        let mb_per_s: f64 = cols[5]
+            .parse()
+            .map_err(|_| format!("unreadable MB/sec in: {line}"))?;
+        let usec_per_xfer: f64 = cols[6]
+            .parse()
+            .map_err(|_| format!("unreadable usec/xfer in: {line}"))?;
+        return Ok(Pingpong {
+            size,
+            iters,
+            usec_per_xfer,
+            mb_per_s,
+        });
+    }
+    Err(format!("no result row in fi_pingpong's output:\n{report}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_engine_is_scored_as_fabtests_scores_fi_pingpong() {
+        // 1000 round trips of 64 KiB in 80 ms: 40 us per transfer, 1638.4 MB/s.
+        let p = Pingpong::from_elapsed(65536, 1000, Duration::from_millis(80));
+        assert!((p.usec_per_xfer - 40.0).abs() < 1e-9);
+        assert!((p.mb_per_s - 1638.4).abs() < 1e-9);
+    }
+
+    #[test]
+    fn fi_pingpong_rows_parse_with_their_abbreviations() {
+        let out = "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec\n\
+                   64k     10k     =10k     1.2g        0.78s   1677.63      39.06       0.03\n";
+        let p = parse_fi_pingpong(out, 65536).unwrap();
+        assert_eq!(p.iters, 10_000);
+        assert!((p.mb_per_s - 1677.63).abs() < 1e-9);
+        assert!((p.usec_per_xfer - 39.06).abs() < 1e-9);
+        assert!(parse_fi_pingpong("bytes #sent\n", 1).is_err());
+        assert!(parse_fi_pingpong("64k 10k =10k 1.2g 0.78s x 39.06 0.03", 1).is_err());
+    }
+}
