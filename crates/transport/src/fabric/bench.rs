@@ -337,14 +337,14 @@ impl RawEndpoint {
         Ok(())
     }
 
-    /// Polls once; returns whether an arrival was among the completions.
-    fn poll(&mut self) -> Result<bool, TransportError> {
+    /// Polls once; returns how many arrivals were among the completions.
+    fn poll(&mut self) -> Result<u64, TransportError> {
         self.completions.clear();
         self.domain.poll(&mut self.completions, 64);
-        let mut arrived = false;
+        let mut arrived = 0;
         for c in &self.completions {
             match (&c.kind, &c.result) {
-                (CompletionKind::Arrival { .. }, _) => arrived = true,
+                (CompletionKind::Arrival { .. }, _) => arrived += u64::from(c.count),
                 (CompletionKind::Write, Ok(())) => self.outstanding -= u64::from(c.count),
                 (_, Err(e)) => {
                     return Err(TransportError::Domain(format!("raw write failed: {e}")));
@@ -355,7 +355,7 @@ impl RawEndpoint {
         Ok(arrived)
     }
 
-    fn write(&mut self, size: u64, imm: u32, deadline: Instant) -> Result<bool, TransportError> {
+    fn write(&mut self, size: u64, imm: u32, deadline: Instant) -> Result<u64, TransportError> {
         let Some((peer, addr)) = &self.peer else {
             return Err(TransportError::InvalidArgument(
                 "the raw endpoint is not connected",
@@ -371,9 +371,9 @@ impl RawEndpoint {
             rkey: addr.rkey,
             imm: Some(imm),
         };
-        let mut arrived = false;
+        let mut arrived = 0;
         while self.domain.post_writes(&[wr])? == 0 {
-            arrived |= self.poll()?;
+            arrived += self.poll()?;
             if Instant::now() > deadline {
                 return Err(TransportError::Domain(
                     "the raw endpoint stayed full".to_owned(),
@@ -384,14 +384,16 @@ impl RawEndpoint {
         Ok(arrived)
     }
 
-    fn await_arrival(
+    /// Waits until `want` arrivals were seen, `already` of them while posting.
+    fn await_arrivals(
         &mut self,
-        mut already: bool,
+        mut already: u64,
+        want: u64,
         deadline: Instant,
     ) -> Result<(), TransportError> {
         let mut spins = 0u32;
-        while !already {
-            already = self.poll()?;
+        while already < want {
+            already += self.poll()?;
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(1024) && Instant::now() > deadline {
                 return Err(TransportError::Domain(
@@ -428,7 +430,7 @@ impl RawEndpoint {
                 start = Instant::now();
             }
             let arrived = self.write(size, PING, deadline)?;
-            self.await_arrival(arrived, deadline)?;
+            self.await_arrivals(arrived, 1, deadline)?;
         }
         let elapsed = start.elapsed();
         self.settle(deadline)?;
@@ -439,12 +441,39 @@ impl RawEndpoint {
     pub fn answer(&mut self, size: u64, count: u64) -> Result<(), TransportError> {
         let deadline = Instant::now() + Duration::from_secs(120);
         // An arrival seen while posting belongs to the next ping.
-        let mut early = false;
+        let mut early = 0;
         for _ in 0..count {
-            self.await_arrival(early, deadline)?;
+            self.await_arrivals(early, 1, deadline)?;
             early = self.write(size, PONG, deadline)?;
         }
         self.settle(deadline)
+    }
+
+    /// `count` writes of `size` bytes, each with [`PAGE`], at most `window` in flight: the
+    /// provider's own pipelined RMA, the baseline for the engine's streams and paged writes.
+    /// The peer runs [`RawEndpoint::absorb`] for `count`.
+    pub fn stream(&mut self, size: u64, count: u64, window: u64) -> Result<Stream, TransportError> {
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(120);
+        for _ in 0..count {
+            while self.outstanding >= window {
+                self.poll()?;
+                if Instant::now() > deadline {
+                    return Err(TransportError::Domain(
+                        "raw writes did not complete".to_owned(),
+                    ));
+                }
+            }
+            self.write(size, PAGE, deadline)?;
+        }
+        self.settle(deadline)?;
+        Ok(Stream::from_elapsed(size, count, start.elapsed()))
+    }
+
+    /// The receiving side of [`RawEndpoint::stream`]: progresses until `count` writes arrived.
+    pub fn absorb(&mut self, count: u64) -> Result<(), TransportError> {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        self.await_arrivals(0, count, deadline)
     }
 }
 
