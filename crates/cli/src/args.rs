@@ -51,7 +51,8 @@ pub enum BenchCommand {
 /// `kvroute bench fabric`.
 #[derive(Debug, Clone, Args)]
 pub struct FabricBenchArgs {
-    /// libfabric provider: tcp (tcp;ofi_rxm) or shm.
+    /// libfabric provider: tcp (tcp;ofi_rxm), shm, or any provider name (efa, ...); both
+    /// processes run on this host.
     #[arg(long, default_value = "tcp")]
     pub provider: String,
     /// Who runs the engines' passes: `manual` (the bench's own thread, as fi_pingpong's one

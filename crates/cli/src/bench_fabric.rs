@@ -319,9 +319,12 @@ pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
     let choice: ProviderChoice = args.provider.parse()?;
     let provider = choice
         .prov_name()
-        .ok_or_else(|| anyhow!("bench fabric needs a named provider (tcp or shm), not auto"))?
+        .ok_or_else(|| {
+            anyhow!("bench fabric needs a named provider (tcp, shm, efa, ...), not auto")
+        })?
         .to_owned();
-    let node = (choice != ProviderChoice::Shm).then_some("127.0.0.1");
+    // Loopback for tcp; shm has no address to bind, and efa binds its NIC.
+    let node = (choice == ProviderChoice::Tcp).then_some("127.0.0.1");
     let rounds = if args.quick { 1 } else { 3 };
     let budget = Duration::from_millis(if args.quick { 60 } else { 300 });
 

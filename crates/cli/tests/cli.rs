@@ -234,3 +234,55 @@ fn bench_transport_quick_reports_every_measurement_with_its_baseline() {
     );
     assert_eq!(v["targets"].as_array().unwrap().len(), 3);
 }
+
+/// Two processes over shm (the fastest provider here), `fi_pingpong` beside every row: the
+/// report carries the provider actually opened, each measurement with both baselines, and one
+/// verdict per target. Needs libfabric (`cargo xtask deps`).
+#[test]
+fn bench_fabric_quick_reports_the_engine_beside_fi_pingpong_and_the_bare_provider() {
+    let v = json(&kvroute(&[
+        "bench",
+        "fabric",
+        "--provider",
+        "shm",
+        "--quick",
+        "--json",
+    ]));
+    assert_eq!(v["fabric"]["provider"], "shm");
+    assert_eq!(v["progress"], "manual");
+    let positive = |x: &serde_json::Value| x.as_f64().is_some_and(|f| f.is_finite() && f > 0.0);
+    let rt = &v["round_trip"];
+    for side in ["engine", "fi_pingpong", "raw"] {
+        assert!(
+            positive(&rt[side]["usec_per_xfer"]),
+            "round trip {side}: {rt}"
+        );
+    }
+    let single = v["single"].as_array().unwrap();
+    assert_eq!(
+        single
+            .iter()
+            .map(|s| s["size"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [64 << 10, 256 << 10, 1 << 20, 4 << 20, 32 << 20]
+    );
+    for row in single {
+        for side in ["engine", "fi_pingpong", "raw"] {
+            assert!(positive(&row[side]["mb_per_s"]), "{side}: {row}");
+        }
+        // The ratio is the engine's MB/s over fi_pingpong's, as the report says.
+        let ratio = row["engine"]["mb_per_s"].as_f64().unwrap()
+            / row["fi_pingpong"]["mb_per_s"].as_f64().unwrap();
+        assert!((row["ratio"].as_f64().unwrap() - ratio).abs() < 1e-9 * ratio);
+    }
+    let paged = v["paged"].as_array().unwrap();
+    assert_eq!(paged.len(), 4);
+    assert!(paged.iter().all(|p| positive(&p["engine"]["per_s"])));
+    let targets = v["targets"].as_array().unwrap();
+    assert_eq!(targets.len(), 1 + single.len());
+    assert!(
+        targets
+            .iter()
+            .all(|t| t["met"].is_boolean() && positive(&t["measured"]))
+    );
+}
