@@ -8,3 +8,4 @@
 
 pub mod netns;
 pub mod peer;
+pub mod watchdog;

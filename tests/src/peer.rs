@@ -90,6 +90,10 @@ pub enum Command {
         /// Echoed in the event.
         tag: String,
     },
+    /// Stop running the engine's passes (a peer started with `manual_progress` only) and
+    /// report [`Event::Frozen`]: from then on no thread of the peer is inside libfabric, so a
+    /// kill cannot land while it holds a provider lock (see [`PeerProcess::kill`]).
+    Freeze,
     /// Shut the engine down and exit.
     Exit,
 }
@@ -142,6 +146,8 @@ pub enum Event {
     },
     /// Fill completed.
     Filled,
+    /// The peer no longer runs its engine's passes.
+    Frozen,
 }
 
 /// How a peer is started.
@@ -159,6 +165,9 @@ pub struct PeerSpec {
     pub op_timeout_ms: u64,
     /// Run inside this network namespace (`ip netns exec`).
     pub netns: Option<String>,
+    /// The peer's engine uses manual progress, run by a thread of the peer that
+    /// [`Command::Freeze`] stops (otherwise worker threads, which run until exit).
+    pub manual_progress: bool,
 }
 
 impl PeerSpec {
@@ -171,6 +180,7 @@ impl PeerSpec {
             buf_len: 1 << 20,
             op_timeout_ms: 5000,
             netns: None,
+            manual_progress: false,
         }
     }
 }
@@ -214,6 +224,9 @@ impl PeerProcess {
         ]);
         if let Some(node) = &spec.node {
             args.extend(["--node".to_owned(), node.clone()]);
+        }
+        if spec.manual_progress {
+            args.extend(["--manual-progress".to_owned(), "1".to_owned()]);
         }
         let mut child = Process::new(&program)
             .args(&args)
@@ -309,7 +322,18 @@ impl PeerProcess {
         }
     }
 
+    /// Stops a `manual_progress` peer's passes and waits until it says so.
+    pub fn freeze(&mut self) -> Result<(), String> {
+        self.send(&Command::Freeze)?;
+        self.wait_for("freezing", ANSWER, |e| *e == Event::Frozen)
+            .map(drop)
+    }
+
     /// Kills the process at once (SIGKILL): no shutdown, no goodbye.
+    ///
+    /// Over shm, libfabric 1.17 guards each process's shared region with a plain spinlock that
+    /// senders take too: a process killed while its progress holds that lock leaves every
+    /// sender spinning inside `fi_writemsg` for good. Kill shm peers after [`Self::freeze`].
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

@@ -2,14 +2,17 @@
 //! registered buffer, prints `Ready` with its address and descriptor, then runs the commands
 //! it reads from stdin (one JSON per line) and prints what happens (see `kvroute_tests::peer`).
 //!
-//! `fabric-peer --provider tcp|shm [--node IP] [--nics N] [--buf BYTES] [--op-timeout-ms MS]`
+//! `fabric-peer --provider tcp|shm [--node IP] [--nics N] [--buf BYTES] [--op-timeout-ms MS]
+//! [--manual-progress 1]`
 
 use std::io::{BufRead, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvroute_tests::peer::{Command, Event, fnv1a, pattern};
-use kvroute_transport::{EngineConfig, FabricConfig, OnDone, Pages, TransferEngine};
+use kvroute_transport::{EngineConfig, FabricConfig, OnDone, Pages, Progress, TransferEngine};
 
 /// Prints events from any thread, one line each.
 #[derive(Clone)]
@@ -32,6 +35,7 @@ impl Out {
 struct Args {
     fabric: FabricConfig,
     buf: usize,
+    manual: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -41,6 +45,7 @@ fn parse() -> Result<Args, String> {
         ..FabricConfig::default()
     };
     let mut buf = 1 << 20;
+    let mut manual = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().ok_or(format!("{flag} needs a value"))?;
@@ -54,10 +59,15 @@ fn parse() -> Result<Args, String> {
                     value.parse().map_err(|e| format!("--op-timeout-ms: {e}"))?,
                 );
             }
+            "--manual-progress" => manual = value == "1",
             other => return Err(format!("unknown flag {other}")),
         }
     }
-    Ok(Args { fabric, buf })
+    Ok(Args {
+        fabric,
+        buf,
+        manual,
+    })
 }
 
 fn main() {
@@ -77,10 +87,46 @@ fn done_event(tag: String, out: &Out) -> OnDone {
     })
 }
 
+/// The thread that runs a manual-progress engine's passes until told to stop.
+struct Passes {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+impl Passes {
+    fn start(engine: &TransferEngine) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (engine, flag) = (engine.clone(), Arc::clone(&stop));
+        let thread = std::thread::spawn(move || {
+            while !flag.load(Ordering::Acquire) {
+                if !engine.progress() {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+        });
+        Self { stop, thread }
+    }
+
+    /// Returns once the thread is out of its last pass.
+    fn stop(self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.thread.join();
+    }
+}
+
 fn run() -> Result<(), String> {
     let args = parse()?;
+    let config = EngineConfig {
+        progress: if args.manual {
+            Progress::Manual
+        } else {
+            Progress::Thread
+        },
+        ..EngineConfig::default()
+    };
     let (engine, report) =
-        TransferEngine::fabric(&args.fabric, EngineConfig::default()).map_err(|e| e.to_string())?;
+        TransferEngine::fabric(&args.fabric, config).map_err(|e| e.to_string())?;
+    let mut passes = args.manual.then(|| Passes::start(&engine));
     let buf = engine.alloc_mr(args.buf).map_err(|e| e.to_string())?;
     let out = Out(Arc::new(Mutex::new(std::io::stdout())));
     out.emit(&Event::Ready {
@@ -179,8 +225,19 @@ fn run() -> Result<(), String> {
                     out.emit(&refused(e));
                 }
             }
+            Command::Freeze => {
+                // Only this thread is left to call into the engine, and it now only reads
+                // stdin (a frozen peer is waiting to be killed).
+                if let Some(p) = passes.take() {
+                    p.stop();
+                }
+                out.emit(&Event::Frozen);
+            }
             Command::Exit => break,
         }
+    }
+    if let Some(p) = passes.take() {
+        p.stop();
     }
     drop(buf);
     engine.shutdown();
