@@ -1,0 +1,126 @@
+//! Run-time choice of instruction set: the same loops ([`super::tile`]) compiled for AVX-512,
+//! AVX2 + FMA, and baseline x86-64 (or the target's baseline elsewhere).
+
+use serde::{Deserialize, Serialize};
+
+use super::tile::RowState;
+use super::{dense_range, sparse_range};
+use crate::layout::Cache;
+
+/// An instruction set the CPU kernels can run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Isa {
+    /// AVX-512 F/BW/VL with FMA: 16 f32 lanes.
+    Avx512,
+    /// AVX2 with FMA: 8 f32 lanes.
+    Avx2,
+    /// The target's baseline (SSE2 on x86-64), no FMA.
+    Scalar,
+}
+
+impl Isa {
+    /// The widest this CPU supports.
+    pub fn detect() -> Self {
+        [Self::Avx512, Self::Avx2]
+            .into_iter()
+            .find(|i| i.is_available())
+            .unwrap_or(Self::Scalar)
+    }
+
+    /// Whether this CPU can run it.
+    pub fn is_available(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Self::Avx512 | Self::Avx2 => false,
+            Self::Scalar => true,
+        }
+    }
+
+    /// Every instruction set this CPU can run, widest first.
+    pub fn available() -> Vec<Self> {
+        [Self::Avx512, Self::Avx2, Self::Scalar]
+            .into_iter()
+            .filter(|i| i.is_available())
+            .collect()
+    }
+}
+
+impl std::fmt::Display for Isa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Avx512 => "avx512",
+            Self::Avx2 => "avx2",
+            Self::Scalar => "scalar",
+        })
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn dense_avx512(q: &[f32], cache: &Cache<'_>, t0: usize, t1: usize, st: &mut RowState) {
+    dense_range::<true>(q, cache, t0, t1, st);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn dense_avx2(q: &[f32], cache: &Cache<'_>, t0: usize, t1: usize, st: &mut RowState) {
+    dense_range::<true>(q, cache, t0, t1, st);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn sparse_avx512(q: &[f32], cache: &Cache<'_>, picked: &[i32], st: &mut RowState) {
+    sparse_range::<true>(q, cache, picked, st);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn sparse_avx2(q: &[f32], cache: &Cache<'_>, picked: &[i32], st: &mut RowState) {
+    sparse_range::<true>(q, cache, picked, st);
+}
+
+/// Tokens `t0..t1` of `cache` folded into `st`, on `isa` (which must be available; the
+/// callers check, and fall back to scalar otherwise).
+pub(crate) fn dense(
+    isa: Isa,
+    q: &[f32],
+    cache: &Cache<'_>,
+    t0: usize,
+    t1: usize,
+    st: &mut RowState,
+) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` is only Avx512 when `Isa::is_available` found the features at run time.
+        Isa::Avx512 if isa.is_available() => unsafe { dense_avx512(q, cache, t0, t1, st) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, for AVX2 and FMA.
+        Isa::Avx2 if isa.is_available() => unsafe { dense_avx2(q, cache, t0, t1, st) },
+        _ => dense_range::<false>(q, cache, t0, t1, st),
+    }
+}
+
+/// The selected tokens `picked` (padding skipped) folded into `st`, on `isa`.
+pub(crate) fn sparse(isa: Isa, q: &[f32], cache: &Cache<'_>, picked: &[i32], st: &mut RowState) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` is only Avx512 when `Isa::is_available` found the features at run time.
+        Isa::Avx512 if isa.is_available() => unsafe { sparse_avx512(q, cache, picked, st) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, for AVX2 and FMA.
+        Isa::Avx2 if isa.is_available() => unsafe { sparse_avx2(q, cache, picked, st) },
+        _ => sparse_range::<false>(q, cache, picked, st),
+    }
+}

@@ -1,0 +1,194 @@
+//! The fast CPU path: f32 accumulation, SIMD chosen at run time ([`Isa`]), threads over query
+//! row blocks and over the keys (split-K, each split a partial state merged at the end, the
+//! same algebra as [`crate::merge`]), so a decode-sized batch uses every core.
+
+mod isa;
+mod splice;
+mod tile;
+
+pub use isa::Isa;
+pub(crate) use splice::splice;
+
+use rayon::prelude::*;
+
+use crate::layout::{Cache, D_LATENT, D_QK, Queries, Selection};
+use crate::partial::Partial;
+use tile::{RowState, TILE, widen};
+
+/// Query rows per block in the dense partial: a block's scores (rows x 64) and accumulators
+/// (rows x 512 f32) stay in L1/L2 while a 64-token tile is reused by every row.
+const DENSE_ROWS: usize = 32;
+
+/// Tokens `t0..t1` of `cache` into `st` (pre-scaled f32 query rows `q`).
+#[inline(always)]
+pub(crate) fn dense_range<const FMA: bool>(
+    q: &[f32],
+    cache: &Cache<'_>,
+    t0: usize,
+    t1: usize,
+    st: &mut RowState,
+) {
+    // Per task, not per tile: a 147 KB tile and the block's scores.
+    let mut k = vec![0f32; TILE * D_QK];
+    let mut scores = vec![0f32; st.m.len() * TILE];
+    let mut t = t0;
+    while t < t1 {
+        let n = TILE.min(t1 - t);
+        match cache.run(t, n) {
+            Some(rows) => widen(rows, &mut k[..n * D_QK]),
+            None => {
+                for j in 0..n {
+                    widen(cache.row(t + j), &mut k[j * D_QK..(j + 1) * D_QK]);
+                }
+            }
+        }
+        tile::tile::<FMA>(q, &k[..n * D_QK], n, st, &mut scores);
+        t += n;
+    }
+}
+
+/// The selected tokens `picked` (-1 skipped) into `st`.
+#[inline(always)]
+pub(crate) fn sparse_range<const FMA: bool>(
+    q: &[f32],
+    cache: &Cache<'_>,
+    picked: &[i32],
+    st: &mut RowState,
+) {
+    let mut k = vec![0f32; TILE * D_QK];
+    let mut scores = vec![0f32; st.m.len() * TILE];
+    let mut n = 0;
+    for &i in picked.iter().filter(|&&i| i >= 0) {
+        widen(cache.row(i as usize), &mut k[n * D_QK..(n + 1) * D_QK]);
+        n += 1;
+        if n == TILE {
+            tile::tile::<FMA>(q, &k, n, st, &mut scores);
+            n = 0;
+        }
+    }
+    if n > 0 {
+        tile::tile::<FMA>(q, &k[..n * D_QK], n, st, &mut scores);
+    }
+}
+
+/// Query rows `r0..r1`, widened and multiplied by the softmax scale.
+fn scaled_rows(q: &Queries<'_>, r0: usize, r1: usize, scale: f32) -> Vec<f32> {
+    q.as_slice()[r0 * D_QK..r1 * D_QK]
+        .iter()
+        .map(|&b| crate::bf16::to_f32(b) * scale)
+        .collect()
+}
+
+/// Folds the split states of one row block into rows `r0..` of `out` (f64 merge, as
+/// [`crate::merge`] does for partials; here the accumulators are not yet normalised).
+fn finish(states: &[RowState], r0: usize, out: &mut Partial) {
+    let rows = states[0].m.len();
+    let mut acc = [0f64; D_LATENT];
+    for r in 0..rows {
+        let big_m = states
+            .iter()
+            .filter(|s| s.l[r] > 0.0)
+            .map(|s| s.m[r])
+            .fold(f32::NEG_INFINITY, f32::max);
+        if states.iter().any(|s| s.m[r].is_nan()) {
+            out.m[r0 + r] = f32::NAN;
+            out.l[r0 + r] = f32::NAN;
+            out.o[(r0 + r) * D_LATENT..(r0 + r + 1) * D_LATENT].fill(f32::NAN);
+            continue;
+        }
+        if big_m == f32::NEG_INFINITY {
+            continue;
+        }
+        acc.fill(0.0);
+        let mut l = 0f64;
+        for s in states.iter().filter(|s| s.l[r] > 0.0) {
+            let w = (f64::from(s.m[r]) - f64::from(big_m)).exp();
+            l += w * f64::from(s.l[r]);
+            for (a, &x) in acc.iter_mut().zip(&s.acc[r * D_LATENT..(r + 1) * D_LATENT]) {
+                *a += w * f64::from(x);
+            }
+        }
+        let o = &mut out.o[(r0 + r) * D_LATENT..(r0 + r + 1) * D_LATENT];
+        for (dst, a) in o.iter_mut().zip(&acc) {
+            *dst = (a / l) as f32;
+        }
+        out.m[r0 + r] = big_m;
+        out.l[r0 + r] = l as f32;
+    }
+}
+
+/// How many key splits: enough tasks for every thread twice over, no split under a tile.
+fn splits(blocks: usize, units: usize) -> usize {
+    let threads = rayon::current_num_threads();
+    (2 * threads).div_ceil(blocks).clamp(1, units.max(1))
+}
+
+/// Dense partial, every query row against every cache token.
+pub(crate) fn partial_dense(q: &Queries<'_>, cache: &Cache<'_>, scale: f32, isa: Isa) -> Partial {
+    let (mq, ct) = (q.len(), cache.tokens());
+    let mut out = Partial::empty(mq);
+    if ct == 0 {
+        return out;
+    }
+    let blocks: Vec<(usize, usize)> = (0..mq)
+        .step_by(DENSE_ROWS)
+        .map(|r0| (r0, (r0 + DENSE_ROWS).min(mq)))
+        .collect();
+    let tiles = ct.div_ceil(TILE);
+    let nsplit = splits(blocks.len(), tiles);
+    let tasks: Vec<(usize, usize)> = (0..blocks.len())
+        .flat_map(|b| (0..nsplit).map(move |s| (b, s)))
+        .collect();
+    let qf: Vec<Vec<f32>> = blocks
+        .iter()
+        .map(|&(r0, r1)| scaled_rows(q, r0, r1, scale))
+        .collect();
+    let states: Vec<RowState> = tasks
+        .par_iter()
+        .map(|&(b, s)| {
+            let (r0, r1) = blocks[b];
+            let t0 = (s * tiles / nsplit) * TILE;
+            let t1 = (((s + 1) * tiles / nsplit) * TILE).min(ct);
+            let mut st = RowState::new(r1 - r0);
+            isa::dense(isa, &qf[b], cache, t0, t1, &mut st);
+            st
+        })
+        .collect();
+    for (b, chunk) in states.chunks(nsplit).enumerate() {
+        finish(chunk, blocks[b].0, &mut out);
+    }
+    out
+}
+
+/// Sparse partial: each query token's rows against its selected tokens.
+pub(crate) fn partial_sparse(
+    q: &Queries<'_>,
+    cache: &Cache<'_>,
+    sel: &Selection<'_>,
+    scale: f32,
+    isa: Isa,
+) -> Partial {
+    let mq = q.len();
+    let h = sel.rows_per_token();
+    let tokens = mq / h;
+    let mut out = Partial::empty(mq);
+    let nsplit = splits(tokens, sel.k().div_ceil(TILE));
+    let tasks: Vec<(usize, usize)> = (0..tokens)
+        .flat_map(|t| (0..nsplit).map(move |s| (t, s)))
+        .collect();
+    let states: Vec<RowState> = tasks
+        .par_iter()
+        .map(|&(t, s)| {
+            let picked = sel.of_row(t * h);
+            let (i0, i1) = (s * picked.len() / nsplit, (s + 1) * picked.len() / nsplit);
+            let qf = scaled_rows(q, t * h, (t + 1) * h, scale);
+            let mut st = RowState::new(h);
+            isa::sparse(isa, &qf, cache, &picked[i0..i1], &mut st);
+            st
+        })
+        .collect();
+    for (t, chunk) in states.chunks(nsplit).enumerate() {
+        finish(chunk, t * h, &mut out);
+    }
+    out
+}

@@ -1,0 +1,141 @@
+//! The inner loops of the CPU partial, written once over plain arrays and compiled three times
+//! (AVX-512, AVX2 + FMA, baseline x86-64) by the `#[target_feature]` wrappers in
+//! [`super::isa`]: each wrapper inlines these `#[inline(always)]` functions, so LLVM vectorises
+//! them for that wrapper's instruction set.
+//!
+//! A tile is up to 64 cache rows converted to f32 once and then used by every query row of the
+//! block: scores, the online-softmax update, and `acc += P V` with 4 rows x 64 columns of
+//! accumulators held in registers across the tile's tokens.
+
+use crate::layout::{D_LATENT, D_QK};
+
+/// Tokens per tile (one page of the paged pool).
+pub(crate) const TILE: usize = 64;
+
+/// Running softmax state of a block of query rows.
+#[derive(Debug, Clone)]
+pub(crate) struct RowState {
+    pub(crate) m: Vec<f32>,
+    pub(crate) l: Vec<f32>,
+    pub(crate) acc: Vec<f32>,
+}
+
+impl RowState {
+    pub(crate) fn new(rows: usize) -> Self {
+        Self {
+            m: vec![f32::NEG_INFINITY; rows],
+            l: vec![0.0; rows],
+            acc: vec![0.0; rows * D_LATENT],
+        }
+    }
+}
+
+#[inline(always)]
+fn fmadd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA { a.mul_add(b, c) } else { a * b + c }
+}
+
+/// bf16 rows to f32 (exact: a shift).
+#[inline(always)]
+pub(crate) fn widen(src: &[u16], dst: &mut [f32]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = f32::from_bits(u32::from(s) << 16);
+    }
+}
+
+#[inline(always)]
+fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [[0f32; 16]; 2];
+    for (x, y) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
+        for h in 0..2 {
+            for i in 0..16 {
+                acc[h][i] = fmadd::<FMA>(x[h * 16 + i], y[h * 16 + i], acc[h][i]);
+            }
+        }
+    }
+    let mut sum = [0f32; 16];
+    for i in 0..16 {
+        sum[i] = acc[0][i] + acc[1][i];
+    }
+    sum.iter().sum()
+}
+
+/// `acc[r] += sum_j p[r][j] v_j` for `R` rows, 64 columns at a time in registers.
+#[inline(always)]
+fn pv_block<const FMA: bool, const R: usize>(p: &[f32], n: usize, k: &[f32], acc: &mut [f32]) {
+    for c0 in (0..D_LATENT).step_by(64) {
+        let mut a = [[0f32; 64]; R];
+        for (r, row) in a.iter_mut().enumerate() {
+            row.copy_from_slice(&acc[r * D_LATENT + c0..r * D_LATENT + c0 + 64]);
+        }
+        for j in 0..n {
+            let v = &k[j * D_QK + c0..j * D_QK + c0 + 64];
+            for (r, row) in a.iter_mut().enumerate() {
+                let w = p[r * TILE + j];
+                for c in 0..64 {
+                    row[c] = fmadd::<FMA>(w, v[c], row[c]);
+                }
+            }
+        }
+        for (r, row) in a.iter().enumerate() {
+            acc[r * D_LATENT + c0..r * D_LATENT + c0 + 64].copy_from_slice(row);
+        }
+    }
+}
+
+/// One tile of `n` (1..=64) f32 cache rows `k` against the block's pre-scaled f32 query rows
+/// `q`, folded into `st`. `scores` is scratch of `rows * TILE`.
+#[inline(always)]
+pub(crate) fn tile<const FMA: bool>(
+    q: &[f32],
+    k: &[f32],
+    n: usize,
+    st: &mut RowState,
+    scores: &mut [f32],
+) {
+    let rows = st.m.len();
+    for r in 0..rows {
+        let qr = &q[r * D_QK..(r + 1) * D_QK];
+        let s = &mut scores[r * TILE..r * TILE + n];
+        for (j, x) in s.iter_mut().enumerate() {
+            *x = dot::<FMA>(qr, &k[j * D_QK..(j + 1) * D_QK]);
+        }
+        let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let m_old = st.m[r];
+        let m_new = m_old.max(tile_max);
+        if m_new == f32::NEG_INFINITY || m_new.is_nan() {
+            // Non-finite logits (non-finite inputs): propagate rather than hide.
+            if m_new.is_nan() {
+                st.m[r] = f32::NAN;
+            }
+            s.fill(0.0);
+            continue;
+        }
+        let alpha = if m_old == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (m_old - m_new).exp()
+        };
+        let mut sum = 0f32;
+        for x in s.iter_mut() {
+            *x = (*x - m_new).exp();
+            sum += *x;
+        }
+        st.l[r] = st.l[r] * alpha + sum;
+        st.m[r] = m_new;
+        if alpha != 1.0 {
+            for a in &mut st.acc[r * D_LATENT..(r + 1) * D_LATENT] {
+                *a *= alpha;
+            }
+        }
+    }
+    let mut r0 = 0;
+    while r0 + 4 <= rows {
+        pv_block::<FMA, 4>(&scores[r0 * TILE..], n, k, &mut st.acc[r0 * D_LATENT..]);
+        r0 += 4;
+    }
+    while r0 < rows {
+        pv_block::<FMA, 1>(&scores[r0 * TILE..], n, k, &mut st.acc[r0 * D_LATENT..]);
+        r0 += 1;
+    }
+}

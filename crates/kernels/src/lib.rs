@@ -1,0 +1,170 @@
+//! MLA decode kernels for cross-instance attention (paper 000 sections 2.2, 3.2, 3.3): what a
+//! holder runs when a query is routed to it ([`partial_dense`], [`partial_sparse`]), what a
+//! requester runs to combine the answers ([`merge`]), and what fetch pays to re-home a chunk
+//! ([`splice`]).
+//!
+//! Shapes are absorbed MLA decode ([`layout`]): query rows `[mq, 576]` and cache rows
+//! `[ct, 576]` in bf16 (carried as `u16` bits), partials `(o [mq, 512], m, l)` in f32 with
+//! natural-log semantics ([`Partial`]), and their 1152 B / 1032 B wire rows.
+//!
+//! Each kernel has two implementations, chosen by [`Backend`]:
+//! - `Reference`: plain loops with f64 accumulation, the oracle the tests compare against;
+//! - `Cpu`: f32 with AVX-512, AVX2 or baseline SIMD chosen at run time ([`Isa`]), threaded over
+//!   query rows and split over the keys (rayon's pool).
+//!
+//! A CUDA backend (NVRTC through cudarc) is planned and not in this crate yet.
+//!
+//! ```
+//! use kvroute_kernels::{Backend, Cache, Queries, merge, partial_dense};
+//!
+//! let (q, c) = (vec![0x3f80u16; 2 * 576], vec![0x3f80u16; 100 * 576]); // all ones
+//! let (q, cache) = (Queries::new(&q)?, Cache::contiguous(&c)?);
+//! let whole = partial_dense(Backend::Cpu, &q, &cache, 0.1147)?;
+//! // Split the 100 tokens over two holders and merge: the same answer.
+//! let (a, b) = (Cache::contiguous(&c[..40 * 576])?, Cache::contiguous(&c[40 * 576..])?);
+//! let parts = [
+//!     partial_dense(Backend::Cpu, &q, &a, 0.1147)?,
+//!     partial_dense(Backend::Cpu, &q, &b, 0.1147)?,
+//! ];
+//! let merged = merge(&[&parts[0], &parts[1]])?;
+//! assert!((merged.lse(0) - whole.lse(0)).abs() < 1e-5);
+//! # Ok::<(), kvroute_kernels::KernelError>(())
+//! ```
+
+pub mod bf16;
+mod cpu;
+mod error;
+pub mod layout;
+mod merge;
+mod partial;
+mod reference;
+pub mod rope;
+mod splice;
+
+pub use cpu::Isa;
+pub use error::KernelError;
+pub use layout::{Cache, Queries, RopeLayout, Selection};
+pub use merge::merge;
+pub use partial::{Partial, queries_from_wire, queries_to_wire};
+pub use rope::{Rope, Yarn};
+pub use splice::SpliceJob;
+
+use serde::{Deserialize, Serialize};
+
+/// Which implementation runs a kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum Backend {
+    /// The fastest available here (today: [`Backend::Cpu`] with the widest [`Isa`]).
+    #[default]
+    Auto,
+    /// The CPU fast path with the widest available [`Isa`].
+    Cpu,
+    /// The CPU fast path on a given instruction set (tests, benchmarks).
+    CpuWith(Isa),
+    /// The f64 reference.
+    Reference,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = KernelError;
+
+    fn from_str(s: &str) -> Result<Self, KernelError> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "cpu" => Ok(Self::Cpu),
+            "reference" => Ok(Self::Reference),
+            "avx512" => Ok(Self::CpuWith(Isa::Avx512)),
+            "avx2" => Ok(Self::CpuWith(Isa::Avx2)),
+            "scalar" => Ok(Self::CpuWith(Isa::Scalar)),
+            _ => Err(KernelError::Parameter {
+                what: "backend",
+                value: f64::NAN,
+                why: "one of auto, cpu, reference, avx512, avx2, scalar",
+            }),
+        }
+    }
+}
+
+/// The CPU instruction set a backend runs on (`None` for the reference).
+fn isa_of(backend: Backend) -> Result<Option<Isa>, KernelError> {
+    match backend {
+        Backend::Auto | Backend::Cpu => Ok(Some(Isa::detect())),
+        Backend::CpuWith(isa) if isa.is_available() => Ok(Some(isa)),
+        Backend::CpuWith(isa) => Err(KernelError::Parameter {
+            what: "instruction set",
+            value: f64::NAN,
+            why: match isa {
+                Isa::Avx512 => "this CPU lacks AVX-512 F/BW/VL + FMA",
+                _ => "this CPU lacks AVX2 + FMA",
+            },
+        }),
+        Backend::Reference => Ok(None),
+    }
+}
+
+fn check_scale(scale: f32) -> Result<(), KernelError> {
+    if scale.is_finite() && scale > 0.0 {
+        Ok(())
+    } else {
+        Err(KernelError::Parameter {
+            what: "softmax scale",
+            value: f64::from(scale),
+            why: "must be finite and positive",
+        })
+    }
+}
+
+/// Dense partial attention: every query row against every cache token. An empty cache gives
+/// the empty partial (`o = 0, m = -inf, l = 0`); no query rows is an error.
+pub fn partial_dense(
+    backend: Backend,
+    q: &Queries<'_>,
+    cache: &Cache<'_>,
+    scale: f32,
+) -> Result<Partial, KernelError> {
+    check_scale(scale)?;
+    if q.is_empty() {
+        return Err(KernelError::Empty("query rows"));
+    }
+    Ok(match isa_of(backend)? {
+        Some(isa) => cpu::partial_dense(q, cache, scale, isa),
+        None => reference::partial_dense(q, cache, scale),
+    })
+}
+
+/// Sparse partial attention: each query row against its selected tokens (`sel` was checked
+/// against the cache when built; it is checked against `q` here).
+pub fn partial_sparse(
+    backend: Backend,
+    q: &Queries<'_>,
+    cache: &Cache<'_>,
+    sel: &Selection<'_>,
+    scale: f32,
+) -> Result<Partial, KernelError> {
+    check_scale(scale)?;
+    if q.is_empty() {
+        return Err(KernelError::Empty("query rows"));
+    }
+    // Re-check against these queries and this cache (a selection built for others must not
+    // read out of bounds).
+    let sel = Selection::new(
+        sel.raw(),
+        sel.k(),
+        sel.rows_per_token(),
+        q.len(),
+        cache.tokens(),
+    )?;
+    Ok(match isa_of(backend)? {
+        Some(isa) => cpu::partial_sparse(q, cache, &sel, scale, isa),
+        None => reference::partial_sparse(q, cache, &sel, scale),
+    })
+}
+
+/// The delta-rotation splice of `job` (all layers of a chunk in one call).
+pub fn splice(backend: Backend, mut job: SpliceJob<'_>) -> Result<(), KernelError> {
+    match isa_of(backend)? {
+        Some(_) => cpu::splice(&mut job),
+        None => reference::splice(&mut job),
+    }
+    Ok(())
+}

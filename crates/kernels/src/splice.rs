@@ -1,0 +1,123 @@
+//! The delta-rotation splice (paper 000 section 2.2): cached rows stored at positions `from`
+//! are re-rotated to `to` (RoPE band only; the 512 latent dims are copied bit-exactly) and
+//! scattered into a paged pool, all layers of a chunk in one call.
+//!
+//! Source rows are `[layers, n, 576]` bf16. The destination is a pool of 64-token pages and a
+//! layer-major block table: layer `l`'s token `t` goes to row `t % 64` of page
+//! `table[l * ceil(n / 64) + t / 64]`.
+
+use crate::error::{KernelError, check_len};
+use crate::layout::{D_QK, PAGE_TOKENS};
+use crate::rope::Rope;
+
+/// A validated splice: shapes checked, pages in range and distinct.
+#[derive(Debug)]
+pub struct SpliceJob<'a> {
+    pub(crate) src: &'a [u16],
+    pub(crate) layers: usize,
+    pub(crate) from: &'a [i64],
+    pub(crate) to: &'a [i64],
+    pub(crate) rope: Rope,
+    pub(crate) pool: &'a mut [u16],
+    pub(crate) table: &'a [u32],
+}
+
+impl<'a> SpliceJob<'a> {
+    /// Checks every input; nothing is written by a job that fails to build.
+    pub fn new(
+        src: &'a [u16],
+        layers: usize,
+        from: &'a [i64],
+        to: &'a [i64],
+        rope: Rope,
+        pool: &'a mut [u16],
+        table: &'a [u32],
+    ) -> Result<Self, KernelError> {
+        if layers == 0 {
+            return Err(KernelError::Empty("splice layers"));
+        }
+        let n = from.len();
+        if n == 0 {
+            return Err(KernelError::Empty("splice tokens"));
+        }
+        check_len("splice target positions", n, to.len())?;
+        check_len(
+            "splice source rows [layers, n, 576]",
+            layers * n * D_QK,
+            src.len(),
+        )?;
+        for (what, positions) in [("stored positions", from), ("new positions", to)] {
+            if let Some((at, &p)) = positions.iter().enumerate().find(|&(_, &p)| p < 0) {
+                return Err(KernelError::IndexOutOfRange {
+                    what,
+                    index: p,
+                    at,
+                    bound: usize::MAX,
+                });
+            }
+        }
+        let page_elems = PAGE_TOKENS * D_QK;
+        if pool.is_empty() || !pool.len().is_multiple_of(page_elems) {
+            return Err(KernelError::Shape {
+                what: "splice pool (whole 64-token pages)",
+                expected: pool.len().div_ceil(page_elems).max(1) * page_elems,
+                got: pool.len(),
+            });
+        }
+        let pages = pool.len() / page_elems;
+        check_len(
+            "splice block table",
+            layers * n.div_ceil(PAGE_TOKENS),
+            table.len(),
+        )?;
+        let mut seen: Vec<(u32, usize)> = table.iter().copied().zip(0..).collect();
+        for &(p, at) in &seen {
+            if p as usize >= pages {
+                return Err(KernelError::IndexOutOfRange {
+                    what: "splice block table",
+                    index: i64::from(p),
+                    at,
+                    bound: pages,
+                });
+            }
+        }
+        seen.sort_unstable();
+        if let Some(w) = seen.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(KernelError::DuplicatePage {
+                page: w[0].0,
+                first: w[0].1,
+                second: w[1].1,
+            });
+        }
+        Ok(Self {
+            src,
+            layers,
+            from,
+            to,
+            rope,
+            pool,
+            table,
+        })
+    }
+
+    /// Tokens per layer.
+    pub fn tokens(&self) -> usize {
+        self.from.len()
+    }
+
+    pub(crate) fn src_row(&self, layer: usize, t: usize) -> &'a [u16] {
+        let start = (layer * self.tokens() + t) * D_QK;
+        &self.src[start..start + D_QK]
+    }
+
+    pub(crate) fn dst_start(&self, layer: usize, t: usize) -> usize {
+        let pages_per_layer = self.tokens().div_ceil(PAGE_TOKENS);
+        let page = self.table[layer * pages_per_layer + t / PAGE_TOKENS] as usize;
+        (page * PAGE_TOKENS + t % PAGE_TOKENS) * D_QK
+    }
+
+    pub(crate) fn dst_row(&mut self, layer: usize, t: usize) -> &mut [u16] {
+        let start = self.dst_start(layer, t);
+        &mut self.pool[start..start + D_QK]
+    }
+}

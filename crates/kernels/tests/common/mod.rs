@@ -1,0 +1,62 @@
+//! Deterministic inputs for the kernel tests (fixed seeds, no dependencies).
+
+#![allow(dead_code)]
+
+use kvroute_kernels::bf16;
+use kvroute_kernels::layout::D_QK;
+
+/// SplitMix64: small, fast, good enough for test data.
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub(crate) fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform integer in `lo..=hi`.
+    pub(crate) fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+    }
+
+    /// Standard normal (Box-Muller).
+    pub(crate) fn normal(&mut self) -> f64 {
+        let u = self.uniform().max(1e-300);
+        let v = self.uniform();
+        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+    }
+
+    /// `n` bf16 values ~ N(0, 1).
+    pub(crate) fn bf16s(&mut self, n: usize) -> Vec<u16> {
+        (0..n).map(|_| bf16::from_f64(self.normal())).collect()
+    }
+
+    /// `rows` random 576-wide bf16 rows.
+    pub(crate) fn rows(&mut self, rows: usize) -> Vec<u16> {
+        self.bf16s(rows * D_QK)
+    }
+}
+
+/// DeepSeek-V2-Lite's softmax scale (qk_head_dim 192, YaRN factor 40, mscale 0.707).
+pub(crate) const SCALE: f32 = 0.1147;
+
+/// Largest |a - b| over two equal-length slices.
+pub(crate) fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
