@@ -3,7 +3,8 @@
 //! - `read/*`: the machine's read bandwidth (a parallel sum over 256 MiB, DRAM-bound) and the
 //!   same sum over one ct = 2048 chunk (2.36 MB, cache-resident between iterations, as the
 //!   partial's repeated calls are). The dense partial's GB/s compare to these.
-//! - `dense/{cpu,reference}/<mq>` at ct = 2048: throughput in cache bytes read per call.
+//! - `dense/{cpu,reference}/<mq>` at ct = 2048: throughput in cache bytes read per call;
+//!   `dense/cpu_<isa>/16` runs the same call on each instruction set this CPU has.
 //! - `sparse/{cpu,reference}/<k>`: one query token of 16 heads, top-k of 8192.
 //! - `merge/8x<rows>` against `merge/sum_floor`: adding the eight `o` arrays, no softmax.
 //! - `splice/<layers>x<tokens>` (27 x 2048) against `splice/memcpy`: copying the same rows.
@@ -17,8 +18,8 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvroute_kernels::layout::{D_QK, PAGE_TOKENS};
 use kvroute_kernels::{
-    Backend, Cache, Partial, Queries, Rope, RopeLayout, Selection, SpliceJob, Yarn, bf16, merge,
-    partial_dense, partial_sparse, splice,
+    Backend, Cache, Isa, Partial, Queries, Rope, RopeLayout, Selection, SpliceJob, Yarn, bf16,
+    merge, partial_dense, partial_sparse, splice,
 };
 use rayon::prelude::*;
 
@@ -69,6 +70,19 @@ fn dense(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("cpu", mq), |b| {
             b.iter(|| black_box(partial_dense(Backend::Cpu, &q, &cache, SCALE).expect("partial")));
         });
+        if mq == 16 {
+            // The same call on each instruction set: what the SIMD buys.
+            for isa in Isa::available() {
+                g.bench_function(BenchmarkId::new(format!("cpu_{isa}"), mq), |b| {
+                    b.iter(|| {
+                        black_box(
+                            partial_dense(Backend::CpuWith(isa), &q, &cache, SCALE)
+                                .expect("partial"),
+                        )
+                    });
+                });
+            }
+        }
         if mq <= 16 {
             g.bench_function(BenchmarkId::new("reference", mq), |b| {
                 b.iter(|| {

@@ -29,8 +29,9 @@ pub(crate) fn dense_range<const FMA: bool>(
     st: &mut RowState,
 ) {
     // Per task, not per tile: a 147 KB tile and the block's scores.
-    let mut k = vec![0f32; TILE * D_QK];
     let mut scores = vec![0f32; st.m.len() * TILE];
+    let mut k = vec![0f32; TILE * D_QK];
+    let mut kt = vec![0f32; TILE * D_QK];
     let mut t = t0;
     while t < t1 {
         let n = TILE.min(t1 - t);
@@ -42,7 +43,7 @@ pub(crate) fn dense_range<const FMA: bool>(
                 }
             }
         }
-        tile::tile::<FMA>(q, &k[..n * D_QK], n, st, &mut scores);
+        tile::tile::<FMA>(q, &k[..n * D_QK], n, st, &mut scores, &mut kt);
         t += n;
     }
 }
@@ -55,19 +56,20 @@ pub(crate) fn sparse_range<const FMA: bool>(
     picked: &[i32],
     st: &mut RowState,
 ) {
-    let mut k = vec![0f32; TILE * D_QK];
     let mut scores = vec![0f32; st.m.len() * TILE];
+    let mut k = vec![0f32; TILE * D_QK];
+    let mut kt = vec![0f32; TILE * D_QK];
     let mut n = 0;
     for &i in picked.iter().filter(|&&i| i >= 0) {
         widen(cache.row(i as usize), &mut k[n * D_QK..(n + 1) * D_QK]);
         n += 1;
         if n == TILE {
-            tile::tile::<FMA>(q, &k, n, st, &mut scores);
+            tile::tile::<FMA>(q, &k, n, st, &mut scores, &mut kt);
             n = 0;
         }
     }
     if n > 0 {
-        tile::tile::<FMA>(q, &k[..n * D_QK], n, st, &mut scores);
+        tile::tile::<FMA>(q, &k[..n * D_QK], n, st, &mut scores, &mut kt);
     }
 }
 

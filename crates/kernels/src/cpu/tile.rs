@@ -83,8 +83,33 @@ fn pv_block<const FMA: bool, const R: usize>(p: &[f32], n: usize, k: &[f32], acc
     }
 }
 
+/// `s[r][j] = q_r . k_j` for `R` rows and all 64 tile columns, from the transposed tile `kt`
+/// (`[576][64]`): a broadcast of `q[r][d]` times 64 consecutive keys, so no horizontal sums;
+/// 4 rows x 64 columns of accumulators stay in registers (16 zmm with AVX-512). Columns past
+/// the tile's `n` hold stale keys and are never read.
+#[inline(always)]
+fn scores_block<const FMA: bool, const R: usize>(q: &[f32], kt: &[f32], s: &mut [f32]) {
+    let mut acc = [[0f32; TILE]; R];
+    for d in 0..D_QK {
+        let kv = &kt[d * TILE..(d + 1) * TILE];
+        for (r, row) in acc.iter_mut().enumerate() {
+            let w = q[r * D_QK + d];
+            for j in 0..TILE {
+                row[j] = fmadd::<FMA>(w, kv[j], row[j]);
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        s[r * TILE..(r + 1) * TILE].copy_from_slice(row);
+    }
+}
+
+/// Row blocks at least this tall use the transposed-tile scores; below it the transpose costs
+/// more than the horizontal sums it saves.
+const TRANSPOSE_ROWS: usize = 4;
+
 /// One tile of `n` (1..=64) f32 cache rows `k` against the block's pre-scaled f32 query rows
-/// `q`, folded into `st`. `scores` is scratch of `rows * TILE`.
+/// `q`, folded into `st`. `scores` is scratch of `rows * TILE`, `kt` of `576 * TILE`.
 #[inline(always)]
 pub(crate) fn tile<const FMA: bool>(
     q: &[f32],
@@ -92,13 +117,35 @@ pub(crate) fn tile<const FMA: bool>(
     n: usize,
     st: &mut RowState,
     scores: &mut [f32],
+    kt: &mut [f32],
 ) {
     let rows = st.m.len();
+    let blocked = rows / 4 * 4;
+    if rows >= TRANSPOSE_ROWS {
+        // Blocks of 16 keys x 16 dims: both sides touch 16 cache lines per block, which stays
+        // in L1 (a key-major or dim-major sweep alone turns into scatters or gathers).
+        for j0 in (0..n).step_by(16) {
+            let j1 = (j0 + 16).min(n);
+            for d0 in (0..D_QK).step_by(16) {
+                for j in j0..j1 {
+                    let src = &k[j * D_QK + d0..j * D_QK + d0 + 16];
+                    for (i, &x) in src.iter().enumerate() {
+                        kt[(d0 + i) * TILE + j] = x;
+                    }
+                }
+            }
+        }
+        for r0 in (0..blocked).step_by(4) {
+            scores_block::<FMA, 4>(&q[r0 * D_QK..], kt, &mut scores[r0 * TILE..]);
+        }
+    }
     for r in 0..rows {
         let qr = &q[r * D_QK..(r + 1) * D_QK];
         let s = &mut scores[r * TILE..r * TILE + n];
-        for (j, x) in s.iter_mut().enumerate() {
-            *x = dot::<FMA>(qr, &k[j * D_QK..(j + 1) * D_QK]);
+        if rows < TRANSPOSE_ROWS || r >= blocked {
+            for (j, x) in s.iter_mut().enumerate() {
+                *x = dot::<FMA>(qr, &k[j * D_QK..(j + 1) * D_QK]);
+            }
         }
         let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let m_old = st.m[r];
