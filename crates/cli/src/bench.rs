@@ -30,6 +30,27 @@ pub struct Target {
     pub met: bool,
 }
 
+/// Writes a report's `targets` section, measured values with `decimals` places.
+pub(crate) fn write_targets(
+    f: &mut fmt::Formatter<'_>,
+    targets: &[Target],
+    decimals: usize,
+) -> fmt::Result {
+    writeln!(f, "\ntargets")?;
+    for t in targets {
+        writeln!(
+            f,
+            "  [{}] {}: {:.*} (target {})",
+            if t.met { "met" } else { "MISSED" },
+            t.what,
+            decimals,
+            t.measured,
+            t.target
+        )?;
+    }
+    Ok(())
+}
+
 /// Everything `bench transport` measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct TransportBenchReport {
@@ -160,17 +181,6 @@ impl fmt::Display for TransportBenchReport {
                 s.engine.p50_ns / s.baseline_enqueue.p50_ns
             )?;
         }
-        writeln!(f, "\ntargets")?;
-        for t in &self.targets {
-            writeln!(
-                f,
-                "  [{}] {}: {:.0} (target {})",
-                if t.met { "met" } else { "MISSED" },
-                t.what,
-                t.measured,
-                t.target
-            )?;
-        }
-        Ok(())
+        write_targets(f, &self.targets, 0)
     }
 }

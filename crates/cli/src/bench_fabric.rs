@@ -535,17 +535,6 @@ impl fmt::Display for FabricBenchReport {
                 p.fi_pingpong.mb_per_s
             )?;
         }
-        writeln!(f, "\ntargets")?;
-        for t in &self.targets {
-            writeln!(
-                f,
-                "  [{}] {}: {:.2} (target {})",
-                if t.met { "met" } else { "MISSED" },
-                t.what,
-                t.measured,
-                t.target
-            )?;
-        }
-        Ok(())
+        crate::bench::write_targets(f, &self.targets, 2)
     }
 }
