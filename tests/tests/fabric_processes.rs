@@ -427,31 +427,27 @@ fn killed_peer(provider: &str, other_peer_completes: bool) {
         assert_eq!(f.wait(), Ok(()));
     }
     let to_victim = DoneCounter::new();
-    for i in 0..64u64 {
-        me.submit_single_write(
-            1 << 18,
-            None,
-            (src.handle(), 0),
-            (&victim.desc, (i % 64) << 18),
-            OnDone::from(&to_victim),
-        )
-        .unwrap();
-    }
+    // 64 writes of 256 KiB covering the victim's 16 MiB buffer.
+    let victim_desc = victim.desc.clone();
+    let sixty_four_writes = || {
+        for i in 0..64u64 {
+            me.submit_single_write(
+                1 << 18,
+                None,
+                (src.handle(), 0),
+                (&victim_desc, i << 18),
+                OnDone::from(&to_victim),
+            )
+            .unwrap();
+        }
+    };
+    sixty_four_writes();
     if spec.manual_progress {
         victim.freeze().unwrap();
     }
     victim.kill();
     let killed = Instant::now();
-    for i in 0..64u64 {
-        me.submit_single_write(
-            1 << 18,
-            None,
-            (src.handle(), 0),
-            (&victim.desc, (i % 64) << 18),
-            OnDone::from(&to_victim),
-        )
-        .unwrap();
-    }
+    sixty_four_writes();
     while to_victim.total() < 128 {
         assert!(
             killed.elapsed() < Duration::from_secs(20),

@@ -87,16 +87,7 @@ impl<'a> Cache<'a> {
                 got: table.len(),
             });
         }
-        for (at, &p) in table[..used].iter().enumerate() {
-            if p as usize >= pages {
-                return Err(KernelError::IndexOutOfRange {
-                    what: "block table",
-                    index: i64::from(p),
-                    at,
-                    bound: pages,
-                });
-            }
-        }
+        check_pages("block table", &table[..used], pages)?;
         Ok(Self {
             rows: pool,
             table: Some(table),
@@ -136,6 +127,23 @@ impl<'a> Cache<'a> {
             }
             Some(_) => None,
         }
+    }
+}
+
+/// Checks that every entry of a block table names one of the pool's `pages`.
+pub(crate) fn check_pages(
+    what: &'static str,
+    table: &[u32],
+    pages: usize,
+) -> Result<(), KernelError> {
+    match table.iter().position(|&p| p as usize >= pages) {
+        Some(at) => Err(KernelError::IndexOutOfRange {
+            what,
+            index: i64::from(table[at]),
+            at,
+            bound: pages,
+        }),
+        None => Ok(()),
     }
 }
 

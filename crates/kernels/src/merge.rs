@@ -28,30 +28,45 @@ pub fn merge(parts: &[&Partial]) -> Result<Partial, KernelError> {
         p.validate()?;
     }
     let mut out = Partial::empty(mq);
-    let mut acc = [0f64; D_LATENT];
     for r in 0..mq {
-        let big_m = parts
-            .iter()
-            .filter(|p| p.l[r] > 0.0)
-            .map(|p| p.m[r])
-            .fold(f32::NEG_INFINITY, f32::max);
-        if big_m == f32::NEG_INFINITY {
-            continue; // every part empty: the row stays empty
-        }
-        acc.fill(0.0);
-        let mut l = 0f64;
-        for p in parts.iter().filter(|p| p.l[r] > 0.0) {
-            let w = f64::from(p.l[r]) * (f64::from(p.m[r]) - f64::from(big_m)).exp();
-            l += w;
-            for (a, &o) in acc.iter_mut().zip(p.o_row(r)) {
-                *a += w * f64::from(o);
-            }
-        }
-        for (dst, a) in out.o[r * D_LATENT..(r + 1) * D_LATENT].iter_mut().zip(&acc) {
-            *dst = (a / l) as f32;
-        }
-        out.m[r] = big_m;
-        out.l[r] = l as f32;
+        // `o` is normalised, so a part's values weigh `l` times its share.
+        let rows = parts.iter().map(|p| (p.m[r], p.l[r], p.o_row(r), p.l[r]));
+        let (m, l) = combine_row(rows, &mut out.o[r * D_LATENT..(r + 1) * D_LATENT]);
+        out.m[r] = m;
+        out.l[r] = l;
     }
     Ok(out)
+}
+
+/// One row of the combine, shared by [`merge`] and the CPU path's split-K states: each part
+/// is `(m, l, values, value_weight)`, contributing `exp(m - M) * l` to the denominator and
+/// `exp(m - M) * value_weight * values` to the numerator (`value_weight` is `l` for a
+/// normalised `o`, 1 for a raw accumulator). Empty parts (`l = 0`) are skipped; if all are
+/// empty, `o` is left alone and `(-inf, 0)` returned. Sums in f64, one rounding.
+pub(crate) fn combine_row<'a>(
+    parts: impl Iterator<Item = (f32, f32, &'a [f32], f32)> + Clone,
+    o: &mut [f32],
+) -> (f32, f32) {
+    let live = parts.filter(|&(_, l, _, _)| l > 0.0);
+    let big_m = live
+        .clone()
+        .map(|(m, ..)| m)
+        .fold(f32::NEG_INFINITY, f32::max);
+    if big_m == f32::NEG_INFINITY {
+        return (f32::NEG_INFINITY, 0.0);
+    }
+    let mut acc = [0f64; D_LATENT];
+    let mut l = 0f64;
+    for (m, part_l, values, value_weight) in live {
+        let w = (f64::from(m) - f64::from(big_m)).exp();
+        l += w * f64::from(part_l);
+        let w = w * f64::from(value_weight);
+        for (a, &x) in acc.iter_mut().zip(values) {
+            *a += w * f64::from(x);
+        }
+    }
+    for (dst, a) in o.iter_mut().zip(&acc) {
+        *dst = (a / l) as f32;
+    }
+    (big_m, l as f32)
 }

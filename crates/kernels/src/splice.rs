@@ -7,7 +7,7 @@
 //! `table[l * ceil(n / 64) + t / 64]`.
 
 use crate::error::{KernelError, check_len};
-use crate::layout::{D_QK, PAGE_TOKENS};
+use crate::layout::{D_QK, PAGE_TOKENS, check_pages};
 use crate::rope::Rope;
 
 /// A validated splice: shapes checked, pages in range and distinct.
@@ -70,17 +70,8 @@ impl<'a> SpliceJob<'a> {
             layers * n.div_ceil(PAGE_TOKENS),
             table.len(),
         )?;
+        check_pages("splice block table", table, pages)?;
         let mut seen: Vec<(u32, usize)> = table.iter().copied().zip(0..).collect();
-        for &(p, at) in &seen {
-            if p as usize >= pages {
-                return Err(KernelError::IndexOutOfRange {
-                    what: "splice block table",
-                    index: i64::from(p),
-                    at,
-                    bound: pages,
-                });
-            }
-        }
         seen.sort_unstable();
         if let Some(w) = seen.windows(2).find(|w| w[0].0 == w[1].0) {
             return Err(KernelError::DuplicatePage {

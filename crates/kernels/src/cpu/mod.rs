@@ -12,6 +12,7 @@ pub(crate) use splice::splice;
 use rayon::prelude::*;
 
 use crate::layout::{Cache, D_LATENT, D_QK, Queries, Selection};
+use crate::merge::combine_row;
 use crate::partial::Partial;
 use tile::{RowState, TILE, widen};
 
@@ -81,41 +82,26 @@ fn scaled_rows(q: &Queries<'_>, r0: usize, r1: usize, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-/// Folds the split states of one row block into rows `r0..` of `out` (f64 merge, as
-/// [`crate::merge`] does for partials; here the accumulators are not yet normalised).
+/// Folds the split states of one row block into rows `r0..` of `out` ([`crate::merge`]'s
+/// combine; here the accumulators are not yet normalised, so values weigh 1).
 fn finish(states: &[RowState], r0: usize, out: &mut Partial) {
-    let rows = states[0].m.len();
-    let mut acc = [0f64; D_LATENT];
-    for r in 0..rows {
-        let big_m = states
-            .iter()
-            .filter(|s| s.l[r] > 0.0)
-            .map(|s| s.m[r])
-            .fold(f32::NEG_INFINITY, f32::max);
-        if states.iter().any(|s| s.m[r].is_nan()) {
-            out.m[r0 + r] = f32::NAN;
-            out.l[r0 + r] = f32::NAN;
-            out.o[(r0 + r) * D_LATENT..(r0 + r + 1) * D_LATENT].fill(f32::NAN);
-            continue;
-        }
-        if big_m == f32::NEG_INFINITY {
-            continue;
-        }
-        acc.fill(0.0);
-        let mut l = 0f64;
-        for s in states.iter().filter(|s| s.l[r] > 0.0) {
-            let w = (f64::from(s.m[r]) - f64::from(big_m)).exp();
-            l += w * f64::from(s.l[r]);
-            for (a, &x) in acc.iter_mut().zip(&s.acc[r * D_LATENT..(r + 1) * D_LATENT]) {
-                *a += w * f64::from(x);
-            }
-        }
+    for r in 0..states[0].m.len() {
         let o = &mut out.o[(r0 + r) * D_LATENT..(r0 + r + 1) * D_LATENT];
-        for (dst, a) in o.iter_mut().zip(&acc) {
-            *dst = (a / l) as f32;
+        if states.iter().any(|s| s.m[r].is_nan()) {
+            // Non-finite inputs: propagate rather than hide.
+            o.fill(f32::NAN);
+            (out.m[r0 + r], out.l[r0 + r]) = (f32::NAN, f32::NAN);
+            continue;
         }
-        out.m[r0 + r] = big_m;
-        out.l[r0 + r] = l as f32;
+        let parts = states.iter().map(|s| {
+            (
+                s.m[r],
+                s.l[r],
+                &s.acc[r * D_LATENT..(r + 1) * D_LATENT],
+                1.0,
+            )
+        });
+        (out.m[r0 + r], out.l[r0 + r]) = combine_row(parts, o);
     }
 }
 
