@@ -1,16 +1,21 @@
 //! `cargo xtask`: the project's automation, written in Rust so it runs wherever cargo does.
 //!
-//! - `deps [--check]`: check (and as root, install) the system packages the crates need.
+//! - `deps [--check]`: check (and as root, install) the system packages the crates need, and
+//!   unpack the pinned NVRTC wheel into `target/nvrtc` (the CUDA compile test's compiler).
 //! - `test`: what CI runs: deps, rustfmt, clippy with warnings denied, every test, rustdoc with
 //!   warnings denied.
 //! - `loom`: the loom models of the transport's completion logic (each with a broken variant
 //!   it must catch), built with `--cfg kvroute_loom` in a target folder of their own.
 //! - `demo [ARGS]`: build and run the main job in release mode.
 //! - `bench [ARGS]`: run the criterion benches (ARGS go to criterion, e.g. a name filter).
+//! - `gpu-test [--require-gpu]`: the CUDA kernels against the reference and the CPU path, their
+//!   benchmarks, and PyTorch's SDPA on the same inputs, on a machine with a GPU.
 //! - `bindgen`: regenerate the checked-in libfabric bindings from the installed headers.
 
 mod bindgen;
 mod deps;
+mod gpu_test;
+mod nvrtc;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -21,11 +26,15 @@ use anyhow::{Context, Result, bail};
 const USAGE: &str = "usage: cargo xtask <command>
 
 commands:
-  deps [--check]  check the system packages the workspace needs; install missing ones as root
+  deps [--check]  check the system packages the workspace needs; install missing ones as root;
+                  unpack the pinned NVRTC wheel into target/nvrtc (CUDA compile test)
   test            what CI runs: deps, fmt --check, clippy -D warnings, tests, loom, docs -D warnings
   loom            the loom models of the transport's completion logic
   demo [ARGS]     build in release mode and run the main job (ARGS are passed to it)
   bench [ARGS]    run the criterion benches (ARGS are passed to criterion)
+  gpu-test [--require-gpu]
+                  CUDA kernels vs reference, CPU and PyTorch SDPA, and their benchmarks, on a
+                  GPU; without one, says so (and fails only with --require-gpu)
   bindgen         regenerate the libfabric bindings (installs libfabric-dev, libclang-dev as root)";
 
 fn main() -> ExitCode {
@@ -44,7 +53,12 @@ fn run(args: &[String]) -> Result<()> {
         .split_first()
         .map_or(("help", &[][..]), |(c, r)| (c.as_str(), r));
     match command {
-        "deps" => deps::run(rest.iter().any(|a| a == "--check")),
+        "deps" => {
+            let check = rest.iter().any(|a| a == "--check");
+            deps::run(check)?;
+            nvrtc::ensure(&workspace_root(), check)
+        }
+        "gpu-test" => gpu_test::run(&workspace_root(), rest.iter().any(|a| a == "--require-gpu")),
         "test" | "ci" => test(),
         "loom" => loom(),
         "demo" => cargo_step(
@@ -88,7 +102,9 @@ fn with_rest<'a>(base: &[&'a str], rest: &'a [String]) -> Vec<&'a str> {
 /// CI: every gate in order, stopping at the first failure, with each step's time.
 fn test() -> Result<()> {
     let started = Instant::now();
+    let root = workspace_root();
     deps::run(false)?;
+    nvrtc::ensure(&root, false)?;
     cargo_step("fmt", &["fmt", "--all", "--check"], &[])?;
     cargo_step(
         "clippy",
@@ -103,7 +119,17 @@ fn test() -> Result<()> {
         ],
         &[],
     )?;
-    cargo_step("test", &["test", "--workspace", "--locked"], &[])?;
+    // NVRTC from target/nvrtc, and the sm_90 compile test required (it fails, not skips,
+    // if NVRTC cannot be loaded).
+    let library_path = nvrtc::library_path(&root);
+    cargo_step(
+        "test",
+        &["test", "--workspace", "--locked"],
+        &[
+            ("LD_LIBRARY_PATH", &library_path),
+            ("KVROUTE_REQUIRE_NVRTC", "1"),
+        ],
+    )?;
     loom()?;
     cargo_step(
         "doc",
@@ -159,7 +185,7 @@ pub(crate) fn cargo_step(name: &str, args: &[&str], env: &[(&str, &str)]) -> Res
     Ok(())
 }
 
-fn workspace_root() -> PathBuf {
+pub(crate) fn workspace_root() -> PathBuf {
     let xtask_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     xtask_dir.parent().unwrap_or(xtask_dir).to_path_buf()
 }

@@ -32,6 +32,124 @@ pub enum Command {
     /// Measure a crate on this machine, each number beside a baseline from the same run.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Run a kernel on .npy files (f32 inputs are rounded to bf16, <u2 inputs are raw bf16
+    /// bits; outputs are f32), to check it against PyTorch or NumPy.
+    #[command(subcommand)]
+    Kernel(KernelCommand),
+}
+
+/// `kvroute kernel ...`.
+#[derive(Debug, Subcommand)]
+pub enum KernelCommand {
+    /// Partial attention: writes `OUT/o.npy` `[Mq, 512]`, `OUT/m.npy` `[Mq]`, `OUT/l.npy` `[Mq]`.
+    Partial(KernelPartialArgs),
+    /// Merge partials (directories holding o.npy, m.npy, l.npy) into one.
+    Merge(KernelMergeArgs),
+    /// Re-rotate the RoPE dims of cache rows from stored to new positions.
+    Splice(KernelSpliceArgs),
+    /// The GPU the CUDA backend would use and its kernels' registers and shared memory (fails
+    /// when there is none, saying why).
+    GpuInfo,
+}
+
+/// `kvroute kernel partial`.
+#[derive(Debug, Clone, Args)]
+pub struct KernelPartialArgs {
+    /// Query rows [Mq, 576].
+    #[arg(long)]
+    pub q: std::path::PathBuf,
+    /// Cache rows [ct, 576].
+    #[arg(long)]
+    pub cache: std::path::PathBuf,
+    /// Sparse: selected token indices [Mq, k] int32/int64, -1 = padding (or [Mq / h, k]: one
+    /// index row for each h consecutive query rows). Dense without it.
+    #[arg(long)]
+    pub indices: Option<std::path::PathBuf>,
+    /// Softmax scale (DeepSeek-V2-Lite: 0.1147, V3: 0.1352).
+    #[arg(long, allow_negative_numbers = true)]
+    pub scale: f32,
+    /// Output directory.
+    #[arg(long)]
+    pub out: std::path::PathBuf,
+    /// auto, cpu, cuda, reference (or avx512, avx2, scalar).
+    #[arg(long, default_value = "auto")]
+    pub backend: String,
+}
+
+/// `kvroute kernel merge`.
+#[derive(Debug, Clone, Args)]
+pub struct KernelMergeArgs {
+    /// Partial directories, comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub parts: Vec<std::path::PathBuf>,
+    /// Output directory.
+    #[arg(long)]
+    pub out: std::path::PathBuf,
+    /// auto, cpu, cuda, reference.
+    #[arg(long, default_value = "auto")]
+    pub backend: String,
+}
+
+/// RoPE band layout, as named on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LayoutArg {
+    /// Pairs (2i, 2i + 1) (DeepSeek's reference code).
+    Interleaved,
+    /// Pairs (i, i + 32) (rotate-half).
+    Half,
+}
+
+/// `kvroute kernel splice`.
+#[derive(Debug, Clone, Args)]
+pub struct KernelSpliceArgs {
+    /// Cache rows [n, 576].
+    #[arg(long)]
+    pub cache: std::path::PathBuf,
+    /// Stored positions `[n]` int64.
+    #[arg(long)]
+    pub from: std::path::PathBuf,
+    /// New positions `[n]` int64.
+    #[arg(long)]
+    pub to: std::path::PathBuf,
+    /// RoPE base theta.
+    #[arg(long, allow_negative_numbers = true)]
+    pub theta: f64,
+    /// YaRN scaling factor (plain RoPE without it).
+    #[arg(long, allow_negative_numbers = true)]
+    pub yarn_factor: Option<f64>,
+    /// YaRN beta_fast.
+    #[arg(
+        long,
+        default_value_t = 32.0,
+        requires = "yarn_factor",
+        allow_negative_numbers = true
+    )]
+    pub beta_fast: f64,
+    /// YaRN beta_slow.
+    #[arg(
+        long,
+        default_value_t = 1.0,
+        requires = "yarn_factor",
+        allow_negative_numbers = true
+    )]
+    pub beta_slow: f64,
+    /// YaRN original max positions.
+    #[arg(
+        long,
+        default_value_t = 4096.0,
+        requires = "yarn_factor",
+        allow_negative_numbers = true
+    )]
+    pub original_max: f64,
+    /// RoPE band layout.
+    #[arg(long, value_enum, default_value = "interleaved")]
+    pub layout: LayoutArg,
+    /// Output file: the re-rotated rows [n, 576] f32.
+    #[arg(long)]
+    pub out: std::path::PathBuf,
+    /// auto, cpu, cuda, reference.
+    #[arg(long, default_value = "auto")]
+    pub backend: String,
 }
 
 /// `kvroute bench ...`.
@@ -43,6 +161,9 @@ pub enum BenchCommand {
     /// The libfabric domain between two processes, beside fi_pingpong on the same provider:
     /// the immediate-only round trip, single writes (64 KiB-32 MiB), paged writes (1-64 KiB).
     Fabric(FabricBenchArgs),
+    /// The kernels: dense and sparse partials, merge, splice, beside the machine's read
+    /// bandwidth (CPU) or device copy bandwidth (CUDA) and the reference, in the same run.
+    Kernels(KernelsBenchArgs),
     /// The second process of `bench fabric` (started by it).
     #[command(hide = true)]
     FabricPeer(FabricPeerArgs),
@@ -76,6 +197,17 @@ pub struct FabricPeerArgs {
     /// Manual progress.
     #[arg(long)]
     pub manual: bool,
+}
+
+/// `kvroute bench kernels`.
+#[derive(Debug, Clone, Args)]
+pub struct KernelsBenchArgs {
+    /// cpu (or avx512, avx2, scalar) or cuda.
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
+    /// Fewer repetitions (a smoke run).
+    #[arg(long)]
+    pub quick: bool,
 }
 
 /// `kvroute bench transport`.

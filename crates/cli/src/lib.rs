@@ -4,13 +4,17 @@
 //!
 //! Commands: `predict` (route / fetch / local for one request), `plan prfaas`, `plan helix`,
 //! `presets`, `tour` (the papers' operating points; what `cargo xtask demo` runs until the
-//! end-to-end demo exists), `bench transport` and `bench fabric`.
+//! end-to-end demo exists), `bench transport`, `bench fabric`, `bench kernels`, and
+//! `kernel partial | merge | splice | gpu-info` (the kernels on .npy files).
 
 #![forbid(unsafe_code)]
 
 pub mod args;
 mod bench;
 mod bench_fabric;
+mod bench_kernels;
+mod kernel;
+mod npy;
 mod plan;
 mod predict;
 mod presets;
@@ -19,9 +23,11 @@ mod units;
 
 use anyhow::Result;
 pub use args::Cli;
-use args::{BenchCommand, Command, PlanCommand};
+use args::{BenchCommand, Command, KernelCommand, PlanCommand};
 pub use bench::{Target, TransportBenchReport};
 pub use bench_fabric::{Compared, FabricBenchReport, PagedRow};
+pub use bench_kernels::KernelsBenchReport;
+pub use kernel::{GpuReport, KernelReport};
 pub use plan::{HelixReport, PrfaasReport};
 pub use predict::PredictReport;
 pub use presets::PresetsReport;
@@ -37,6 +43,11 @@ pub fn run(cli: &Cli) -> Result<String> {
         Command::Tour => render(cli.json, &tour::run()?),
         Command::Bench(BenchCommand::Transport(args)) => render(cli.json, &bench::transport(args)?),
         Command::Bench(BenchCommand::Fabric(args)) => render(cli.json, &bench_fabric::run(args)?),
+        Command::Bench(BenchCommand::Kernels(args)) => render(cli.json, &bench_kernels::run(args)?),
+        Command::Kernel(KernelCommand::Partial(args)) => render(cli.json, &kernel::partial(args)?),
+        Command::Kernel(KernelCommand::Merge(args)) => render(cli.json, &kernel::merge(args)?),
+        Command::Kernel(KernelCommand::Splice(args)) => render(cli.json, &kernel::splice(args)?),
+        Command::Kernel(KernelCommand::GpuInfo) => render(cli.json, &kernel::gpu_info()?),
         Command::Bench(BenchCommand::FabricPeer(args)) => {
             bench_fabric::peer(args)?;
             Ok(String::new())

@@ -72,6 +72,9 @@ pub enum KernelError {
     /// The CUDA backend was asked for and cannot run here.
     #[error("CUDA backend unavailable: {0}")]
     CudaUnavailable(String),
+    /// A CUDA call failed on a machine where CUDA is present (compile, allocation, launch).
+    #[error("CUDA: {0}")]
+    Cuda(String),
 }
 
 /// Checks a buffer's length against its shape.

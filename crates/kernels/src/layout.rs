@@ -100,6 +100,11 @@ impl<'a> Cache<'a> {
         self.tokens
     }
 
+    /// The rows (or the pool) and the block table, as the CUDA backend uploads them.
+    pub(crate) fn parts(&self) -> (&'a [u16], Option<&'a [u32]>) {
+        (self.rows, self.table)
+    }
+
     #[inline(always)]
     fn row_start(&self, t: usize) -> usize {
         match self.table {

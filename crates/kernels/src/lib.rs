@@ -7,12 +7,13 @@
 //! `[ct, 576]` in bf16 (carried as `u16` bits), partials `(o [mq, 512], m, l)` in f32 with
 //! natural-log semantics ([`Partial`]), and their 1152 B / 1032 B wire rows.
 //!
-//! Each kernel has two implementations, chosen by [`Backend`]:
+//! Each kernel has three implementations, chosen by [`Backend`]:
 //! - `Reference`: plain loops with f64 accumulation, the oracle the tests compare against;
 //! - `Cpu`: f32 with AVX-512, AVX2 or baseline SIMD chosen at run time ([`Isa`]), threaded over
-//!   query rows and split over the keys (rayon's pool).
-//!
-//! A CUDA backend (NVRTC through cudarc) is planned and not in this crate yet.
+//!   query rows and split over the keys (rayon's pool);
+//! - `Cuda`: CUDA C compiled at run time by NVRTC and launched through cudarc ([`cuda`]);
+//!   split-K flash-decoding for the partials, one launch for an all-layer splice. Nothing is
+//!   linked: on a machine without a GPU it returns [`KernelError::CudaUnavailable`].
 //!
 //! ```
 //! use kvroute_kernels::{Backend, Cache, Queries, merge, partial_dense};
@@ -33,6 +34,7 @@
 
 pub mod bf16;
 mod cpu;
+pub mod cuda;
 mod error;
 pub mod layout;
 mod merge;
@@ -40,6 +42,7 @@ mod partial;
 mod reference;
 pub mod rope;
 mod splice;
+pub mod workload;
 
 pub use cpu::Isa;
 pub use error::KernelError;
@@ -54,7 +57,7 @@ use serde::{Deserialize, Serialize};
 /// Which implementation runs a kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum Backend {
-    /// The fastest available here (today: [`Backend::Cpu`] with the widest [`Isa`]).
+    /// [`Backend::Cuda`] when a GPU is usable here, else [`Backend::Cpu`].
     #[default]
     Auto,
     /// The CPU fast path with the widest available [`Isa`].
@@ -63,6 +66,8 @@ pub enum Backend {
     CpuWith(Isa),
     /// The f64 reference.
     Reference,
+    /// The GPU ([`cuda::Gpu::global`]: device 0); an error where there is none.
+    Cuda,
 }
 
 impl std::str::FromStr for Backend {
@@ -73,23 +78,33 @@ impl std::str::FromStr for Backend {
             "auto" => Ok(Self::Auto),
             "cpu" => Ok(Self::Cpu),
             "reference" => Ok(Self::Reference),
+            "cuda" => Ok(Self::Cuda),
             "avx512" => Ok(Self::CpuWith(Isa::Avx512)),
             "avx2" => Ok(Self::CpuWith(Isa::Avx2)),
             "scalar" => Ok(Self::CpuWith(Isa::Scalar)),
             _ => Err(KernelError::Parameter {
                 what: "backend",
                 value: f64::NAN,
-                why: "one of auto, cpu, reference, avx512, avx2, scalar",
+                why: "one of auto, cpu, cuda, reference, avx512, avx2, scalar",
             }),
         }
     }
 }
 
-/// The CPU instruction set a backend runs on (`None` for the reference).
-fn isa_of(backend: Backend) -> Result<Option<Isa>, KernelError> {
+/// What runs a call.
+enum Engine {
+    Cpu(Isa),
+    Reference,
+    Cuda(&'static cuda::Gpu),
+}
+
+fn engine(backend: Backend) -> Result<Engine, KernelError> {
     match backend {
-        Backend::Auto | Backend::Cpu => Ok(Some(Isa::detect())),
-        Backend::CpuWith(isa) if isa.is_available() => Ok(Some(isa)),
+        Backend::Auto => {
+            Ok(cuda::Gpu::global().map_or_else(|_| Engine::Cpu(Isa::detect()), Engine::Cuda))
+        }
+        Backend::Cpu => Ok(Engine::Cpu(Isa::detect())),
+        Backend::CpuWith(isa) if isa.is_available() => Ok(Engine::Cpu(isa)),
         Backend::CpuWith(isa) => Err(KernelError::Parameter {
             what: "instruction set",
             value: f64::NAN,
@@ -98,8 +113,19 @@ fn isa_of(backend: Backend) -> Result<Option<Isa>, KernelError> {
                 _ => "this CPU lacks AVX2 + FMA",
             },
         }),
-        Backend::Reference => Ok(None),
+        Backend::Reference => Ok(Engine::Reference),
+        Backend::Cuda => cuda::Gpu::global().map(Engine::Cuda),
     }
+}
+
+/// What `backend` runs on here, in words (`cpu avx512`, `reference`, `cuda NVIDIA H100 (sm_90)`),
+/// or why it cannot run.
+pub fn describe(backend: Backend) -> Result<String, KernelError> {
+    Ok(match engine(backend)? {
+        Engine::Cpu(isa) => format!("cpu {isa}"),
+        Engine::Reference => "reference".to_owned(),
+        Engine::Cuda(gpu) => format!("cuda {} ({})", gpu.info().name, gpu.info().arch),
+    })
 }
 
 fn check_scale(scale: f32) -> Result<(), KernelError> {
@@ -126,9 +152,10 @@ pub fn partial_dense(
     if q.is_empty() {
         return Err(KernelError::Empty("query rows"));
     }
-    Ok(match isa_of(backend)? {
-        Some(isa) => cpu::partial_dense(q, cache, scale, isa),
-        None => reference::partial_dense(q, cache, scale),
+    Ok(match engine(backend)? {
+        Engine::Cpu(isa) => cpu::partial_dense(q, cache, scale, isa),
+        Engine::Reference => reference::partial_dense(q, cache, scale),
+        Engine::Cuda(gpu) => gpu.partial_dense(q, cache, scale)?,
     })
 }
 
@@ -154,17 +181,28 @@ pub fn partial_sparse(
         q.len(),
         cache.tokens(),
     )?;
-    Ok(match isa_of(backend)? {
-        Some(isa) => cpu::partial_sparse(q, cache, &sel, scale, isa),
-        None => reference::partial_sparse(q, cache, &sel, scale),
+    Ok(match engine(backend)? {
+        Engine::Cpu(isa) => cpu::partial_sparse(q, cache, &sel, scale, isa),
+        Engine::Reference => reference::partial_sparse(q, cache, &sel, scale),
+        Engine::Cuda(gpu) => gpu.partial_sparse(q, cache, &sel, scale)?,
     })
 }
 
 /// The delta-rotation splice of `job` (all layers of a chunk in one call).
 pub fn splice(backend: Backend, mut job: SpliceJob<'_>) -> Result<(), KernelError> {
-    match isa_of(backend)? {
-        Some(_) => cpu::splice(&mut job),
-        None => reference::splice(&mut job),
+    match engine(backend)? {
+        Engine::Cpu(_) => cpu::splice(&mut job),
+        Engine::Reference => reference::splice(&mut job),
+        Engine::Cuda(gpu) => gpu.splice(&mut job)?,
     }
     Ok(())
+}
+
+/// The exact merge ([`merge`]) on a chosen backend: the CPU and the reference run the same f64
+/// combine; CUDA runs it on the GPU (the combine that also finishes its split-K partials).
+pub fn merge_with(backend: Backend, parts: &[&Partial]) -> Result<Partial, KernelError> {
+    match engine(backend)? {
+        Engine::Cpu(_) | Engine::Reference => merge(parts),
+        Engine::Cuda(gpu) => gpu.merge(parts),
+    }
 }

@@ -13,20 +13,7 @@ use crate::partial::Partial;
 /// Merges `parts` (all with the same number of rows) into one. Every part is validated first
 /// (they may come from peers); nothing is merged if one is malformed.
 pub fn merge(parts: &[&Partial]) -> Result<Partial, KernelError> {
-    let Some(first) = parts.first() else {
-        return Err(KernelError::Empty("partials to merge"));
-    };
-    let mq = first.rows();
-    for (index, p) in parts.iter().enumerate() {
-        if p.rows() != mq {
-            return Err(KernelError::RowMismatch {
-                index,
-                expected: mq,
-                got: p.rows(),
-            });
-        }
-        p.validate()?;
-    }
+    let mq = check_parts(parts)?;
     let mut out = Partial::empty(mq);
     for r in 0..mq {
         // `o` is normalised, so a part's values weigh `l` times its share.
@@ -43,6 +30,25 @@ pub fn merge(parts: &[&Partial]) -> Result<Partial, KernelError> {
 /// `exp(m - M) * value_weight * values` to the numerator (`value_weight` is `l` for a
 /// normalised `o`, 1 for a raw accumulator). Empty parts (`l = 0`) are skipped; if all are
 /// empty, `o` is left alone and `(-inf, 0)` returned. Sums in f64, one rounding.
+/// Checks `parts` can be merged (at least one, equal rows, each valid); returns their rows.
+pub(crate) fn check_parts(parts: &[&Partial]) -> Result<usize, KernelError> {
+    let Some(first) = parts.first() else {
+        return Err(KernelError::Empty("partials to merge"));
+    };
+    let mq = first.rows();
+    for (index, p) in parts.iter().enumerate() {
+        if p.rows() != mq {
+            return Err(KernelError::RowMismatch {
+                index,
+                expected: mq,
+                got: p.rows(),
+            });
+        }
+        p.validate()?;
+    }
+    Ok(mq)
+}
+
 pub(crate) fn combine_row<'a>(
     parts: impl Iterator<Item = (f32, f32, &'a [f32], f32)> + Clone,
     o: &mut [f32],

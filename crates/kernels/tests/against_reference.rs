@@ -15,32 +15,10 @@
 
 mod common;
 
-use common::{Rng, SCALE, max_abs};
+use common::{Rng, SCALE, assert_close};
 use kvroute_kernels::{
     Backend, Cache, Isa, Partial, Queries, Selection, partial_dense, partial_sparse,
 };
-
-const O_ABS: f32 = 5e-5;
-const LSE_ABS: f32 = 1e-4;
-const LSE_REL: f32 = 8.0 / 65536.0;
-
-fn assert_close(got: &Partial, want: &Partial, what: &str) {
-    let o_err = max_abs(&got.o, &want.o);
-    eprintln!("{what}: o max abs error {o_err:.2e}");
-    assert!(o_err <= O_ABS, "{what}: o max abs error {o_err}");
-    for r in 0..want.rows() {
-        let (g, w) = (got.lse(r), want.lse(r));
-        if w == f32::NEG_INFINITY {
-            assert_eq!(g, w, "{what}: row {r} attended nothing");
-            continue;
-        }
-        let err = (g - w).abs();
-        assert!(
-            err <= LSE_ABS + LSE_REL * w.abs(),
-            "{what}: row {r} lse {g} vs {w}"
-        );
-    }
-}
 
 fn backends() -> Vec<Backend> {
     Isa::available().into_iter().map(Backend::CpuWith).collect()

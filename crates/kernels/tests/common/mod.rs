@@ -2,8 +2,8 @@
 
 #![allow(dead_code)]
 
-use kvroute_kernels::bf16;
 use kvroute_kernels::layout::D_QK;
+use kvroute_kernels::{Partial, bf16};
 
 /// SplitMix64: small, fast, good enough for test data.
 pub(crate) struct Rng(u64);
@@ -59,4 +59,27 @@ pub(crate) fn max_abs(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
+}
+
+/// Bounds of `assert_close` (justified in tests/against_reference.rs).
+pub(crate) const O_ABS: f32 = 5e-5;
+pub(crate) const LSE_ABS: f32 = 1e-4;
+pub(crate) const LSE_REL: f32 = 8.0 / 65536.0;
+
+pub(crate) fn assert_close(got: &Partial, want: &Partial, what: &str) {
+    let o_err = max_abs(&got.o, &want.o);
+    eprintln!("{what}: o max abs error {o_err:.2e}");
+    assert!(o_err <= O_ABS, "{what}: o max abs error {o_err}");
+    for r in 0..want.rows() {
+        let (g, w) = (got.lse(r), want.lse(r));
+        if w == f32::NEG_INFINITY {
+            assert_eq!(g, w, "{what}: row {r} attended nothing");
+            continue;
+        }
+        let err = (g - w).abs();
+        assert!(
+            err <= LSE_ABS + LSE_REL * w.abs(),
+            "{what}: row {r} lse {g} vs {w}"
+        );
+    }
 }

@@ -1,0 +1,427 @@
+//! `kvroute bench kernels`: the kernels' workloads ([`kvroute_kernels::workload`], the same
+//! the criterion bench runs), each beside its baseline measured in the same run:
+//! - CPU: the dense partial's cache bytes per second against the machine's read bandwidth (a
+//!   parallel sum over 256 MiB) and the f64 reference; the sparse partial against the
+//!   reference; the merge against adding the `o` arrays; the splice against copying its rows.
+//! - CUDA: the kernels on resident inputs (CUDA events) against a device-to-device copy's
+//!   traffic and the CPU path; the merge host to host (its transfers included).
+
+use std::fmt;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use kvroute_kernels::layout::D_QK;
+use kvroute_kernels::workload::{self as w, SCALE, rows};
+use kvroute_kernels::{Backend, Cache, Queries, Selection, cuda::Gpu};
+use serde::Serialize;
+
+use crate::args::KernelsBenchArgs;
+use crate::bench::{Target, write_targets};
+
+/// One dense row of the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct DenseRow {
+    /// Query rows.
+    pub mq: usize,
+    /// Median time per call, microseconds.
+    pub us: f64,
+    /// Cache bytes read per second, GB/s.
+    pub gbps: f64,
+    /// Arithmetic rate: 2 Mq ct (576 + 512) flops per call, GFLOP/s.
+    pub gflops: f64,
+    /// `gbps` as a share of the read-bandwidth baseline.
+    pub of_read_bandwidth: f64,
+    /// What the speedup is against (`reference`, or `cpu` for CUDA).
+    pub versus: &'static str,
+    /// That baseline's time, microseconds (absent where it was not run: too slow to matter).
+    pub versus_us: Option<f64>,
+}
+
+/// One sparse row.
+#[derive(Debug, Clone, Serialize)]
+pub struct SparseRow {
+    /// Selected tokens.
+    pub k: usize,
+    /// Median time per call, microseconds.
+    pub us: f64,
+    /// Selected cache bytes per second, GB/s.
+    pub gbps: f64,
+    /// What the speedup is against.
+    pub versus: &'static str,
+    /// That baseline's time, microseconds.
+    pub versus_us: f64,
+}
+
+/// A kernel beside its floor.
+#[derive(Debug, Clone, Serialize)]
+pub struct FloorRow {
+    /// What ran.
+    pub what: String,
+    /// Median time, microseconds.
+    pub us: f64,
+    /// The floor (the same bytes moved without the kernel's arithmetic), microseconds.
+    pub floor_us: f64,
+    /// What the floor is.
+    pub floor: &'static str,
+}
+
+/// `kvroute bench kernels`.
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelsBenchReport {
+    /// What ran the kernels.
+    pub backend: String,
+    /// The read-bandwidth baseline, GB/s (CPU: parallel sum over 256 MiB; CUDA: a device
+    /// copy's read + write traffic).
+    pub read_gbps: f64,
+    /// The same sum over one ct = 2048 chunk (cache-resident; CPU only).
+    pub chunk_read_gbps: Option<f64>,
+    /// Dense partial at ct = 2048.
+    pub dense: Vec<DenseRow>,
+    /// Sparse partial, one token of 16 heads, top-k of 8192.
+    pub sparse: Vec<SparseRow>,
+    /// Merge of 8 partials of 256 rows.
+    pub merge: FloorRow,
+    /// The 27 x 2048 splice.
+    pub splice: FloorRow,
+    /// Targets of the kernels issue.
+    pub targets: Vec<Target>,
+}
+
+impl fmt::Display for KernelsBenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "kernels on {}", self.backend)?;
+        write!(f, "read bandwidth baseline: {:.1} GB/s", self.read_gbps)?;
+        if let Some(chunk) = self.chunk_read_gbps {
+            write!(f, " (one 2.36 MB chunk, cache-resident: {chunk:.1} GB/s)")?;
+        }
+        writeln!(f, "\n\ndense partial, ct = {}", w::DENSE_CT)?;
+        writeln!(
+            f,
+            "  {:>5} {:>10} {:>8} {:>9} {:>8} {:>16}",
+            "Mq", "us", "GB/s", "GFLOP/s", "of read", "speedup"
+        )?;
+        for r in &self.dense {
+            let speedup = r.versus_us.map_or_else(
+                || "-".to_owned(),
+                |v| format!("{:.1}x {}", v / r.us, r.versus),
+            );
+            writeln!(
+                f,
+                "  {:>5} {:>10.1} {:>8.2} {:>9.1} {:>7.0}% {:>16}",
+                r.mq,
+                r.us,
+                r.gbps,
+                r.gflops,
+                100.0 * r.of_read_bandwidth,
+                speedup
+            )?;
+        }
+        writeln!(
+            f,
+            "\nsparse partial, {} heads, of ct = {}",
+            w::SPARSE_HEADS,
+            w::SPARSE_CT
+        )?;
+        for r in &self.sparse {
+            writeln!(
+                f,
+                "  top-{:<5} {:>10.1} us {:>8.2} GB/s   {:.1}x {}",
+                r.k,
+                r.us,
+                r.gbps,
+                r.versus_us / r.us,
+                r.versus
+            )?;
+        }
+        writeln!(f)?;
+        for r in [&self.merge, &self.splice] {
+            writeln!(
+                f,
+                "{:<34} {:>10.1} us   {} {:.1} us ({:.2}x)",
+                r.what,
+                r.us,
+                r.floor,
+                r.floor_us,
+                r.us / r.floor_us
+            )?;
+        }
+        write_targets(f, &self.targets, 1)
+    }
+}
+
+/// Median microseconds per call of `f` over at least `min_iters` calls and `min_time`.
+fn median_us(min_iters: usize, min_time: Duration, mut f: impl FnMut()) -> f64 {
+    f(); // warm caches and thread pools
+    let started = Instant::now();
+    let mut samples = Vec::new();
+    while samples.len() < min_iters || started.elapsed() < min_time {
+        let t = Instant::now();
+        f();
+        samples.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+struct Budget {
+    iters: usize,
+    time: Duration,
+}
+
+fn dense_flops(mq: usize) -> f64 {
+    2.0 * mq as f64 * w::DENSE_CT as f64 * (D_QK + kvroute_kernels::layout::D_LATENT) as f64
+}
+
+/// `kvroute bench kernels`.
+pub(crate) fn run(args: &KernelsBenchArgs) -> Result<KernelsBenchReport> {
+    let backend: Backend = args.backend.parse()?;
+    let budget = if args.quick {
+        Budget {
+            iters: 3,
+            time: Duration::from_millis(50),
+        }
+    } else {
+        Budget {
+            iters: 20,
+            time: Duration::from_millis(1500),
+        }
+    };
+    match backend {
+        Backend::Cuda => gpu(&budget, Gpu::global().context("--backend cuda")?),
+        Backend::Reference => bail!("--backend reference is the baseline, not a subject; use cpu"),
+        _ => cpu(&budget, backend),
+    }
+}
+
+fn cpu(budget: &Budget, backend: Backend) -> Result<KernelsBenchReport> {
+    let described = kvroute_kernels::describe(backend)?;
+    let dram_bytes = 256usize << 20;
+    let big: Vec<u64> = (0..dram_bytes / 8).map(|i| i as u64).collect();
+    let read_us = median_us(budget.iters, budget.time, || {
+        black_box(w::read_sum(&big));
+    });
+    drop(big);
+    let chunk_bytes = w::DENSE_CT * D_QK * 2;
+    let chunk: Vec<u64> = (0..chunk_bytes / 8).map(|i| i as u64).collect();
+    let chunk_us = median_us(budget.iters, budget.time, || {
+        black_box(w::read_sum(&chunk));
+    });
+    let read_gbps = dram_bytes as f64 / read_us / 1e3;
+
+    let cache_rows = rows(w::DENSE_CT, 1);
+    let cache = Cache::contiguous(&cache_rows)?;
+    let mut dense = Vec::new();
+    for mq in w::DENSE_MQ {
+        let q_rows = rows(mq, 2);
+        let q = Queries::new(&q_rows)?;
+        let call = |b| kvroute_kernels::partial_dense(b, &q, &cache, SCALE).map(black_box);
+        call(backend)?;
+        let us = median_us(budget.iters, budget.time, || {
+            let _ = call(backend);
+        });
+        let versus_us = (mq <= 16).then(|| {
+            median_us(budget.iters.min(5), budget.time / 2, || {
+                let _ = call(Backend::Reference);
+            })
+        });
+        let gbps = chunk_bytes as f64 / us / 1e3;
+        dense.push(DenseRow {
+            mq,
+            us,
+            gbps,
+            gflops: dense_flops(mq) / us / 1e3,
+            of_read_bandwidth: gbps / read_gbps,
+            versus: "reference",
+            versus_us,
+        });
+    }
+
+    let sparse = sparse_rows(budget, backend, Backend::Reference, "reference")?;
+
+    let parts = w::merge_parts()?;
+    let refs: Vec<_> = parts.iter().collect();
+    let merge = FloorRow {
+        what: format!("merge {}x{} rows", w::MERGE_PARTS, w::MERGE_ROWS),
+        us: median_us(budget.iters, budget.time, || {
+            let _ = black_box(kvroute_kernels::merge(&refs));
+        }),
+        floor_us: median_us(budget.iters, budget.time, || {
+            black_box(w::sum_floor(&parts));
+        }),
+        floor: "adding the o arrays",
+    };
+
+    let mut work = w::SpliceWorkload::new()?;
+    let splice_us = median_us(budget.iters, budget.time, || {
+        if let Ok(job) = work.job() {
+            let _ = kvroute_kernels::splice(backend, job);
+        }
+    });
+    let splice = FloorRow {
+        what: format!("splice {}x{}", w::SPLICE_LAYERS, w::SPLICE_TOKENS),
+        us: splice_us,
+        floor_us: median_us(budget.iters, budget.time, || work.copy_rows()),
+        floor: "copying the rows",
+    };
+
+    let worst_small = dense
+        .iter()
+        .filter(|r| r.mq <= 16)
+        .map(|r| r.of_read_bandwidth)
+        .fold(f64::INFINITY, f64::min);
+    let targets = vec![
+        Target {
+            what: "dense partial, Mq <= 16, share of read bandwidth (%)",
+            target: ">= 70",
+            measured: 100.0 * worst_small,
+            met: worst_small >= 0.7,
+        },
+        Target {
+            what: "27 x 2048 splice (us)",
+            target: "< 1000",
+            measured: splice.us,
+            met: splice.us < 1000.0,
+        },
+    ];
+    Ok(KernelsBenchReport {
+        backend: described,
+        read_gbps,
+        chunk_read_gbps: Some(chunk_bytes as f64 / chunk_us / 1e3),
+        dense,
+        sparse,
+        merge,
+        splice,
+        targets,
+    })
+}
+
+/// The sparse workloads on `subject`, each beside `versus` (host-to-host calls both).
+fn sparse_rows(
+    budget: &Budget,
+    subject: Backend,
+    versus: Backend,
+    versus_name: &'static str,
+) -> Result<Vec<SparseRow>> {
+    let (ct, h) = (w::SPARSE_CT, w::SPARSE_HEADS);
+    let cache_rows = rows(ct, 3);
+    let cache = Cache::contiguous(&cache_rows)?;
+    let q_rows = rows(h, 4);
+    let q = Queries::new(&q_rows)?;
+    let mut out = Vec::new();
+    for k in w::SPARSE_K {
+        let idx = w::sparse_indices(k, ct);
+        let sel = Selection::new(&idx, k, h, h, ct)?;
+        let call = |b| kvroute_kernels::partial_sparse(b, &q, &cache, &sel, SCALE).map(black_box);
+        call(subject)?;
+        let us = median_us(budget.iters, budget.time, || {
+            let _ = call(subject);
+        });
+        out.push(SparseRow {
+            k,
+            us,
+            gbps: (k * D_QK * 2) as f64 / us / 1e3,
+            versus: versus_name,
+            versus_us: median_us(budget.iters.min(5), budget.time / 2, || {
+                let _ = call(versus);
+            }),
+        });
+    }
+    Ok(out)
+}
+
+fn gpu(budget: &Budget, gpu: &Gpu) -> Result<KernelsBenchReport> {
+    let iters = budget.iters.max(20) * 5;
+    let copy_bytes = 256usize << 20;
+    let copy_us = gpu.time_copy_us(copy_bytes, iters)?;
+    // A copy reads and writes every byte: its traffic is the device's achievable bandwidth.
+    let read_gbps = 2.0 * copy_bytes as f64 / copy_us / 1e3;
+    let chunk_bytes = w::DENSE_CT * D_QK * 2;
+    let cache_rows = rows(w::DENSE_CT, 1);
+    let cache = Cache::contiguous(&cache_rows)?;
+    let mut dense = Vec::new();
+    for mq in w::DENSE_MQ {
+        let q_rows = rows(mq, 2);
+        let q = Queries::new(&q_rows)?;
+        let mut prepared = gpu.prepare_partial(&q, &cache, None, SCALE)?;
+        let us = gpu.time_us(iters, || gpu.launch_partial(&mut prepared))?;
+        let versus_us = median_us(budget.iters, budget.time, || {
+            let _ = kvroute_kernels::partial_dense(Backend::Cpu, &q, &cache, SCALE);
+        });
+        let gbps = chunk_bytes as f64 / us / 1e3;
+        dense.push(DenseRow {
+            mq,
+            us,
+            gbps,
+            gflops: dense_flops(mq) / us / 1e3,
+            of_read_bandwidth: gbps / read_gbps,
+            versus: "cpu",
+            versus_us: Some(versus_us),
+        });
+    }
+    // Sparse on resident inputs.
+    let (ct, h) = (w::SPARSE_CT, w::SPARSE_HEADS);
+    let sparse_cache_rows = rows(ct, 3);
+    let sparse_cache = Cache::contiguous(&sparse_cache_rows)?;
+    let q_rows = rows(h, 4);
+    let q = Queries::new(&q_rows)?;
+    let mut sparse = Vec::new();
+    for k in w::SPARSE_K {
+        let idx = w::sparse_indices(k, ct);
+        let sel = Selection::new(&idx, k, h, h, ct)?;
+        let mut prepared = gpu.prepare_partial(&q, &sparse_cache, Some(&sel), SCALE)?;
+        let us = gpu.time_us(iters, || gpu.launch_partial(&mut prepared))?;
+        sparse.push(SparseRow {
+            k,
+            us,
+            gbps: (k * D_QK * 2) as f64 / us / 1e3,
+            versus: "cpu",
+            versus_us: median_us(budget.iters, budget.time, || {
+                let _ =
+                    kvroute_kernels::partial_sparse(Backend::Cpu, &q, &sparse_cache, &sel, SCALE);
+            }),
+        });
+    }
+    let parts = w::merge_parts()?;
+    let refs: Vec<_> = parts.iter().collect();
+    let merge = FloorRow {
+        what: format!("merge {}x{} (host to host)", w::MERGE_PARTS, w::MERGE_ROWS),
+        us: median_us(budget.iters, budget.time, || {
+            let _ = black_box(gpu.merge(&refs));
+        }),
+        floor_us: median_us(budget.iters, budget.time, || {
+            let _ = black_box(kvroute_kernels::merge(&refs));
+        }),
+        floor: "the CPU merge",
+    };
+    let mut work = w::SpliceWorkload::new()?;
+    let mut prepared = gpu.prepare_splice(&work.job()?)?;
+    let splice_us = gpu.time_us(iters, || gpu.launch_splice(&mut prepared))?;
+    let moved = prepared.bytes_moved();
+    let splice = FloorRow {
+        what: format!(
+            "splice {}x{} (one launch)",
+            w::SPLICE_LAYERS,
+            w::SPLICE_TOKENS
+        ),
+        us: splice_us,
+        floor_us: gpu.time_copy_us(moved / 2, iters)?,
+        floor: "device copy of the rows",
+    };
+    let targets = vec![Target {
+        what: "27 x 2048 fused splice (us)",
+        target: "< 30",
+        measured: splice.us,
+        met: splice.us < 30.0,
+    }];
+    Ok(KernelsBenchReport {
+        backend: kvroute_kernels::describe(Backend::Cuda)?,
+        read_gbps,
+        chunk_read_gbps: None,
+        dense,
+        sparse,
+        merge,
+        splice,
+        targets,
+    })
+}

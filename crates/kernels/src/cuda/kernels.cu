@@ -1,0 +1,262 @@
+// kvroute MLA decode kernels, compiled at run time by NVRTC (see cuda/nvrtc.rs).
+//
+// No CUDA headers: bf16 travels as its raw bits (unsigned short), widened by a shift. The
+// layouts are those of src/layout.rs: cache and query rows of 576 = 512 latent + 64 RoPE dims,
+// 64-token pages addressed by a block table, partials (o, m, l) with natural-log semantics.
+// Compiled with --fmad=false so that nothing is contracted behind our back: the FMAs below are
+// the explicit fmaf() calls, and the splice's double arithmetic rounds exactly as the CPU's.
+
+typedef unsigned short bf16_t;
+
+#define D_LATENT 512
+#define D_ROPE 64
+#define D_QK 576
+#define PAIRS 32
+#define PAGE_TOKENS 64
+#define WARP 32
+// Query rows per block of the partial kernel: one warp each.
+#define ROWS 8
+// Cache tokens per shared-memory tile of the partial kernel.
+#define TILE 16
+#define PARTIAL_THREADS (ROWS * WARP)
+// Output dims of o per lane: lane, lane + 32, ..., lane + 480.
+#define DIMS_PER_LANE (D_LATENT / WARP)
+#define COMBINE_THREADS 128
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t b) {
+    return __uint_as_float(((unsigned)b) << 16);
+}
+
+// f32 -> bf16 bits, round to nearest even; NaN stays a quiet NaN (bf16.rs from_f32).
+__device__ __forceinline__ bf16_t f32_to_bf16(float x) {
+    unsigned bits = __float_as_uint(x);
+    if (x != x) return (bf16_t)((bits >> 16) | 0x0040u);
+    unsigned lsb = (bits >> 16) & 1u;
+    return (bf16_t)((bits + 0x7fffu + lsb) >> 16);
+}
+
+// f64 -> bf16 bits with a single rounding (bf16.rs from_f64): round to f32, and when that
+// landed exactly on a bf16 tie that x itself is not on, nudge one f32 ulp towards x.
+__device__ __forceinline__ bf16_t f64_to_bf16(double x) {
+    float f = __double2float_rn(x);
+    unsigned bits = __float_as_uint(f);
+    if (!isfinite(f) || (bits & 0xffffu) != 0x8000u) return f32_to_bf16(f);
+    double back = (double)f;
+    if (back < x) f = __uint_as_float(bits + 1u);
+    else if (back > x) f = __uint_as_float(bits - 1u);
+    return f32_to_bf16(f);
+}
+
+// Element offset of cache token t: row t of a contiguous cache when table is null, else slot
+// t % 64 of page table[t / 64] of the pool.
+__device__ __forceinline__ long long cache_row(const unsigned* __restrict__ table, long long t) {
+    if (table == 0) return t * D_QK;
+    return ((long long)table[t / PAGE_TOKENS] * PAGE_TOKENS + t % PAGE_TOKENS) * D_QK;
+}
+
+// Split-K flash-decoding partial attention (dense and sparse).
+//
+// grid.x = splits of the key list, grid.y = row groups; one warp per query row, ROWS rows per
+// block sharing each TILE-token tile of cache rows in shared memory.
+//   dense  (sel == null): group g is query rows 8g.., the key list is cache tokens 0..keys.
+//   sparse (sel != null): a group is up to 8 of one query token's rows_per_token rows, the key
+//          list is sel[token * keys ..][..keys], -1 = padding (skipped), a repeated index
+//          counts once per occurrence.
+// Each (split, row) writes its unnormalised state (acc = sum p v, m, l) to the workspace at
+// [split * mq + row]; mla_combine finishes. q is pre-scaled in f32, as on the CPU.
+extern "C" __global__ void __launch_bounds__(PARTIAL_THREADS) mla_partial(
+    const bf16_t* __restrict__ q, int mq,
+    const bf16_t* __restrict__ cache, const unsigned* __restrict__ table,
+    const int* __restrict__ sel, int keys, int rows_per_token, int groups_per_token,
+    int keys_per_split, float scale,
+    float* __restrict__ ws_o, float* __restrict__ ws_m, float* __restrict__ ws_l)
+{
+    __shared__ __align__(16) float qs[ROWS][D_QK];
+    __shared__ __align__(16) unsigned ks[TILE][D_QK / 2];
+    __shared__ int valid[TILE];
+
+    const int warp = threadIdx.x / WARP;
+    const int lane = threadIdx.x % WARP;
+
+    int row0, nrows, token = 0;
+    if (sel != 0) {
+        token = blockIdx.y / groups_per_token;
+        const int sub = blockIdx.y % groups_per_token;
+        row0 = token * rows_per_token + sub * ROWS;
+        nrows = min(ROWS, (token + 1) * rows_per_token - row0);
+    } else {
+        row0 = blockIdx.y * ROWS;
+        nrows = min(ROWS, mq - row0);
+    }
+    const int k0 = blockIdx.x * keys_per_split;
+    const int k1 = min(keys, k0 + keys_per_split);
+
+    for (int i = threadIdx.x; i < ROWS * D_QK; i += PARTIAL_THREADS) {
+        const int r = i / D_QK, d = i % D_QK;
+        qs[r][d] = r < nrows ? bf16_to_f32(q[(long long)(row0 + r) * D_QK + d]) * scale : 0.0f;
+    }
+
+    const bool live = warp < nrows;
+    float m = neg_inf(), l = 0.0f;
+    float acc[DIMS_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] = 0.0f;
+
+    const float2* qrow = reinterpret_cast<const float2*>(qs[warp]);
+    for (int t0 = k0; t0 < k1; t0 += TILE) {
+        const int n = min(TILE, k1 - t0);
+        __syncthreads();  // the previous tile (and, the first time, qs) is complete
+        for (int j = warp; j < TILE; j += ROWS) {
+            long long tok = -1;
+            if (j < n) tok = sel != 0 ? (long long)sel[(long long)token * keys + t0 + j] : (long long)(t0 + j);
+            if (lane == 0) valid[j] = tok >= 0;
+            if (tok >= 0) {
+                const unsigned* src = reinterpret_cast<const unsigned*>(cache + cache_row(table, tok));
+                for (int w = lane; w < D_QK / 2; w += WARP) ks[j][w] = src[w];
+            }
+        }
+        __syncthreads();
+        if (!live) continue;
+
+        float s[TILE];
+        float tile_max = neg_inf();
+        unsigned ok = 0;
+#pragma unroll
+        for (int j = 0; j < TILE; ++j) {
+            s[j] = neg_inf();
+            if (j < n && valid[j]) {  // uniform across the warp
+                float dot = 0.0f;
+#pragma unroll
+                for (int w = lane; w < D_QK / 2; w += WARP) {
+                    const unsigned kk = ks[j][w];
+                    const float2 qq = qrow[w];
+                    dot = fmaf(qq.x, __uint_as_float(kk << 16), dot);
+                    dot = fmaf(qq.y, __uint_as_float(kk & 0xffff0000u), dot);
+                }
+#pragma unroll
+                for (int off = WARP / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+                s[j] = dot;
+                ok |= 1u << j;
+                tile_max = fmaxf(tile_max, dot);
+            }
+        }
+        if (ok == 0) continue;
+        const float m_new = fmaxf(m, tile_max);
+        const float alpha = expf(m - m_new);  // 0 on the first live tile (m = -inf)
+        l *= alpha;
+#pragma unroll
+        for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] *= alpha;
+#pragma unroll
+        for (int j = 0; j < TILE; ++j) {
+            if (ok & (1u << j)) {
+                const float p = expf(s[j] - m_new);
+                l += p;
+                // Dim d = lane + 32 i lives in word d / 2, in its high half when d is odd.
+#pragma unroll
+                for (int i = 0; i < DIMS_PER_LANE; ++i) {
+                    const unsigned kk = ks[j][(lane >> 1) + i * (WARP / 2)];
+                    const float v = (lane & 1) ? __uint_as_float(kk & 0xffff0000u) : __uint_as_float(kk << 16);
+                    acc[i] = fmaf(p, v, acc[i]);
+                }
+            }
+        }
+        m = m_new;
+    }
+
+    if (live) {
+        const long long at = (long long)blockIdx.x * mq + row0 + warp;
+#pragma unroll
+        for (int i = 0; i < DIMS_PER_LANE; ++i) ws_o[at * D_LATENT + lane + i * WARP] = acc[i];
+        if (lane == 0) {
+            ws_m[at] = m;
+            ws_l[at] = l;
+        }
+    }
+}
+
+// Combines `parts` partial states per row into one normalised partial, exactly as
+// merge.rs combine_row: parts with l = 0 are skipped (never -inf - -inf), weights
+// exp(m_p - max m) and sums in f64, one division at the end. `normalized` says whether o is
+// already divided by l (a peer's partial: weight w l) or not (a split's state: weight w).
+// One block of 128 threads per row, 4 dims each.
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) mla_combine(
+    const float* __restrict__ o, const float* __restrict__ m, const float* __restrict__ l,
+    int parts, int mq, int normalized,
+    float* __restrict__ out_o, float* __restrict__ out_m, float* __restrict__ out_l)
+{
+    const int row = blockIdx.x;
+    float big = neg_inf();
+    for (int p = 0; p < parts; ++p) {
+        const long long at = (long long)p * mq + row;
+        if (l[at] > 0.0f) big = fmaxf(big, m[at]);
+    }
+    if (big == neg_inf()) {
+        for (int d = threadIdx.x; d < D_LATENT; d += COMBINE_THREADS) out_o[(long long)row * D_LATENT + d] = 0.0f;
+        if (threadIdx.x == 0) {
+            out_m[row] = neg_inf();
+            out_l[row] = 0.0f;
+        }
+        return;
+    }
+    double sum_l = 0.0;
+    double acc[D_LATENT / COMBINE_THREADS];
+#pragma unroll
+    for (int i = 0; i < D_LATENT / COMBINE_THREADS; ++i) acc[i] = 0.0;
+    for (int p = 0; p < parts; ++p) {
+        const long long at = (long long)p * mq + row;
+        const float lp = l[at];
+        if (!(lp > 0.0f)) continue;
+        const double w = exp((double)m[at] - (double)big);
+        sum_l += w * (double)lp;
+        const double wv = normalized ? w * (double)lp : w;
+#pragma unroll
+        for (int i = 0; i < D_LATENT / COMBINE_THREADS; ++i)
+            acc[i] += wv * (double)o[at * D_LATENT + threadIdx.x + i * COMBINE_THREADS];
+    }
+#pragma unroll
+    for (int i = 0; i < D_LATENT / COMBINE_THREADS; ++i)
+        out_o[(long long)row * D_LATENT + threadIdx.x + i * COMBINE_THREADS] = (float)(acc[i] / sum_l);
+    if (threadIdx.x == 0) {
+        out_m[row] = big;
+        out_l[row] = (float)sum_l;
+    }
+}
+
+// The delta-rotation splice of every layer of a chunk in one launch: one warp per
+// (layer, token) row of src [layers, n, 576]. The 512 latent dims are copied bit-exactly;
+// pair i of the RoPE band (interleaved (2i, 2i+1) or half (i, i + 32)) is rotated by the
+// angles the CPU computed in f64 (cs[t][i] = (cos, sin)), in f64 with one rounding to bf16,
+// so the result is bit-identical to the CPU path. The row lands in slot t % 64 of page
+// table[layer * pages_per_layer + t / 64] of the pool (SpliceJob checked the table).
+extern "C" __global__ void mla_splice(
+    const bf16_t* __restrict__ src, int layers, int n, const double* __restrict__ cs,
+    int half_layout, bf16_t* __restrict__ pool, const unsigned* __restrict__ table)
+{
+    const long long row = (long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    const int lane = threadIdx.x % WARP;
+    if (row >= (long long)layers * n) return;
+    const int layer = (int)(row / n), t = (int)(row % n);
+    const int pages_per_layer = (n + PAGE_TOKENS - 1) / PAGE_TOKENS;
+    const long long dst_at =
+        ((long long)table[(long long)layer * pages_per_layer + t / PAGE_TOKENS] * PAGE_TOKENS + t % PAGE_TOKENS) * D_QK;
+    const bf16_t* s = src + row * D_QK;
+    bf16_t* d = pool + dst_at;
+
+    // 512 latent dims = 64 x 16 B; rows are 1152 B apart, so 16 B aligned.
+    const uint4* s4 = reinterpret_cast<const uint4*>(s);
+    uint4* d4 = reinterpret_cast<uint4*>(d);
+    d4[lane] = s4[lane];
+    d4[lane + WARP] = s4[lane + WARP];
+
+    const int i = lane;  // one RoPE pair per lane
+    const int a = half_layout ? i : 2 * i;
+    const int b = half_layout ? i + PAIRS : 2 * i + 1;
+    const double x = (double)bf16_to_f32(s[D_LATENT + a]);
+    const double y = (double)bf16_to_f32(s[D_LATENT + b]);
+    const double c = cs[((long long)t * PAIRS + i) * 2];
+    const double sn = cs[((long long)t * PAIRS + i) * 2 + 1];
+    d[D_LATENT + a] = f64_to_bf16(__dsub_rn(__dmul_rn(x, c), __dmul_rn(y, sn)));
+    d[D_LATENT + b] = f64_to_bf16(__dadd_rn(__dmul_rn(x, sn), __dmul_rn(y, c)));
+}

@@ -1,0 +1,533 @@
+//! The CUDA backend: `kernels.cu` compiled at run time by NVRTC for the GPU found
+//! ([`nvrtc`]), launched through cudarc's driver API.
+//!
+//! Nothing here links CUDA: cudarc opens `libcuda` and `libnvrtc` at run time, and [`Gpu::open`]
+//! checks both are loadable (cudarc panics inside a call otherwise) and that a device exists
+//! before touching either, so on a machine without CUDA every entry point returns
+//! [`KernelError::CudaUnavailable`].
+//!
+//! Two ways in:
+//! - the host API ([`Gpu::partial_dense`], [`Gpu::partial_sparse`], [`Gpu::merge`],
+//!   [`Gpu::splice`], and [`crate::Backend::Cuda`]): host slices in, host results out, every
+//!   transfer included;
+//! - resident inputs ([`Gpu::prepare_partial`], [`Gpu::prepare_splice`]): uploaded once and
+//!   launched many times, which is how a holder that keeps its chunks on the GPU runs, and how
+//!   the benchmarks time the kernels alone.
+
+pub mod nvrtc;
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+    sys::CUdevice_attribute,
+};
+use cudarc::nvrtc::Ptx;
+use serde::Serialize;
+
+use crate::error::KernelError;
+use crate::layout::{Cache, D_LATENT, D_QK, Queries, Selection};
+use crate::partial::Partial;
+use crate::rope::PAIRS;
+use crate::splice::SpliceJob;
+pub use nvrtc::KernelResources;
+
+/// Query rows per block of `mla_partial` (one warp each; `ROWS` in kernels.cu).
+const ROWS: usize = 8;
+/// Cache tokens per shared-memory tile (`TILE` in kernels.cu).
+const TILE: usize = 16;
+/// Threads per block of `mla_partial`, `mla_combine`, `mla_splice`.
+const PARTIAL_THREADS: u32 = (ROWS * 32) as u32;
+const COMBINE_THREADS: u32 = 128;
+const SPLICE_THREADS: u32 = 256;
+/// Blocks per SM the split-K planner aims for (two resident blocks hide a tile's load).
+const BLOCKS_PER_SM: usize = 2;
+/// CUDA's grid.y limit.
+const MAX_GRID_Y: usize = 65_535;
+
+fn driver(what: &'static str) -> impl Fn(DriverError) -> KernelError {
+    move |e| KernelError::Cuda(format!("CUDA driver, {what}: {e:?}"))
+}
+
+/// What was found and compiled.
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuInfo {
+    /// The device's name.
+    pub name: String,
+    /// Its ordinal.
+    pub ordinal: usize,
+    /// The architecture the kernels were compiled for (`sm_90` on an H100).
+    pub arch: String,
+    /// Streaming multiprocessors.
+    pub sms: usize,
+    /// NVRTC's version.
+    pub nvrtc: (i32, i32),
+    /// Each kernel's registers and shared memory, from ptxas.
+    pub resources: Vec<KernelResources>,
+}
+
+/// A GPU with the kernels loaded.
+#[derive(Debug)]
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    partial: CudaFunction,
+    combine: CudaFunction,
+    splice: CudaFunction,
+    info: GpuInfo,
+}
+
+/// Why no GPU can be used here, or `Ok` with nothing when one can (without opening it).
+fn probe_libraries() -> Result<(), KernelError> {
+    // SAFETY: only tries to dlopen the driver library by its candidate names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(KernelError::CudaUnavailable(
+            "libcuda.so not found (no NVIDIA driver on this machine)".into(),
+        ));
+    }
+    if !nvrtc::nvrtc_present() {
+        return Err(nvrtc::missing_nvrtc());
+    }
+    Ok(())
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, compiles the kernels for its architecture and loads them.
+    pub fn open(ordinal: usize) -> Result<Self, KernelError> {
+        probe_libraries()?;
+        let count = CudaContext::device_count().map_err(|e| {
+            KernelError::CudaUnavailable(format!("the driver found no usable device ({e:?})"))
+        })?;
+        let count = usize::try_from(count).unwrap_or(0);
+        if ordinal >= count {
+            return Err(KernelError::CudaUnavailable(format!(
+                "device {ordinal} requested, {count} present"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver("context"))?;
+        let (major, minor) = ctx.compute_capability().map_err(driver("capability"))?;
+        let arch = format!("sm_{major}{minor}");
+        let compiled = nvrtc::compile(&arch)?;
+        let module = ctx
+            .load_module(Ptx::from_binary(compiled.cubin))
+            .map_err(driver("loading the cubin"))?;
+        let load = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| KernelError::Cuda(format!("kernel {name}: {e:?}")))
+        };
+        let sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver("SM count"))?;
+        let info = GpuInfo {
+            name: ctx.name().map_err(driver("name"))?,
+            ordinal,
+            arch,
+            sms: usize::try_from(sms).unwrap_or(1).max(1),
+            nvrtc: nvrtc::nvrtc_version()?,
+            resources: compiled.resources,
+        };
+        Ok(Self {
+            partial: load("mla_partial")?,
+            combine: load("mla_combine")?,
+            splice: load("mla_splice")?,
+            stream: ctx.new_stream().map_err(driver("stream"))?,
+            ctx,
+            info,
+        })
+    }
+
+    /// Device 0, opened once per process; the error says why not when there is none.
+    pub fn global() -> Result<&'static Self, KernelError> {
+        static GPU: OnceLock<Result<Gpu, KernelError>> = OnceLock::new();
+        GPU.get_or_init(|| Self::open(0))
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// What was found and compiled.
+    pub fn info(&self) -> &GpuInfo {
+        &self.info
+    }
+
+    /// Waits for everything launched so far.
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        self.stream.synchronize().map_err(driver("synchronize"))
+    }
+
+    fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        host: &[T],
+    ) -> Result<CudaSlice<T>, KernelError> {
+        if host.is_empty() {
+            // cuMemAlloc refuses zero bytes; a one-element buffer nothing reads stands in.
+            return self.stream.alloc_zeros(1).map_err(driver("allocation"));
+        }
+        self.stream.clone_htod(host).map_err(driver("upload"))
+    }
+
+    fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, KernelError> {
+        self.stream
+            .alloc_zeros(n.max(1))
+            .map_err(driver("allocation"))
+    }
+
+    fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaSlice<T>,
+        n: usize,
+    ) -> Result<Vec<T>, KernelError> {
+        let mut host = vec![T::default(); dev.len()];
+        self.stream
+            .memcpy_dtoh(dev, &mut host)
+            .map_err(driver("download"))?;
+        host.truncate(n);
+        Ok(host)
+    }
+
+    /// Uploads a dense or sparse partial's inputs (checked as by [`crate::partial_dense`] /
+    /// [`crate::partial_sparse`]) and plans its split-K grid.
+    pub fn prepare_partial(
+        &self,
+        q: &Queries<'_>,
+        cache: &Cache<'_>,
+        sel: Option<&Selection<'_>>,
+        scale: f32,
+    ) -> Result<PreparedPartial, KernelError> {
+        crate::check_scale(scale)?;
+        if q.is_empty() {
+            return Err(KernelError::Empty("query rows"));
+        }
+        let mq = q.len();
+        let (keys, groups_per_token, groups) = match sel {
+            None => (cache.tokens(), 1, mq.div_ceil(ROWS)),
+            Some(sel) => {
+                Selection::new(sel.raw(), sel.k(), sel.rows_per_token(), mq, cache.tokens())?;
+                let per_token = sel.rows_per_token().div_ceil(ROWS);
+                (sel.k(), per_token, mq / sel.rows_per_token() * per_token)
+            }
+        };
+        if groups > MAX_GRID_Y {
+            return Err(KernelError::Parameter {
+                what: "query row groups (CUDA grid.y)",
+                value: groups as f64,
+                why: "at most 65535 groups of 8 rows per launch",
+            });
+        }
+        // Split the keys so that the grid fills every SM about twice, in whole tiles.
+        let tiles = keys.div_ceil(TILE).max(1);
+        let want = (self.info.sms * BLOCKS_PER_SM)
+            .div_ceil(groups)
+            .clamp(1, tiles);
+        let keys_per_split = tiles.div_ceil(want) * TILE;
+        let splits = keys.div_ceil(keys_per_split).max(1);
+        let to_i32 = |what: &'static str, v: usize| {
+            i32::try_from(v).map_err(|_| KernelError::Parameter {
+                what,
+                value: v as f64,
+                why: "exceeds the kernel's 32-bit index",
+            })
+        };
+        let (pool, table) = cache.parts();
+        Ok(PreparedPartial {
+            mq: to_i32("query rows", mq)?,
+            keys: to_i32("keys", keys)?,
+            rows_per_token: to_i32("rows per token", sel.map_or(1, |s| s.rows_per_token()))?,
+            groups_per_token: to_i32("groups per token", groups_per_token)?,
+            keys_per_split: to_i32("keys per split", keys_per_split)?,
+            groups,
+            splits,
+            scale,
+            q: self.upload(q.as_slice())?,
+            cache: self.upload(pool)?,
+            table: table.map(|t| self.upload(t)).transpose()?,
+            sel: sel.map(|s| self.upload(s.raw())).transpose()?,
+            ws_o: self.zeros(splits * mq * D_LATENT)?,
+            ws_m: self.zeros(splits * mq)?,
+            ws_l: self.zeros(splits * mq)?,
+            o: self.zeros(mq * D_LATENT)?,
+            m: self.zeros(mq)?,
+            l: self.zeros(mq)?,
+        })
+    }
+
+    /// Launches a prepared partial (split-K pass, then the combine) without waiting.
+    pub fn launch_partial(&self, p: &mut PreparedPartial) -> Result<(), KernelError> {
+        if p.keys == 0 {
+            // A dense partial over an empty cache: the empty partial, nothing to launch.
+            return Ok(());
+        }
+        const NULL: u64 = 0;
+        let mut b = self.stream.launch_builder(&self.partial);
+        b.arg(&p.q).arg(&p.mq).arg(&p.cache);
+        match &p.table {
+            Some(t) => b.arg(t),
+            None => b.arg(&NULL),
+        };
+        match &p.sel {
+            Some(s) => b.arg(s),
+            None => b.arg(&NULL),
+        };
+        b.arg(&p.keys)
+            .arg(&p.rows_per_token)
+            .arg(&p.groups_per_token)
+            .arg(&p.keys_per_split)
+            .arg(&p.scale)
+            .arg(&mut p.ws_o)
+            .arg(&mut p.ws_m)
+            .arg(&mut p.ws_l);
+        let grid = (p.splits as u32, p.groups as u32, 1);
+        // SAFETY: the arguments match mla_partial's signature in order and type; every index
+        // the kernel forms was bounded by prepare_partial (Selection checked against the
+        // cache, the block table against the pool), and the workspace holds splits x mq rows.
+        unsafe { b.launch(config(grid, PARTIAL_THREADS)) }.map_err(driver("mla_partial"))?;
+        let (parts, normalized) = (p.splits as i32, 0i32);
+        let mut c = self.stream.launch_builder(&self.combine);
+        c.arg(&p.ws_o)
+            .arg(&p.ws_m)
+            .arg(&p.ws_l)
+            .arg(&parts)
+            .arg(&p.mq)
+            .arg(&normalized)
+            .arg(&mut p.o)
+            .arg(&mut p.m)
+            .arg(&mut p.l);
+        // SAFETY: as above; one block per row, parts x mq states in the workspace.
+        unsafe { c.launch(config((p.mq as u32, 1, 1), COMBINE_THREADS)) }
+            .map_err(driver("mla_combine"))?;
+        Ok(())
+    }
+
+    /// The last launched result of `p`, downloaded (waits for it).
+    pub fn read_partial(&self, p: &PreparedPartial) -> Result<Partial, KernelError> {
+        let mq = p.mq as usize;
+        if p.keys == 0 {
+            return Ok(Partial::empty(mq));
+        }
+        Ok(Partial {
+            o: self.download(&p.o, mq * D_LATENT)?,
+            m: self.download(&p.m, mq)?,
+            l: self.download(&p.l, mq)?,
+        })
+    }
+
+    /// Dense partial attention on the GPU, host to host.
+    pub fn partial_dense(
+        &self,
+        q: &Queries<'_>,
+        cache: &Cache<'_>,
+        scale: f32,
+    ) -> Result<Partial, KernelError> {
+        let mut p = self.prepare_partial(q, cache, None, scale)?;
+        self.launch_partial(&mut p)?;
+        self.read_partial(&p)
+    }
+
+    /// Sparse partial attention on the GPU, host to host.
+    pub fn partial_sparse(
+        &self,
+        q: &Queries<'_>,
+        cache: &Cache<'_>,
+        sel: &Selection<'_>,
+        scale: f32,
+    ) -> Result<Partial, KernelError> {
+        let mut p = self.prepare_partial(q, cache, Some(sel), scale)?;
+        self.launch_partial(&mut p)?;
+        self.read_partial(&p)
+    }
+
+    /// The exact merge on the GPU (the same combine as the split-K finish), host to host.
+    pub fn merge(&self, parts: &[&Partial]) -> Result<Partial, KernelError> {
+        crate::merge::check_parts(parts)?;
+        let mq = parts[0].rows();
+        let gather = |f: &dyn Fn(&Partial) -> &[f32]| -> Vec<f32> {
+            parts.iter().flat_map(|p| f(p).iter().copied()).collect()
+        };
+        let (o, m, l) = (
+            self.upload(&gather(&|p| &p.o))?,
+            self.upload(&gather(&|p| &p.m))?,
+            self.upload(&gather(&|p| &p.l))?,
+        );
+        let (mut out_o, mut out_m, mut out_l) =
+            (self.zeros(mq * D_LATENT)?, self.zeros(mq)?, self.zeros(mq)?);
+        let (n, rows, normalized) = (
+            i32::try_from(parts.len()).unwrap_or(i32::MAX),
+            i32::try_from(mq).unwrap_or(i32::MAX),
+            1i32,
+        );
+        let mut c = self.stream.launch_builder(&self.combine);
+        c.arg(&o)
+            .arg(&m)
+            .arg(&l)
+            .arg(&n)
+            .arg(&rows)
+            .arg(&normalized)
+            .arg(&mut out_o)
+            .arg(&mut out_m)
+            .arg(&mut out_l);
+        // SAFETY: matches mla_combine; parts x mq rows uploaded, mq rows out.
+        unsafe { c.launch(config((mq as u32, 1, 1), COMBINE_THREADS)) }
+            .map_err(driver("mla_combine"))?;
+        Ok(Partial {
+            o: self.download(&out_o, mq * D_LATENT)?,
+            m: self.download(&out_m, mq)?,
+            l: self.download(&out_l, mq)?,
+        })
+    }
+
+    /// Uploads a splice job: its source rows, the per-token (cos, sin) computed on the CPU in
+    /// f64, the block table, and the pool (so rows the job does not write keep their values).
+    pub fn prepare_splice(&self, job: &SpliceJob<'_>) -> Result<PreparedSplice, KernelError> {
+        let n = job.tokens();
+        let mut cs = Vec::with_capacity(n * PAIRS * 2);
+        for t in 0..n {
+            for (c, s) in job.rope.angles(job.to[t] - job.from[t]) {
+                cs.extend([c, s]);
+            }
+        }
+        let rows = job.layers * n;
+        let int = |what: &'static str, v: usize| {
+            i32::try_from(v).map_err(|_| KernelError::Parameter {
+                what,
+                value: v as f64,
+                why: "exceeds the kernel's 32-bit index",
+            })
+        };
+        let blocks = rows.div_ceil((SPLICE_THREADS / 32) as usize);
+        Ok(PreparedSplice {
+            layers: int("splice layers", job.layers)?,
+            tokens: int("splice tokens", n)?,
+            half: i32::from(job.rope.layout() == crate::RopeLayout::Half),
+            blocks: u32::try_from(blocks).map_err(|_| KernelError::Parameter {
+                what: "splice rows",
+                value: rows as f64,
+                why: "exceeds one launch's grid",
+            })?,
+            src: self.upload(job.src)?,
+            cs: self.upload(&cs)?,
+            table: self.upload(job.table)?,
+            pool: self.upload(job.pool)?,
+            pool_len: job.pool.len(),
+        })
+    }
+
+    /// Launches a prepared splice (one launch for every layer) without waiting.
+    pub fn launch_splice(&self, s: &mut PreparedSplice) -> Result<(), KernelError> {
+        let mut b = self.stream.launch_builder(&self.splice);
+        b.arg(&s.src)
+            .arg(&s.layers)
+            .arg(&s.tokens)
+            .arg(&s.cs)
+            .arg(&s.half)
+            .arg(&mut s.pool)
+            .arg(&s.table);
+        // SAFETY: matches mla_splice; SpliceJob::new bounded every table entry by the pool's
+        // pages and refused repeated pages, so rows are in bounds and writes disjoint.
+        unsafe { b.launch(config((s.blocks, 1, 1), SPLICE_THREADS)) }
+            .map_err(driver("mla_splice"))?;
+        Ok(())
+    }
+
+    /// The delta-rotation splice on the GPU, host to host (the whole pool travels both ways).
+    pub fn splice(&self, job: &mut SpliceJob<'_>) -> Result<(), KernelError> {
+        let mut s = self.prepare_splice(job)?;
+        self.launch_splice(&mut s)?;
+        let pool = self.download(&s.pool, s.pool_len)?;
+        job.pool.copy_from_slice(&pool);
+        Ok(())
+    }
+
+    /// The baseline for the kernels' bandwidth: a device-to-device copy of `bytes` (read once,
+    /// written once), microseconds per copy over `iters`.
+    pub fn time_copy_us(&self, bytes: usize, iters: usize) -> Result<f64, KernelError> {
+        let src: CudaSlice<u8> = self.zeros(bytes)?;
+        let mut dst: CudaSlice<u8> = self.zeros(bytes)?;
+        self.time_us(iters, || {
+            self.stream
+                .memcpy_dtod(&src, &mut dst)
+                .map_err(driver("device copy"))
+        })
+    }
+
+    /// Times `launch` over `iters` launches with CUDA events (after one warm-up), in
+    /// microseconds per launch.
+    pub fn time_us(
+        &self,
+        iters: usize,
+        mut launch: impl FnMut() -> Result<(), KernelError>,
+    ) -> Result<f64, KernelError> {
+        launch()?;
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(flags).map_err(driver("event"))?;
+        let end = self.ctx.new_event(flags).map_err(driver("event"))?;
+        start.record(&self.stream).map_err(driver("event"))?;
+        for _ in 0..iters.max(1) {
+            launch()?;
+        }
+        end.record(&self.stream).map_err(driver("event"))?;
+        let ms = start.elapsed_ms(&end).map_err(driver("event timing"))?;
+        Ok(f64::from(ms) * 1e3 / iters.max(1) as f64)
+    }
+}
+
+fn config(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A partial's inputs and outputs resident on the GPU (see [`Gpu::prepare_partial`]).
+#[derive(Debug)]
+pub struct PreparedPartial {
+    mq: i32,
+    keys: i32,
+    rows_per_token: i32,
+    groups_per_token: i32,
+    keys_per_split: i32,
+    groups: usize,
+    splits: usize,
+    scale: f32,
+    q: CudaSlice<u16>,
+    cache: CudaSlice<u16>,
+    table: Option<CudaSlice<u32>>,
+    sel: Option<CudaSlice<i32>>,
+    ws_o: CudaSlice<f32>,
+    ws_m: CudaSlice<f32>,
+    ws_l: CudaSlice<f32>,
+    o: CudaSlice<f32>,
+    m: CudaSlice<f32>,
+    l: CudaSlice<f32>,
+}
+
+impl PreparedPartial {
+    /// The split-K grid: (splits of the keys, row groups).
+    pub fn grid(&self) -> (usize, usize) {
+        (self.splits, self.groups)
+    }
+}
+
+/// A splice's inputs resident on the GPU (see [`Gpu::prepare_splice`]).
+#[derive(Debug)]
+pub struct PreparedSplice {
+    layers: i32,
+    tokens: i32,
+    half: i32,
+    blocks: u32,
+    src: CudaSlice<u16>,
+    cs: CudaSlice<f64>,
+    table: CudaSlice<u32>,
+    pool: CudaSlice<u16>,
+    pool_len: usize,
+}
+
+impl PreparedSplice {
+    /// The bytes one launch moves: every source row read and written once.
+    pub fn bytes_moved(&self) -> usize {
+        2 * self.layers as usize * self.tokens as usize * D_QK * 2
+    }
+}

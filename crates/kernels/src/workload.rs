@@ -1,0 +1,146 @@
+//! The benchmark workloads and their baselines, shared by the criterion bench
+//! (`benches/kernels.rs`) and `kvroute bench kernels`, so both measure the same thing:
+//!
+//! - dense partial at ct = [`DENSE_CT`] for Mq in [`DENSE_MQ`], against the machine's read
+//!   bandwidth ([`read_sum`] over a DRAM-sized buffer and over one chunk);
+//! - sparse partial: one query token of [`SPARSE_HEADS`] heads, top-k in [`SPARSE_K`] of
+//!   [`SPARSE_CT`];
+//! - merge of [`MERGE_PARTS`] partials of [`MERGE_ROWS`] rows against [`sum_floor`] (adding the
+//!   `o` arrays, no softmax);
+//! - the [`SPLICE_LAYERS`] x [`SPLICE_TOKENS`] splice (paper 000 section 6.3's 27-layer,
+//!   2048-token chunk) against copying the same rows ([`SpliceWorkload::copy_rows`]).
+
+use rayon::prelude::*;
+
+use crate::layout::{D_QK, PAGE_TOKENS};
+use crate::{Backend, Cache, KernelError, Partial, Queries, Rope, RopeLayout, SpliceJob, Yarn};
+
+/// DeepSeek-V2-Lite's softmax scale (qk_head_dim 192, YaRN factor 40, mscale 0.707).
+pub const SCALE: f32 = 0.1147;
+/// Tokens of the dense chunk.
+pub const DENSE_CT: usize = 2048;
+/// Query rows of the dense runs.
+pub const DENSE_MQ: [usize; 4] = [1, 16, 64, 256];
+/// Tokens the sparse selection picks from.
+pub const SPARSE_CT: usize = 8192;
+/// Query rows (heads) of the one sparse query token.
+pub const SPARSE_HEADS: usize = 16;
+/// Selection sizes.
+pub const SPARSE_K: [usize; 2] = [512, 2048];
+/// Partials merged.
+pub const MERGE_PARTS: usize = 8;
+/// Rows per merged partial.
+pub const MERGE_ROWS: usize = 256;
+/// Tokens behind each merged partial.
+pub const MERGE_CT: usize = 256;
+/// Layers of the spliced chunk (DeepSeek-V2-Lite).
+pub const SPLICE_LAYERS: usize = 27;
+/// Tokens of the spliced chunk.
+pub const SPLICE_TOKENS: usize = 2048;
+
+/// Deterministic bf16 rows ~ U(-2, 2), `n` of 576.
+pub fn rows(n: usize, seed: u64) -> Vec<u16> {
+    let mut s = seed;
+    (0..n * D_QK)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            crate::bf16::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0)
+        })
+        .collect()
+}
+
+/// The read-bandwidth baseline: a parallel sum over `buf` (every byte read once).
+pub fn read_sum(buf: &[u64]) -> u64 {
+    buf.par_chunks(1 << 14)
+        .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
+        .reduce(|| 0, u64::wrapping_add)
+}
+
+/// `k` selected tokens of `ct`, spread over the whole chunk (a stride coprime with it).
+pub fn sparse_indices(k: usize, ct: usize) -> Vec<i32> {
+    (0..k).map(|i| ((i * 7919) % ct) as i32).collect()
+}
+
+/// [`MERGE_PARTS`] CPU partials of [`MERGE_ROWS`] rows over [`MERGE_CT`] tokens each.
+pub fn merge_parts() -> Result<Vec<Partial>, KernelError> {
+    let cache_rows = rows(MERGE_CT * MERGE_PARTS, 5);
+    let q_rows = rows(MERGE_ROWS, 6);
+    let q = Queries::new(&q_rows)?;
+    cache_rows
+        .chunks(MERGE_CT * D_QK)
+        .map(|c| crate::partial_dense(Backend::Cpu, &q, &Cache::contiguous(c)?, SCALE))
+        .collect()
+}
+
+/// The merge's floor: adding the parts' `o` arrays (the bytes a merge must read, no softmax).
+pub fn sum_floor(parts: &[Partial]) -> Vec<f32> {
+    let mut out = vec![0f32; parts.first().map_or(0, |p| p.o.len())];
+    for p in parts {
+        for (o, x) in out.iter_mut().zip(&p.o) {
+            *o += x;
+        }
+    }
+    out
+}
+
+/// A splice of [`SPLICE_LAYERS`] x [`SPLICE_TOKENS`] rows from positions `3 i` to
+/// `100000 + i` with DeepSeek's YaRN, into a pool whose pages run backwards.
+#[derive(Debug)]
+pub struct SpliceWorkload {
+    /// Source rows `[layers, tokens, 576]`.
+    pub src: Vec<u16>,
+    /// Stored positions.
+    pub from: Vec<i64>,
+    /// New positions.
+    pub to: Vec<i64>,
+    /// The frequencies.
+    pub rope: Rope,
+    /// The destination pool.
+    pub pool: Vec<u16>,
+    /// Layer-major block table.
+    pub table: Vec<u32>,
+}
+
+impl SpliceWorkload {
+    /// The workload.
+    pub fn new() -> Result<Self, KernelError> {
+        let (layers, n) = (SPLICE_LAYERS, SPLICE_TOKENS);
+        let pages = layers * n.div_ceil(PAGE_TOKENS);
+        Ok(Self {
+            src: rows(layers * n, 7),
+            from: (0..n as i64).map(|i| i * 3).collect(),
+            to: (0..n as i64).map(|i| 100_000 + i).collect(),
+            rope: Rope::yarn(10_000.0, Yarn::DEEPSEEK, RopeLayout::Interleaved)?,
+            pool: vec![0u16; pages * PAGE_TOKENS * D_QK],
+            table: (0..pages as u32).rev().collect(),
+        })
+    }
+
+    /// The job over this workload's buffers.
+    pub fn job(&mut self) -> Result<SpliceJob<'_>, KernelError> {
+        SpliceJob::new(
+            &self.src,
+            SPLICE_LAYERS,
+            &self.from,
+            &self.to,
+            self.rope,
+            &mut self.pool,
+            &self.table,
+        )
+    }
+
+    /// Bytes one splice reads (and writes): every source row once.
+    pub fn bytes(&self) -> usize {
+        self.src.len() * 2
+    }
+
+    /// The splice's floor: copying the same rows page by page into the pool, in parallel.
+    pub fn copy_rows(&mut self) {
+        self.pool
+            .par_chunks_mut(PAGE_TOKENS * D_QK)
+            .zip(self.src.par_chunks(PAGE_TOKENS * D_QK))
+            .for_each(|(d, s)| d[..s.len()].copy_from_slice(s));
+    }
+}

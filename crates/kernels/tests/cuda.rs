@@ -1,0 +1,344 @@
+//! The CUDA backend: every kernel compiled for sm_90 by NVRTC (no GPU needed), and on a machine
+//! with a GPU, every kernel against the f64 reference and the CPU path.
+//!
+//! This binary has its own runner (`harness = false`) so that what could not run here says so
+//! on the console instead of passing silently:
+//! - the sm_90 compile needs `libnvrtc.so.13` on `LD_LIBRARY_PATH` (`cargo xtask test` puts the
+//!   wheel `cargo xtask deps` unpacked there and sets `KVROUTE_REQUIRE_NVRTC=1`, which turns a
+//!   missing NVRTC into a failure);
+//! - the GPU tests need a usable device (`cargo xtask gpu-test` sets `KVROUTE_REQUIRE_GPU=1`,
+//!   which turns a missing GPU into a failure); otherwise each prints `SKIPPED` and why.
+//!
+//! `cargo test -p kvroute-kernels --test cuda -- FILTER` runs the tests whose names contain
+//! FILTER.
+//!
+//! Tolerances: the GPU partials accumulate in f32 like the CPU path, with the same bounds
+//! (tests/against_reference.rs justifies them); the merge runs the same f64 combine as the CPU
+//! (1e-6 abs); the splice rotates in f64 from the same host-computed angles with one rounding,
+//! so it must be bit-identical to the CPU.
+
+// Tests panic on failure: that is how a test reports it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use common::{Rng, SCALE, assert_close, max_abs};
+use kvroute_kernels::cuda::{Gpu, nvrtc};
+use kvroute_kernels::layout::{D_QK, PAGE_TOKENS};
+use kvroute_kernels::{
+    Backend, Cache, KernelError, Partial, Queries, Rope, RopeLayout, Selection, SpliceJob, Yarn,
+    merge, merge_with, partial_dense, partial_sparse, splice,
+};
+
+/// What a test needs before it can run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Needs {
+    Nvrtc,
+    Gpu,
+}
+
+const TESTS: &[(&str, Needs, fn())] = &[
+    (
+        "nvrtc_compiles_every_kernel_for_sm_90",
+        Needs::Nvrtc,
+        compiles_for_sm_90,
+    ),
+    (
+        "gpu_dense_matches_the_reference",
+        Needs::Gpu,
+        dense_matches_the_reference,
+    ),
+    (
+        "gpu_paged_equals_contiguous",
+        Needs::Gpu,
+        paged_equals_contiguous,
+    ),
+    (
+        "gpu_sparse_matches_the_reference",
+        Needs::Gpu,
+        sparse_matches_the_reference,
+    ),
+    (
+        "gpu_empty_inputs_give_the_empty_partial",
+        Needs::Gpu,
+        empty_partials,
+    ),
+    (
+        "gpu_merge_matches_the_cpu_merge",
+        Needs::Gpu,
+        merge_matches_the_cpu,
+    ),
+    (
+        "gpu_splice_is_bit_identical_to_the_cpu",
+        Needs::Gpu,
+        splice_is_bit_identical,
+    ),
+    (
+        "gpu_bad_input_is_a_typed_error",
+        Needs::Gpu,
+        bad_input_is_typed,
+    ),
+];
+
+fn flag(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+fn main() -> ExitCode {
+    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let (require_nvrtc, require_gpu) = (flag("KVROUTE_REQUIRE_NVRTC"), flag("KVROUTE_REQUIRE_GPU"));
+    let nvrtc_missing = (!nvrtc::nvrtc_present()).then(|| {
+        "libnvrtc.so.13 is not on LD_LIBRARY_PATH (`cargo xtask test` puts target/nvrtc there)"
+            .to_owned()
+    });
+    let gpu_missing = Gpu::global().err().map(|e| e.to_string());
+    let (mut passed, mut failed, mut skipped) = (0, 0, 0);
+    for &(name, needs, test) in TESTS {
+        if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
+            continue;
+        }
+        let (missing, required) = match needs {
+            Needs::Nvrtc => (&nvrtc_missing, require_nvrtc),
+            Needs::Gpu => (&gpu_missing, require_gpu),
+        };
+        if let Some(why) = missing {
+            if required {
+                println!("test {name} ... FAILED (required and unavailable: {why})");
+                failed += 1;
+            } else {
+                println!("test {name} ... SKIPPED: {why}");
+                skipped += 1;
+            }
+            continue;
+        }
+        let started = Instant::now();
+        match catch_unwind(AssertUnwindSafe(test)) {
+            Ok(()) => {
+                println!(
+                    "test {name} ... ok ({:.1} s)",
+                    started.elapsed().as_secs_f64()
+                );
+                passed += 1;
+            }
+            Err(_) => {
+                println!("test {name} ... FAILED");
+                failed += 1;
+            }
+        }
+    }
+    println!("\ncuda tests: {passed} passed; {failed} failed; {skipped} SKIPPED");
+    if failed > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn compiles_for_sm_90() {
+    let compiled = nvrtc::compile("sm_90").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(&compiled.cubin[..4], b"\x7fELF", "a cubin is an ELF image");
+    println!(
+        "  NVRTC {:?}, {} B cubin for sm_90",
+        nvrtc::nvrtc_version().unwrap(),
+        compiled.cubin.len()
+    );
+    println!(
+        "  {:<12} {:>9} {:>11} {:>7} {:>13}",
+        "kernel", "registers", "smem bytes", "stack", "spill st/ld"
+    );
+    for r in &compiled.resources {
+        println!(
+            "  {:<12} {:>9} {:>11} {:>7} {:>7}/{:<5}",
+            r.name, r.registers, r.shared_bytes, r.stack_bytes, r.spill_stores, r.spill_loads
+        );
+    }
+    for name in nvrtc::KERNELS {
+        let r = compiled
+            .resources
+            .iter()
+            .find(|r| r.name == name)
+            .unwrap_or_else(|| panic!("no ptxas report for {name}:\n{}", compiled.log));
+        assert!(r.registers > 0 && r.registers <= 255, "{name}: {r:?}");
+        // Static shared memory is capped at 48 KiB per block without an opt-in.
+        assert!(r.shared_bytes <= 48 * 1024, "{name}: {r:?}");
+    }
+}
+
+fn dense_matches_the_reference() {
+    let mut rng = Rng::new(7);
+    let mut shapes = vec![
+        (1, 1),
+        (1, 8192),
+        (512, 1),
+        (512, 64),
+        (16, 2048),
+        (128, 300),
+        (3, 65),
+        (256, 2048),
+    ];
+    for _ in 0..6 {
+        let mq = rng.range(1, 64);
+        shapes.push((mq, rng.range(1, 40_000 / mq)));
+    }
+    for (mq, ct) in shapes {
+        let (q, c) = (rng.rows(mq), rng.rows(ct));
+        let (q, cache) = (Queries::new(&q).unwrap(), Cache::contiguous(&c).unwrap());
+        let want = partial_dense(Backend::Reference, &q, &cache, SCALE).unwrap();
+        let got = partial_dense(Backend::Cuda, &q, &cache, SCALE).unwrap();
+        assert_close(&got, &want, &format!("cuda dense mq={mq} ct={ct}"));
+    }
+}
+
+fn paged_equals_contiguous() {
+    let mut rng = Rng::new(3);
+    let (mq, ct) = (24, 5 * PAGE_TOKENS + 17);
+    let (q, c) = (rng.rows(mq), rng.rows(ct));
+    let pages = ct.div_ceil(PAGE_TOKENS);
+    // Pages in reverse order in a pool with two spare pages.
+    let table: Vec<u32> = (0..pages as u32).map(|p| pages as u32 + 1 - p).collect();
+    let mut pool = vec![0u16; (pages + 2) * PAGE_TOKENS * D_QK];
+    for t in 0..ct {
+        let at = (table[t / PAGE_TOKENS] as usize * PAGE_TOKENS + t % PAGE_TOKENS) * D_QK;
+        pool[at..at + D_QK].copy_from_slice(&c[t * D_QK..(t + 1) * D_QK]);
+    }
+    let q = Queries::new(&q).unwrap();
+    let want = partial_dense(Backend::Cuda, &q, &Cache::contiguous(&c).unwrap(), SCALE).unwrap();
+    let got = partial_dense(
+        Backend::Cuda,
+        &q,
+        &Cache::paged(&pool, &table, ct).unwrap(),
+        SCALE,
+    )
+    .unwrap();
+    assert!(
+        max_abs(&got.o, &want.o) <= 1e-6,
+        "the same rows in another order of pages"
+    );
+}
+
+fn sparse_matches_the_reference() {
+    let mut rng = Rng::new(11);
+    for (tokens, h, k, ct) in [
+        (1, 16, 2048, 8192),
+        (2, 128, 512, 4096),
+        (3, 16, 1, 10),
+        (4, 16, 700, 1000),
+    ] {
+        let (q, c) = (rng.rows(tokens * h), rng.rows(ct));
+        let mut idx: Vec<i32> = (0..tokens * k)
+            .map(|_| match rng.range(0, 9) {
+                0 => -1,
+                _ => rng.range(0, ct - 1) as i32,
+            })
+            .collect();
+        if k > 2 {
+            idx[1] = idx[0].max(0);
+            idx[2] = idx[0].max(0);
+        }
+        let q = Queries::new(&q).unwrap();
+        let cache = Cache::contiguous(&c).unwrap();
+        let sel = Selection::new(&idx, k, h, q.len(), ct).unwrap();
+        let want = partial_sparse(Backend::Reference, &q, &cache, &sel, SCALE).unwrap();
+        let got = partial_sparse(Backend::Cuda, &q, &cache, &sel, SCALE).unwrap();
+        assert_close(
+            &got,
+            &want,
+            &format!("cuda sparse t={tokens} h={h} k={k} ct={ct}"),
+        );
+    }
+}
+
+fn empty_partials() {
+    let mut rng = Rng::new(5);
+    let (q, c) = (rng.rows(32), rng.rows(10));
+    let q = Queries::new(&q).unwrap();
+    let idx = vec![-1i32; 2 * 8];
+    let sel = Selection::new(&idx, 8, 16, 32, 10).unwrap();
+    let cache = Cache::contiguous(&c).unwrap();
+    assert_eq!(
+        partial_sparse(Backend::Cuda, &q, &cache, &sel, SCALE).unwrap(),
+        Partial::empty(32)
+    );
+    let none = Cache::contiguous(&[]).unwrap();
+    assert_eq!(
+        partial_dense(Backend::Cuda, &q, &none, SCALE).unwrap(),
+        Partial::empty(32)
+    );
+}
+
+fn merge_matches_the_cpu() {
+    let mut rng = Rng::new(13);
+    let (mq, ct) = (64, 8 * 300);
+    let (q, c) = (rng.rows(mq), rng.rows(ct));
+    let q = Queries::new(&q).unwrap();
+    let mut parts: Vec<Partial> = (0..8)
+        .map(|i| {
+            let chunk = Cache::contiguous(&c[i * 300 * D_QK..(i + 1) * 300 * D_QK]).unwrap();
+            partial_dense(Backend::Cpu, &q, &chunk, SCALE).unwrap()
+        })
+        .collect();
+    parts.push(Partial::empty(mq)); // an empty holder is the identity
+    let refs: Vec<&Partial> = parts.iter().collect();
+    let want = merge(&refs).unwrap();
+    let got = merge_with(Backend::Cuda, &refs).unwrap();
+    let err = max_abs(&got.o, &want.o);
+    println!("  merge of 8 + 1 empty: o max abs difference {err:.2e}");
+    assert!(err <= 1e-6);
+    for r in 0..mq {
+        assert_eq!(got.m[r], want.m[r]);
+        assert!((got.l[r] - want.l[r]).abs() <= 1e-6 * want.l[r]);
+    }
+}
+
+fn splice_is_bit_identical() {
+    let mut rng = Rng::new(17);
+    let (layers, n) = (3, 2 * PAGE_TOKENS + 5);
+    let src = rng.rows(layers * n);
+    let from: Vec<i64> = (0..n).map(|_| rng.range(0, 160_000) as i64).collect();
+    let to: Vec<i64> = (0..n).map(|_| rng.range(0, 160_000) as i64).collect();
+    let pages = layers * n.div_ceil(PAGE_TOKENS);
+    let table: Vec<u32> = (0..pages as u32).rev().collect();
+    for layout in [RopeLayout::Interleaved, RopeLayout::Half] {
+        for rope in [
+            Rope::plain(10_000.0, layout).unwrap(),
+            Rope::yarn(10_000.0, Yarn::DEEPSEEK, layout).unwrap(),
+        ] {
+            let run = |backend| {
+                let mut pool = vec![0xdeadu16; (pages + 1) * PAGE_TOKENS * D_QK];
+                let job =
+                    SpliceJob::new(&src, layers, &from, &to, rope, &mut pool, &table).unwrap();
+                splice(backend, job).unwrap();
+                pool
+            };
+            assert!(
+                run(Backend::Cuda) == run(Backend::Cpu),
+                "{layout:?} {rope:?}"
+            );
+        }
+    }
+}
+
+fn bad_input_is_typed() {
+    let mut rng = Rng::new(19);
+    let (q, c) = (rng.rows(4), rng.rows(8));
+    let q = Queries::new(&q).unwrap();
+    let cache = Cache::contiguous(&c).unwrap();
+    assert!(matches!(
+        partial_dense(Backend::Cuda, &q, &cache, f32::NAN),
+        Err(KernelError::Parameter { .. })
+    ));
+    let idx = vec![0i32; 4];
+    let other = Selection::new(&idx, 4, 1, 1, 8).unwrap(); // built for 1 query row, not 4
+    assert!(matches!(
+        partial_sparse(Backend::Cuda, &q, &cache, &other, SCALE),
+        Err(KernelError::Shape { .. })
+    ));
+    assert!(matches!(
+        merge_with(Backend::Cuda, &[]),
+        Err(KernelError::Empty(_))
+    ));
+}

@@ -1,0 +1,89 @@
+//! `cargo xtask gpu-test [--require-gpu]`: builds the CLI and the CUDA test binary in release
+//! mode, then runs `scripts/gpu-test.sh` with them: the device and its kernels' resources, the
+//! CUDA tests against the reference and the CPU path, `kvroute bench kernels --backend cuda`,
+//! and PyTorch's SDPA on the same bf16 inputs (`scripts/sdpa_compare.py`). Results land in
+//! `target/gpu-test`. Without a GPU it says so and succeeds, unless `--require-gpu`.
+//!
+//! On a GPU machine without a Rust toolchain, build here and run the script there with the
+//! two binaries (docs/kernels.md has the commands).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+use crate::cargo_step;
+
+/// The path of the release `cuda` test binary (cargo prints it as an artifact message).
+fn cuda_test_binary(root: &Path) -> Result<PathBuf> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let out = Command::new(cargo)
+        .args([
+            "test",
+            "--release",
+            "--locked",
+            "-p",
+            "kvroute-kernels",
+            "--test",
+            "cuda",
+            "--no-run",
+            "--message-format=json",
+        ])
+        .current_dir(root)
+        .output()
+        .context("building the cuda test binary")?;
+    if !out.status.success() {
+        bail!(
+            "building the cuda test binary failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .filter(|l| {
+            l.contains("\"reason\":\"compiler-artifact\"") && l.contains("\"name\":\"cuda\"")
+        })
+        .find_map(|l| {
+            let at = l.find("\"executable\":\"")? + "\"executable\":\"".len();
+            let end = l[at..].find('"')?;
+            Some(PathBuf::from(&l[at..at + end]))
+        })
+        .context("cargo did not report the cuda test executable")
+}
+
+pub(crate) fn run(root: &Path, require_gpu: bool) -> Result<()> {
+    cargo_step(
+        "gpu-test build",
+        &["build", "--release", "--locked", "-p", "kvroute"],
+        &[],
+    )?;
+    let tests = cuda_test_binary(root)?;
+    let kvroute = root.join("target").join("release").join("kvroute");
+    let probe = Command::new(&kvroute)
+        .args(["kernel", "gpu-info"])
+        .output()
+        .context("running kvroute kernel gpu-info")?;
+    if !probe.status.success() {
+        let why = String::from_utf8_lossy(&probe.stderr);
+        println!("gpu-test: no GPU found here: {}", why.trim());
+        if require_gpu {
+            bail!("gpu-test: --require-gpu and no GPU");
+        }
+        println!("gpu-test: nothing run (pass --require-gpu to make this an error)");
+        return Ok(());
+    }
+    let out = root.join("target").join("gpu-test");
+    let status = Command::new("bash")
+        .arg(root.join("scripts").join("gpu-test.sh"))
+        .arg(&kvroute)
+        .arg(&tests)
+        .arg(&out)
+        .current_dir(root)
+        .status()
+        .context("running scripts/gpu-test.sh")?;
+    if !status.success() {
+        bail!("gpu-test failed ({status}); see {}", out.display());
+    }
+    println!("gpu-test: passed; results in {}", out.display());
+    Ok(())
+}
