@@ -286,3 +286,59 @@ fn bench_fabric_quick_reports_the_engine_beside_fi_pingpong_and_the_bare_provide
             .all(|t| t["met"].is_boolean() && positive(&t["measured"]))
     );
 }
+
+/// `bench kernels --quick --json`: every workload measured beside its same-run baseline, and
+/// one verdict per target.
+#[test]
+fn bench_kernels_quick_reports_each_kernel_beside_its_baseline() {
+    let v = json(&kvroute(&["bench", "kernels", "--quick", "--json"]));
+    let positive = |x: &serde_json::Value| x.as_f64().is_some_and(|f| f.is_finite() && f > 0.0);
+    assert!(v["backend"].as_str().unwrap().starts_with("cpu"));
+    assert!(positive(&v["read_gbps"]) && positive(&v["chunk_read_gbps"]));
+    let dense = v["dense"].as_array().unwrap();
+    let mq: Vec<u64> = dense.iter().map(|r| r["mq"].as_u64().unwrap()).collect();
+    assert_eq!(mq, [1, 16, 64, 256]);
+    for r in dense {
+        assert!(
+            positive(&r["us"]) && positive(&r["gbps"]) && positive(&r["gflops"]),
+            "{r}"
+        );
+        // The reference runs beside the small batches (the ones the target is about).
+        assert_eq!(
+            positive(&r["versus_us"]),
+            r["mq"].as_u64().unwrap() <= 16,
+            "{r}"
+        );
+    }
+    let ks: Vec<u64> = v["sparse"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["k"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ks, [512, 2048]);
+    for floor in ["merge", "splice"] {
+        assert!(
+            positive(&v[floor]["us"]) && positive(&v[floor]["floor_us"]),
+            "{floor}"
+        );
+    }
+    assert_eq!(v["targets"].as_array().unwrap().len(), 2);
+}
+
+/// `kernel gpu-info` names the GPU and its kernels' resources, or fails saying why there is
+/// none.
+#[test]
+fn kernel_gpu_info_names_the_gpu_or_says_why_there_is_none() {
+    let out = kvroute(&["kernel", "gpu-info"]);
+    if out.status.success() {
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("mla_partial") && text.contains("sm_"),
+            "{text}"
+        );
+    } else {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("CUDA backend unavailable"), "{err}");
+    }
+}

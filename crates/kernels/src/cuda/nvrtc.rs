@@ -156,8 +156,8 @@ pub fn compile(arch: &str) -> Result<Compiled, KernelError> {
     })
 }
 
-/// The first unsigned number in `text` after `prefix` (`"Used 40 registers"` -> 40 for
-/// `"Used "`), or before `suffix` when `prefix` is empty.
+/// The unsigned number just before the first `suffix` in `text` (`"Used 40 registers"`,
+/// `"registers"` -> 40).
 fn number_before(text: &str, suffix: &str) -> Option<u32> {
     let end = text.find(suffix)?;
     let head = text[..end].trim_end();
