@@ -237,7 +237,18 @@ fn cpu(budget: &Budget, backend: Backend) -> Result<KernelsBenchReport> {
         });
     }
 
-    let sparse = sparse_rows(budget, backend, Backend::Reference, "reference")?;
+    let sparse = sparse_rows(
+        budget,
+        |q, cache, sel| {
+            let call = || kvroute_kernels::partial_sparse(backend, q, cache, sel, SCALE);
+            call()?;
+            Ok(median_us(budget.iters, budget.time, || {
+                let _ = black_box(call());
+            }))
+        },
+        Backend::Reference,
+        "reference",
+    )?;
 
     let parts = w::merge_parts()?;
     let refs: Vec<_> = parts.iter().collect();
@@ -296,10 +307,11 @@ fn cpu(budget: &Budget, backend: Backend) -> Result<KernelsBenchReport> {
     })
 }
 
-/// The sparse workloads on `subject`, each beside `versus` (host-to-host calls both).
+/// The sparse workloads, each timed by `subject` (microseconds per call) beside `versus`
+/// (a host-to-host call, median).
 fn sparse_rows(
     budget: &Budget,
-    subject: Backend,
+    mut subject: impl FnMut(&Queries<'_>, &Cache<'_>, &Selection<'_>) -> Result<f64>,
     versus: Backend,
     versus_name: &'static str,
 ) -> Result<Vec<SparseRow>> {
@@ -312,18 +324,14 @@ fn sparse_rows(
     for k in w::SPARSE_K {
         let idx = w::sparse_indices(k, ct);
         let sel = Selection::new(&idx, k, h, h, ct)?;
-        let call = |b| kvroute_kernels::partial_sparse(b, &q, &cache, &sel, SCALE).map(black_box);
-        call(subject)?;
-        let us = median_us(budget.iters, budget.time, || {
-            let _ = call(subject);
-        });
+        let us = subject(&q, &cache, &sel)?;
         out.push(SparseRow {
             k,
             us,
             gbps: (k * D_QK * 2) as f64 / us / 1e3,
             versus: versus_name,
             versus_us: median_us(budget.iters.min(5), budget.time / 2, || {
-                let _ = call(versus);
+                let _ = kvroute_kernels::partial_sparse(versus, &q, &cache, &sel, SCALE);
             }),
         });
     }
@@ -360,28 +368,15 @@ fn gpu(budget: &Budget, gpu: &Gpu) -> Result<KernelsBenchReport> {
         });
     }
     // Sparse on resident inputs.
-    let (ct, h) = (w::SPARSE_CT, w::SPARSE_HEADS);
-    let sparse_cache_rows = rows(ct, 3);
-    let sparse_cache = Cache::contiguous(&sparse_cache_rows)?;
-    let q_rows = rows(h, 4);
-    let q = Queries::new(&q_rows)?;
-    let mut sparse = Vec::new();
-    for k in w::SPARSE_K {
-        let idx = w::sparse_indices(k, ct);
-        let sel = Selection::new(&idx, k, h, h, ct)?;
-        let mut prepared = gpu.prepare_partial(&q, &sparse_cache, Some(&sel), SCALE)?;
-        let us = gpu.time_us(iters, || gpu.launch_partial(&mut prepared))?;
-        sparse.push(SparseRow {
-            k,
-            us,
-            gbps: (k * D_QK * 2) as f64 / us / 1e3,
-            versus: "cpu",
-            versus_us: median_us(budget.iters, budget.time, || {
-                let _ =
-                    kvroute_kernels::partial_sparse(Backend::Cpu, &q, &sparse_cache, &sel, SCALE);
-            }),
-        });
-    }
+    let sparse = sparse_rows(
+        budget,
+        |q, cache, sel| {
+            let mut prepared = gpu.prepare_partial(q, cache, Some(sel), SCALE)?;
+            Ok(gpu.time_us(iters, || gpu.launch_partial(&mut prepared))?)
+        },
+        Backend::Cpu,
+        "cpu",
+    )?;
     let parts = w::merge_parts()?;
     let refs: Vec<_> = parts.iter().collect();
     let merge = FloorRow {

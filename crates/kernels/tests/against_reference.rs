@@ -27,22 +27,7 @@ fn backends() -> Vec<Backend> {
 #[test]
 fn dense_partials_match_the_reference_over_random_shapes() {
     let mut rng = Rng::new(7);
-    // (mq, ct): the corners of the ranges and random shapes in between, sized so the
-    // f64 reference stays quick.
-    let mut shapes = vec![
-        (1, 1),
-        (1, 8192),
-        (512, 1),
-        (512, 64),
-        (16, 2048),
-        (128, 300),
-        (3, 65),
-    ];
-    for _ in 0..6 {
-        let mq = rng.range(1, 64);
-        let ct = rng.range(1, 40_000 / mq);
-        shapes.push((mq, ct));
-    }
+    let shapes = common::dense_shapes(&mut rng);
     for (mq, ct) in shapes {
         let (q, c) = (rng.rows(mq), rng.rows(ct));
         let (q, cache) = (Queries::new(&q).unwrap(), Cache::contiguous(&c).unwrap());

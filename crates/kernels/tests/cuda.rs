@@ -170,20 +170,8 @@ fn compiles_for_sm_90() {
 
 fn dense_matches_the_reference() {
     let mut rng = Rng::new(7);
-    let mut shapes = vec![
-        (1, 1),
-        (1, 8192),
-        (512, 1),
-        (512, 64),
-        (16, 2048),
-        (128, 300),
-        (3, 65),
-        (256, 2048),
-    ];
-    for _ in 0..6 {
-        let mq = rng.range(1, 64);
-        shapes.push((mq, rng.range(1, 40_000 / mq)));
-    }
+    let mut shapes = common::dense_shapes(&mut rng);
+    shapes.push((256, 2048)); // the decode point
     for (mq, ct) in shapes {
         let (q, c) = (rng.rows(mq), rng.rows(ct));
         let (q, cache) = (Queries::new(&q).unwrap(), Cache::contiguous(&c).unwrap());

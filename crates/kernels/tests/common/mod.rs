@@ -61,6 +61,25 @@ pub(crate) fn max_abs(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// Dense (mq, ct) shapes: the corners of the kernels issue's ranges (Mq 1..512, ct 1..8192)
+/// and random shapes in between, sized so the f64 reference stays quick.
+pub(crate) fn dense_shapes(rng: &mut Rng) -> Vec<(usize, usize)> {
+    let mut shapes = vec![
+        (1, 1),
+        (1, 8192),
+        (512, 1),
+        (512, 64),
+        (16, 2048),
+        (128, 300),
+        (3, 65),
+    ];
+    for _ in 0..6 {
+        let mq = rng.range(1, 64);
+        shapes.push((mq, rng.range(1, 40_000 / mq)));
+    }
+    shapes
+}
+
 /// Bounds of `assert_close` (justified in tests/against_reference.rs).
 pub(crate) const O_ABS: f32 = 5e-5;
 pub(crate) const LSE_ABS: f32 = 1e-4;
