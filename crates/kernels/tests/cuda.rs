@@ -217,16 +217,7 @@ fn sparse_matches_the_reference() {
         (4, 16, 700, 1000),
     ] {
         let (q, c) = (rng.rows(tokens * h), rng.rows(ct));
-        let mut idx: Vec<i32> = (0..tokens * k)
-            .map(|_| match rng.range(0, 9) {
-                0 => -1,
-                _ => rng.range(0, ct - 1) as i32,
-            })
-            .collect();
-        if k > 2 {
-            idx[1] = idx[0].max(0);
-            idx[2] = idx[0].max(0);
-        }
+        let idx = rng.selection(tokens, k, ct);
         let q = Queries::new(&q).unwrap();
         let cache = Cache::contiguous(&c).unwrap();
         let sel = Selection::new(&idx, k, h, q.len(), ct).unwrap();

@@ -43,6 +43,22 @@ impl Rng {
         (0..n).map(|_| bf16::from_f64(self.normal())).collect()
     }
 
+    /// Selected indices `[tokens, k]` into `ct` tokens: about 1 in 10 is padding (-1), and
+    /// when k > 2 each token's entries 1 and 2 repeat entry 0 (a duplicate, counted twice).
+    pub(crate) fn selection(&mut self, tokens: usize, k: usize, ct: usize) -> Vec<i32> {
+        let mut idx: Vec<i32> = (0..tokens * k)
+            .map(|_| match self.range(0, 9) {
+                0 => -1,
+                _ => self.range(0, ct - 1) as i32,
+            })
+            .collect();
+        if k > 2 {
+            idx[1] = idx[0].max(0);
+            idx[2] = idx[0].max(0);
+        }
+        idx
+    }
+
     /// `rows` random 576-wide bf16 rows.
     pub(crate) fn rows(&mut self, rows: usize) -> Vec<u16> {
         self.bf16s(rows * D_QK)
