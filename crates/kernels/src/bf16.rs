@@ -30,10 +30,11 @@ pub fn from_f64(x: f64) -> u16 {
     if !f.is_finite() || bits & 0xffff != 0x8000 {
         return from_f32(f);
     }
-    let back = f64::from(f);
-    let adjusted = if back < x {
+    // Sign-magnitude: bits + 1 grows the magnitude, bits - 1 shrinks it, whatever the sign.
+    let (back, want) = (f64::from(f).abs(), x.abs());
+    let adjusted = if back < want {
         f32::from_bits(bits + 1)
-    } else if back > x {
+    } else if back > want {
         f32::from_bits(bits - 1)
     } else {
         f
@@ -82,6 +83,13 @@ mod tests {
         let x = 1.0 + 2f64.powi(-8) + 2f64.powi(-40);
         assert_eq!(from_f32(x as f32), 0x3f80, "double rounding goes down");
         assert_eq!(from_f64(x), 0x3f81, "single rounding goes up");
+        assert_eq!(from_f64(-x), 0xbf81, "and in magnitude for negative values");
+        let below = 1.0 + 2f64.powi(-8) - 2f64.powi(-40);
+        assert_eq!(
+            from_f64(-below),
+            0xbf80,
+            "a negative value just under a tie rounds down"
+        );
         let y = 1.0 + 2f64.powi(-8) - 2f64.powi(-40);
         assert_eq!(from_f64(y), 0x3f80);
         assert_eq!(from_f64(1.5), from_f32(1.5));

@@ -43,9 +43,10 @@ __device__ __forceinline__ bf16_t f64_to_bf16(double x) {
     float f = __double2float_rn(x);
     unsigned bits = __float_as_uint(f);
     if (!isfinite(f) || (bits & 0xffffu) != 0x8000u) return f32_to_bf16(f);
-    double back = (double)f;
-    if (back < x) f = __uint_as_float(bits + 1u);
-    else if (back > x) f = __uint_as_float(bits - 1u);
+    // Sign-magnitude: bits + 1 grows the magnitude, bits - 1 shrinks it, whatever the sign.
+    double back = fabs((double)f), want = fabs(x);
+    if (back < want) f = __uint_as_float(bits + 1u);
+    else if (back > want) f = __uint_as_float(bits - 1u);
     return f32_to_bf16(f);
 }
 
@@ -225,7 +226,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) mla_combine(
 }
 
 // The delta-rotation splice of every layer of a chunk in one launch: one warp per
-// (layer, token) row of src [layers, n, 576]. The 512 latent dims are copied bit-exactly;
+// (layer, token) row of src [layers, n, 576], or with src null of the pool itself (in place:
+// the latent dims are not touched). The 512 latent dims are copied bit-exactly;
 // pair i of the RoPE band (interleaved (2i, 2i+1) or half (i, i + 32)) is rotated by the
 // angles the CPU computed in f64 (cs[t][i] = (cos, sin)), in f64 with one rounding to bf16,
 // so the result is bit-identical to the CPU path. The row lands in slot t % 64 of page
@@ -241,14 +243,17 @@ extern "C" __global__ void mla_splice(
     const int pages_per_layer = (n + PAGE_TOKENS - 1) / PAGE_TOKENS;
     const long long dst_at =
         ((long long)table[(long long)layer * pages_per_layer + t / PAGE_TOKENS] * PAGE_TOKENS + t % PAGE_TOKENS) * D_QK;
-    const bf16_t* s = src + row * D_QK;
     bf16_t* d = pool + dst_at;
+    // In place (src == nullptr): the row is already in the pool; only its RoPE band changes.
+    const bf16_t* s = src ? src + row * D_QK : d;
 
-    // 512 latent dims = 64 x 16 B; rows are 1152 B apart, so 16 B aligned.
-    const uint4* s4 = reinterpret_cast<const uint4*>(s);
-    uint4* d4 = reinterpret_cast<uint4*>(d);
-    d4[lane] = s4[lane];
-    d4[lane + WARP] = s4[lane + WARP];
+    if (src) {
+        // 512 latent dims = 64 x 16 B; rows are 1152 B apart, so 16 B aligned.
+        const uint4* s4 = reinterpret_cast<const uint4*>(s);
+        uint4* d4 = reinterpret_cast<uint4*>(d);
+        d4[lane] = s4[lane];
+        d4[lane + WARP] = s4[lane + WARP];
+    }
 
     const int i = lane;  // one RoPE pair per lane
     const int a = half_layout ? i : 2 * i;
