@@ -488,17 +488,21 @@ pub fn fi_pingpong(provider: &str, size: u64, iters: u64, port: u16) -> Result<P
             .arg(size.to_string())
             .stdin(Stdio::null());
     };
-    let mut server = Command::new("fi_pingpong");
-    common(&mut server);
-    let mut server = server
-        .args(["-B", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| {
-            format!("running fi_pingpong: {e} (install libfabric-bin: `cargo xtask deps`)")
-        })?;
-    // The server listens on its control port; retry the client until it answers.
+    let spawn_server = || {
+        let mut server = Command::new("fi_pingpong");
+        common(&mut server);
+        server
+            .args(["-B", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| {
+                format!("running fi_pingpong: {e} (install libfabric-bin: `cargo xtask deps`)")
+            })
+    };
+    let mut server = spawn_server()?;
+    // The server listens on its control port; retry the client until it answers, starting the
+    // server again if it gave up (a port still held by a previous run, a loaded machine).
     let started = Instant::now();
     let output = loop {
         let mut client = Command::new("fi_pingpong");
@@ -507,11 +511,17 @@ pub fn fi_pingpong(provider: &str, size: u64, iters: u64, port: u16) -> Result<P
             .args(["-P", &port.to_string(), "127.0.0.1"])
             .output()
             .map_err(|e| format!("running fi_pingpong: {e}"))?;
-        if out.status.success() || started.elapsed() > Duration::from_secs(10) {
+        if out.status.success() || started.elapsed() > Duration::from_secs(20) {
             break out;
+        }
+        if matches!(server.try_wait(), Ok(Some(_))) {
+            server = spawn_server()?;
         }
         std::thread::sleep(Duration::from_millis(50));
     };
+    if !output.status.success() {
+        let _ = server.kill();
+    }
     let _ = server.wait();
     if !output.status.success() {
         return Err(format!(
