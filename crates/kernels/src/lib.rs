@@ -79,13 +79,14 @@ impl std::str::FromStr for Backend {
             "cpu" => Ok(Self::Cpu),
             "reference" => Ok(Self::Reference),
             "cuda" => Ok(Self::Cuda),
+            "avx512bf16" => Ok(Self::CpuWith(Isa::Avx512Bf16)),
             "avx512" => Ok(Self::CpuWith(Isa::Avx512)),
             "avx2" => Ok(Self::CpuWith(Isa::Avx2)),
             "scalar" => Ok(Self::CpuWith(Isa::Scalar)),
             _ => Err(KernelError::Parameter {
                 what: "backend",
                 value: f64::NAN,
-                why: "one of auto, cpu, cuda, reference, avx512, avx2, scalar",
+                why: "one of auto, cpu, cuda, reference, avx512bf16, avx512, avx2, scalar",
             }),
         }
     }
@@ -109,6 +110,7 @@ fn engine(backend: Backend) -> Result<Engine, KernelError> {
             what: "instruction set",
             value: f64::NAN,
             why: match isa {
+                Isa::Avx512Bf16 => "this CPU lacks AVX-512 F/BW/VL/BF16 + FMA",
                 Isa::Avx512 => "this CPU lacks AVX-512 F/BW/VL + FMA",
                 _ => "this CPU lacks AVX2 + FMA",
             },
@@ -191,7 +193,7 @@ pub fn partial_sparse(
 /// The delta-rotation splice of `job` (all layers of a chunk in one call).
 pub fn splice(backend: Backend, mut job: SpliceJob<'_>) -> Result<(), KernelError> {
     match engine(backend)? {
-        Engine::Cpu(_) => cpu::splice(&mut job),
+        Engine::Cpu(isa) => cpu::splice(&mut job, isa),
         Engine::Reference => reference::splice(&mut job),
         Engine::Cuda(gpu) => gpu.splice(&mut job)?,
     }

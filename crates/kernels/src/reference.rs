@@ -86,7 +86,7 @@ pub(crate) fn splice(job: &mut SpliceJob<'_>) {
         let angles = job.rope.angles(job.to[t] - job.from[t]);
         for layer in 0..job.layers {
             let mut row = [0u16; D_QK];
-            row.copy_from_slice(job.src_row(layer, t));
+            row.copy_from_slice(job.src_row(layer, t)); // the pool row itself when in place
             crate::rope::rotate_row_f64(&mut row, &angles, job.rope.layout());
             job.dst_row(layer, t).copy_from_slice(&row);
         }

@@ -114,6 +114,25 @@ impl Rope {
     }
 }
 
+/// `(cos, sin)` of one rotation, pair by pair, as separate arrays (what the vectorised rotation
+/// reads).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AngleTable {
+    pub(crate) cos: [f64; PAIRS],
+    pub(crate) sin: [f64; PAIRS],
+}
+
+impl Rope {
+    /// [`Rope::angles`] as an [`AngleTable`].
+    pub(crate) fn table(&self, delta: i64) -> AngleTable {
+        let angles = self.angles(delta);
+        AngleTable {
+            cos: angles.map(|(c, _)| c),
+            sin: angles.map(|(_, s)| s),
+        }
+    }
+}
+
 /// Rotates the RoPE band of one 576-wide bf16 row by `angles`, in f64, rounding once to bf16;
 /// the latent dims are untouched. The reference rotation.
 pub fn rotate_row_f64(row: &mut [u16], angles: &[(f64, f64); PAIRS], layout: RopeLayout) {

@@ -2,9 +2,11 @@
 //! are re-rotated to `to` (RoPE band only; the 512 latent dims are copied bit-exactly) and
 //! scattered into a paged pool, all layers of a chunk in one call.
 //!
-//! Source rows are `[layers, n, 576]` bf16. The destination is a pool of 64-token pages and a
-//! layer-major block table: layer `l`'s token `t` goes to row `t % 64` of page
-//! `table[l * ceil(n / 64) + t / 64]`.
+//! Source rows are `[layers, n, 576]` bf16 ([`SpliceJob::new`]), or the pool rows themselves
+//! ([`SpliceJob::in_place`]: what fetch runs after its paged writes put the holder's rows in the
+//! requester's pool; only the RoPE band is read and written, 128 of each row's 1152 bytes). The
+//! destination is a pool of 64-token pages and a layer-major block table: layer `l`'s token `t`
+//! goes to row `t % 64` of page `table[l * ceil(n / 64) + t / 64]`.
 
 use crate::error::{KernelError, check_len};
 use crate::layout::{D_QK, PAGE_TOKENS, check_pages};
@@ -13,7 +15,8 @@ use crate::rope::Rope;
 /// A validated splice: shapes checked, pages in range and distinct.
 #[derive(Debug)]
 pub struct SpliceJob<'a> {
-    pub(crate) src: &'a [u16],
+    /// `None`: in place (the rows are already in the pool).
+    pub(crate) src: Option<&'a [u16]>,
     pub(crate) layers: usize,
     pub(crate) from: &'a [i64],
     pub(crate) to: &'a [i64],
@@ -33,6 +36,29 @@ impl<'a> SpliceJob<'a> {
         pool: &'a mut [u16],
         table: &'a [u32],
     ) -> Result<Self, KernelError> {
+        let job = Self::in_place(layers, from, to, rope, pool, table)?;
+        check_len(
+            "splice source rows [layers, n, 576]",
+            layers * from.len() * D_QK,
+            src.len(),
+        )?;
+        Ok(Self {
+            src: Some(src),
+            ..job
+        })
+    }
+
+    /// A splice of rows already in `pool` at the pages `table` names (same layout as
+    /// [`SpliceJob::new`]'s destination): the RoPE band is re-rotated where it lies, the latent
+    /// dims are not touched.
+    pub fn in_place(
+        layers: usize,
+        from: &'a [i64],
+        to: &'a [i64],
+        rope: Rope,
+        pool: &'a mut [u16],
+        table: &'a [u32],
+    ) -> Result<Self, KernelError> {
         if layers == 0 {
             return Err(KernelError::Empty("splice layers"));
         }
@@ -41,11 +67,6 @@ impl<'a> SpliceJob<'a> {
             return Err(KernelError::Empty("splice tokens"));
         }
         check_len("splice target positions", n, to.len())?;
-        check_len(
-            "splice source rows [layers, n, 576]",
-            layers * n * D_QK,
-            src.len(),
-        )?;
         for (what, positions) in [("stored positions", from), ("new positions", to)] {
             if let Some((at, &p)) = positions.iter().enumerate().find(|&(_, &p)| p < 0) {
                 return Err(KernelError::IndexOutOfRange {
@@ -81,7 +102,7 @@ impl<'a> SpliceJob<'a> {
             });
         }
         Ok(Self {
-            src,
+            src: None,
             layers,
             from,
             to,
@@ -91,14 +112,43 @@ impl<'a> SpliceJob<'a> {
         })
     }
 
+    /// Whether the rows are re-rotated where they lie in the pool.
+    pub fn is_in_place(&self) -> bool {
+        self.src.is_none()
+    }
+
     /// Tokens per layer.
     pub fn tokens(&self) -> usize {
         self.from.len()
     }
 
-    pub(crate) fn src_row(&self, layer: usize, t: usize) -> &'a [u16] {
-        let start = (layer * self.tokens() + t) * D_QK;
-        &self.src[start..start + D_QK]
+    /// The source row of (layer, token): from the source rows, or the pool row in place.
+    pub(crate) fn src_row(&self, layer: usize, t: usize) -> &[u16] {
+        match self.src {
+            Some(src) => {
+                let start = (layer * self.tokens() + t) * D_QK;
+                &src[start..start + D_QK]
+            }
+            None => {
+                let start = self.dst_start(layer, t);
+                &self.pool[start..start + D_QK]
+            }
+        }
+    }
+
+    /// The distinct rotations of the job, each token's index into them, and their `(cos, sin)`
+    /// tables (computed once per distinct `to - from`: a chunk re-homed as a whole has one).
+    pub(crate) fn angle_tables(&self) -> (Vec<usize>, Vec<crate::rope::AngleTable>) {
+        let deltas: Vec<i64> = self.to.iter().zip(self.from).map(|(t, f)| t - f).collect();
+        let mut distinct = deltas.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let which = deltas
+            .iter()
+            .map(|d| distinct.binary_search(d).unwrap_or(0))
+            .collect();
+        let tables = distinct.iter().map(|&d| self.rope.table(d)).collect();
+        (which, tables)
     }
 
     pub(crate) fn dst_start(&self, layer: usize, t: usize) -> usize {

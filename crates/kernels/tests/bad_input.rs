@@ -144,7 +144,13 @@ fn a_bad_splice_is_refused_and_writes_nothing() {
     ];
     for (from, table, layers) in cases {
         assert!(SpliceJob::new(&src, layers, from, &pos, rope, &mut pool, table).is_err());
+        if layers == 2 {
+            // The same checks in place (no source to be short).
+            assert!(SpliceJob::in_place(layers, from, &pos, rope, &mut pool, table).is_err());
+        }
     }
+    assert!(SpliceJob::in_place(1, &[], &[], rope, &mut pool, &[]).is_err());
+    assert!(SpliceJob::in_place(1, &pos, &pos, rope, &mut pool[..100], &[0]).is_err());
     assert!(SpliceJob::new(&src, 0, &pos, &pos, rope, &mut pool, &[0, 1]).is_err());
     assert!(pool.iter().all(|&x| x == 7), "nothing written");
 }

@@ -297,6 +297,17 @@ fn splice_is_bit_identical() {
                 run(Backend::Cuda) == run(Backend::Cpu),
                 "{layout:?} {rope:?}"
             );
+            // In place: the rows already in the pool (src == null in the kernel).
+            let in_place = |backend| {
+                let mut pool = run(Backend::Reference);
+                let job = SpliceJob::in_place(layers, &to, &from, rope, &mut pool, &table).unwrap();
+                splice(backend, job).unwrap();
+                pool
+            };
+            assert!(
+                in_place(Backend::Cuda) == in_place(Backend::Cpu),
+                "in place {layout:?} {rope:?}"
+            );
         }
     }
 }

@@ -12,7 +12,8 @@ use common::{Rng, SCALE};
 use kvroute_kernels::bf16;
 use kvroute_kernels::layout::{D_LATENT, D_QK, PAGE_TOKENS};
 use kvroute_kernels::{
-    Backend, Cache, Queries, Rope, RopeLayout, Selection, SpliceJob, Yarn, partial_sparse, splice,
+    Backend, Cache, Isa, Queries, Rope, RopeLayout, Selection, SpliceJob, Yarn, partial_sparse,
+    splice,
 };
 
 fn ropes() -> Vec<Rope> {
@@ -111,12 +112,25 @@ fn delta_zero_is_the_identity_and_latents_are_copied_bit_exactly() {
 }
 
 #[test]
-fn the_cpu_splice_is_bit_identical_to_the_reference_across_layers_and_pages() {
+fn every_cpu_splice_is_bit_identical_to_the_reference_copying_or_in_place() {
     let mut rng = Rng::new(27);
     let (layers, n) = (3, 150);
     let src = rng.rows(layers * n);
+    // Half the tokens share one delta (a chunk re-homed as a whole: one angle table), the rest
+    // are random (one table each), and tokens 0 and 1 repeat one delta out of order.
     let from: Vec<i64> = (0..n).map(|_| rng.range(0, 100_000) as i64).collect();
-    let to: Vec<i64> = (0..n).map(|_| rng.range(0, 100_000) as i64).collect();
+    let mut to: Vec<i64> = from
+        .iter()
+        .enumerate()
+        .map(|(t, &f)| {
+            if t % 2 == 0 {
+                f + 4_096
+            } else {
+                rng.range(0, 100_000) as i64
+            }
+        })
+        .collect();
+    to[1] = from[1] + (to[0] - from[0]);
     let pages_per_layer = n.div_ceil(PAGE_TOKENS);
     // A shuffled, sparse block table over a larger pool.
     let mut table: Vec<u32> = (0..20).collect();
@@ -124,32 +138,62 @@ fn the_cpu_splice_is_bit_identical_to_the_reference_across_layers_and_pages() {
         table.swap(i, rng.range(0, i));
     }
     table.truncate(layers * pages_per_layer);
-    let rope = Rope::yarn(10_000.0, Yarn::DEEPSEEK, RopeLayout::Interleaved).unwrap();
-    let run = |backend| {
-        let mut pool = vec![0xdeadu16; 20 * PAGE_TOKENS * D_QK];
-        let job = SpliceJob::new(&src, layers, &from, &to, rope, &mut pool, &table).unwrap();
-        splice(backend, job).unwrap();
-        pool
+    let slot = |layer: usize, t: usize| {
+        table[layer * pages_per_layer + t / PAGE_TOKENS] as usize * PAGE_TOKENS + t % PAGE_TOKENS
     };
-    let (a, b) = (run(Backend::Reference), run(Backend::Cpu));
-    assert!(a == b, "CPU and reference differ");
-    // Every row landed where the table says, and nothing else was touched.
-    let mut touched = vec![false; 20 * PAGE_TOKENS];
-    for layer in 0..layers {
-        for t in 0..n {
-            let slot = table[layer * pages_per_layer + t / PAGE_TOKENS] as usize * PAGE_TOKENS
-                + t % PAGE_TOKENS;
-            touched[slot] = true;
-            let s = (layer * n + t) * D_QK;
-            assert_eq!(a[slot * D_QK..slot * D_QK + D_LATENT], src[s..s + D_LATENT]);
-        }
-    }
-    for (slot, _) in touched.iter().enumerate().filter(|(_, t)| !**t) {
+    let mut backends = vec![Backend::Cpu];
+    backends.extend(Isa::available().into_iter().map(Backend::CpuWith));
+    for layout in [RopeLayout::Interleaved, RopeLayout::Half] {
+        let rope = Rope::yarn(10_000.0, Yarn::DEEPSEEK, layout).unwrap();
+        let copying = |backend| {
+            let mut pool = vec![0xdeadu16; 20 * PAGE_TOKENS * D_QK];
+            let job = SpliceJob::new(&src, layers, &from, &to, rope, &mut pool, &table).unwrap();
+            splice(backend, job).unwrap();
+            pool
+        };
+        let in_place = |backend| {
+            // The rows where fetch's paged writes would have put them.
+            let mut pool = vec![0xdeadu16; 20 * PAGE_TOKENS * D_QK];
+            for layer in 0..layers {
+                for t in 0..n {
+                    let (d, s) = (slot(layer, t) * D_QK, (layer * n + t) * D_QK);
+                    pool[d..d + D_QK].copy_from_slice(&src[s..s + D_QK]);
+                }
+            }
+            let job = SpliceJob::in_place(layers, &from, &to, rope, &mut pool, &table).unwrap();
+            assert!(job.is_in_place());
+            splice(backend, job).unwrap();
+            pool
+        };
+        let want = copying(Backend::Reference);
         assert!(
-            a[slot * D_QK..(slot + 1) * D_QK]
-                .iter()
-                .all(|&x| x == 0xdead)
+            in_place(Backend::Reference) == want,
+            "reference in place differs"
         );
+        for &b in &backends {
+            assert!(
+                copying(b) == want,
+                "{b:?} differs from the reference ({layout:?})"
+            );
+            assert!(in_place(b) == want, "{b:?} in place differs ({layout:?})");
+        }
+        // Every row landed where the table says, and nothing else was touched.
+        let mut touched = vec![false; 20 * PAGE_TOKENS];
+        for layer in 0..layers {
+            for t in 0..n {
+                let at = slot(layer, t);
+                touched[at] = true;
+                let s = (layer * n + t) * D_QK;
+                assert_eq!(want[at * D_QK..at * D_QK + D_LATENT], src[s..s + D_LATENT]);
+            }
+        }
+        for (at, _) in touched.iter().enumerate().filter(|(_, t)| !**t) {
+            assert!(
+                want[at * D_QK..(at + 1) * D_QK]
+                    .iter()
+                    .all(|&x| x == 0xdead)
+            );
+        }
     }
 }
 

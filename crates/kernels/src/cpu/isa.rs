@@ -1,8 +1,11 @@
-//! Run-time choice of instruction set: the same loops ([`super::tile`]) compiled for AVX-512,
-//! AVX2 + FMA, and baseline x86-64 (or the target's baseline elsewhere).
+//! Run-time choice of instruction set: AVX-512 BF16 ([`super::bf16dp`], written with
+//! intrinsics), and the same plain loops ([`super::tile`]) compiled for AVX-512, AVX2 + FMA,
+//! and baseline x86-64 (or the target's baseline elsewhere).
 
 use serde::{Deserialize, Serialize};
 
+#[cfg(target_arch = "x86_64")]
+use super::avx512;
 use super::tile::RowState;
 use super::{dense_range, sparse_range};
 use crate::layout::Cache;
@@ -10,7 +13,10 @@ use crate::layout::Cache;
 /// An instruction set the CPU kernels can run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Isa {
-    /// AVX-512 F/BW/VL with FMA: 16 f32 lanes.
+    /// AVX-512 F/BW/VL with BF16 dot products (`vdpbf16ps`, 32 products per instruction) for
+    /// the scores, FMA for the values.
+    Avx512Bf16,
+    /// AVX-512 F/BW/VL with FMA: 16 f32 lanes; bf16 rows widened in registers.
     Avx512,
     /// AVX2 with FMA: 8 f32 lanes.
     Avx2,
@@ -19,7 +25,10 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The widest this CPU supports.
+    /// The fastest this CPU supports. AVX-512 with f32 FMAs comes before AVX-512 BF16: on the
+    /// Xeon (Emerald Rapids) this was measured on, `vdpbf16ps` retires one per two cycles
+    /// against two FMAs per cycle, so its 32 products per instruction lose to 2 x 16 (see
+    /// docs/perf.md); [`Isa::Avx512Bf16`] stays available by name.
     pub fn detect() -> Self {
         [Self::Avx512, Self::Avx2]
             .into_iter()
@@ -30,6 +39,10 @@ impl Isa {
     /// Whether this CPU can run it.
     pub fn is_available(self) -> bool {
         match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512Bf16 => {
+                Self::Avx512.is_available() && std::arch::is_x86_feature_detected!("avx512bf16")
+            }
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => {
                 std::arch::is_x86_feature_detected!("avx512f")
@@ -43,14 +56,14 @@ impl Isa {
                     && std::arch::is_x86_feature_detected!("fma")
             }
             #[cfg(not(target_arch = "x86_64"))]
-            Self::Avx512 | Self::Avx2 => false,
+            Self::Avx512Bf16 | Self::Avx512 | Self::Avx2 => false,
             Self::Scalar => true,
         }
     }
 
     /// Every instruction set this CPU can run, widest first.
     pub fn available() -> Vec<Self> {
-        [Self::Avx512, Self::Avx2, Self::Scalar]
+        [Self::Avx512Bf16, Self::Avx512, Self::Avx2, Self::Scalar]
             .into_iter()
             .filter(|i| i.is_available())
             .collect()
@@ -60,6 +73,7 @@ impl Isa {
 impl std::fmt::Display for Isa {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            Self::Avx512Bf16 => "avx512bf16",
             Self::Avx512 => "avx512",
             Self::Avx2 => "avx2",
             Self::Scalar => "scalar",
@@ -68,34 +82,23 @@ impl std::fmt::Display for Isa {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn dense_avx512(q: &[f32], cache: &Cache<'_>, t0: usize, t1: usize, st: &mut RowState) {
-    dense_range::<true>(q, cache, t0, t1, st);
+#[target_feature(enable = "avx2,fma")]
+fn dense_avx2(q: &[u16], scale: f32, cache: &Cache<'_>, t0: usize, t1: usize, st: &mut RowState) {
+    dense_range::<true>(q, scale, cache, t0, t1, st);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn dense_avx2(q: &[f32], cache: &Cache<'_>, t0: usize, t1: usize, st: &mut RowState) {
-    dense_range::<true>(q, cache, t0, t1, st);
+fn sparse_avx2(q: &[u16], scale: f32, cache: &Cache<'_>, picked: &[i32], st: &mut RowState) {
+    sparse_range::<true>(q, scale, cache, picked, st);
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn sparse_avx512(q: &[f32], cache: &Cache<'_>, picked: &[i32], st: &mut RowState) {
-    sparse_range::<true>(q, cache, picked, st);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn sparse_avx2(q: &[f32], cache: &Cache<'_>, picked: &[i32], st: &mut RowState) {
-    sparse_range::<true>(q, cache, picked, st);
-}
-
-/// Tokens `t0..t1` of `cache` folded into `st`, on `isa` (which must be available; the
-/// callers check, and fall back to scalar otherwise).
+/// Tokens `t0..t1` of `cache` folded into `st` (bf16 query rows `q`, softmax scale `scale`),
+/// on `isa` (which must be available; the callers check, and fall back to scalar otherwise).
 pub(crate) fn dense(
     isa: Isa,
-    q: &[f32],
+    q: &[u16],
+    scale: f32,
     cache: &Cache<'_>,
     t0: usize,
     t1: usize,
@@ -103,24 +106,45 @@ pub(crate) fn dense(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa` is only Avx512 when `Isa::is_available` found the features at run time.
-        Isa::Avx512 if isa.is_available() => unsafe { dense_avx512(q, cache, t0, t1, st) },
+        // SAFETY: `isa` is only used when `Isa::is_available` found its features at run time.
+        Isa::Avx512Bf16 if isa.is_available() => unsafe {
+            avx512::dense_dp(q, scale, cache, t0, t1, st)
+        },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above, for AVX2 and FMA.
-        Isa::Avx2 if isa.is_available() => unsafe { dense_avx2(q, cache, t0, t1, st) },
-        _ => dense_range::<false>(q, cache, t0, t1, st),
+        // SAFETY: as above.
+        Isa::Avx512 if isa.is_available() => unsafe {
+            avx512::dense_fma(q, scale, cache, t0, t1, st)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 if isa.is_available() => unsafe { dense_avx2(q, scale, cache, t0, t1, st) },
+        _ => dense_range::<false>(q, scale, cache, t0, t1, st),
     }
 }
 
 /// The selected tokens `picked` (padding skipped) folded into `st`, on `isa`.
-pub(crate) fn sparse(isa: Isa, q: &[f32], cache: &Cache<'_>, picked: &[i32], st: &mut RowState) {
+pub(crate) fn sparse(
+    isa: Isa,
+    q: &[u16],
+    scale: f32,
+    cache: &Cache<'_>,
+    picked: &[i32],
+    st: &mut RowState,
+) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa` is only Avx512 when `Isa::is_available` found the features at run time.
-        Isa::Avx512 if isa.is_available() => unsafe { sparse_avx512(q, cache, picked, st) },
+        // SAFETY: `isa` is only used when `Isa::is_available` found its features at run time.
+        Isa::Avx512Bf16 if isa.is_available() => unsafe {
+            avx512::sparse_dp(q, scale, cache, picked, st)
+        },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above, for AVX2 and FMA.
-        Isa::Avx2 if isa.is_available() => unsafe { sparse_avx2(q, cache, picked, st) },
-        _ => sparse_range::<false>(q, cache, picked, st),
+        // SAFETY: as above.
+        Isa::Avx512 if isa.is_available() => unsafe {
+            avx512::sparse_fma(q, scale, cache, picked, st)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 if isa.is_available() => unsafe { sparse_avx2(q, scale, cache, picked, st) },
+        _ => sparse_range::<false>(q, scale, cache, picked, st),
     }
 }

@@ -2,6 +2,8 @@
 //! row blocks and over the keys (split-K, each split a partial state merged at the end, the
 //! same algebra as [`crate::merge`]), so a decode-sized batch uses every core.
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod isa;
 mod splice;
 mod tile;
@@ -20,15 +22,17 @@ use tile::{RowState, TILE, widen};
 /// (rows x 512 f32) stay in L1/L2 while a 64-token tile is reused by every row.
 const DENSE_ROWS: usize = 32;
 
-/// Tokens `t0..t1` of `cache` into `st` (pre-scaled f32 query rows `q`).
+/// Tokens `t0..t1` of `cache` into `st` (bf16 query rows `q`, softmax scale `scale`).
 #[inline(always)]
 pub(crate) fn dense_range<const FMA: bool>(
-    q: &[f32],
+    q: &[u16],
+    scale: f32,
     cache: &Cache<'_>,
     t0: usize,
     t1: usize,
     st: &mut RowState,
 ) {
+    let q = &scaled_rows(q, scale);
     // Per task, not per tile: a 147 KB tile and the block's scores.
     let mut scores = vec![0f32; st.m.len() * TILE];
     let mut k = vec![0f32; TILE * D_QK];
@@ -52,11 +56,13 @@ pub(crate) fn dense_range<const FMA: bool>(
 /// The selected tokens `picked` (-1 skipped) into `st`.
 #[inline(always)]
 pub(crate) fn sparse_range<const FMA: bool>(
-    q: &[f32],
+    q: &[u16],
+    scale: f32,
     cache: &Cache<'_>,
     picked: &[i32],
     st: &mut RowState,
 ) {
+    let q = &scaled_rows(q, scale);
     let mut scores = vec![0f32; st.m.len() * TILE];
     let mut k = vec![0f32; TILE * D_QK];
     let mut kt = vec![0f32; TILE * D_QK];
@@ -74,12 +80,10 @@ pub(crate) fn sparse_range<const FMA: bool>(
     }
 }
 
-/// Query rows `r0..r1`, widened and multiplied by the softmax scale.
-fn scaled_rows(q: &Queries<'_>, r0: usize, r1: usize, scale: f32) -> Vec<f32> {
-    q.as_slice()[r0 * D_QK..r1 * D_QK]
-        .iter()
-        .map(|&b| crate::bf16::to_f32(b) * scale)
-        .collect()
+/// bf16 query rows widened and multiplied by the softmax scale.
+#[inline(always)]
+fn scaled_rows(q: &[u16], scale: f32) -> Vec<f32> {
+    q.iter().map(|&b| crate::bf16::to_f32(b) * scale).collect()
 }
 
 /// Folds the split states of one row block into rows `r0..` of `out` ([`crate::merge`]'s
@@ -127,10 +131,6 @@ pub(crate) fn partial_dense(q: &Queries<'_>, cache: &Cache<'_>, scale: f32, isa:
     let tasks: Vec<(usize, usize)> = (0..blocks.len())
         .flat_map(|b| (0..nsplit).map(move |s| (b, s)))
         .collect();
-    let qf: Vec<Vec<f32>> = blocks
-        .iter()
-        .map(|&(r0, r1)| scaled_rows(q, r0, r1, scale))
-        .collect();
     let states: Vec<RowState> = tasks
         .par_iter()
         .map(|&(b, s)| {
@@ -138,7 +138,8 @@ pub(crate) fn partial_dense(q: &Queries<'_>, cache: &Cache<'_>, scale: f32, isa:
             let t0 = (s * tiles / nsplit) * TILE;
             let t1 = (((s + 1) * tiles / nsplit) * TILE).min(ct);
             let mut st = RowState::new(r1 - r0);
-            isa::dense(isa, &qf[b], cache, t0, t1, &mut st);
+            let rows = &q.as_slice()[r0 * D_QK..r1 * D_QK];
+            isa::dense(isa, rows, scale, cache, t0, t1, &mut st);
             st
         })
         .collect();
@@ -169,9 +170,9 @@ pub(crate) fn partial_sparse(
         .map(|&(t, s)| {
             let picked = sel.of_row(t * h);
             let (i0, i1) = (s * picked.len() / nsplit, (s + 1) * picked.len() / nsplit);
-            let qf = scaled_rows(q, t * h, (t + 1) * h, scale);
+            let rows = &q.as_slice()[t * h * D_QK..(t + 1) * h * D_QK];
             let mut st = RowState::new(h);
-            isa::sparse(isa, &qf, cache, &picked[i0..i1], &mut st);
+            isa::sparse(isa, rows, scale, cache, &picked[i0..i1], &mut st);
             st
         })
         .collect();

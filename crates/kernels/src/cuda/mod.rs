@@ -26,7 +26,7 @@ use cudarc::nvrtc::Ptx;
 use serde::Serialize;
 
 use crate::error::KernelError;
-use crate::layout::{Cache, D_LATENT, D_QK, Queries, Selection};
+use crate::layout::{Cache, D_LATENT, D_QK, D_ROPE, Queries, Selection};
 use crate::partial::Partial;
 use crate::rope::PAIRS;
 use crate::splice::SpliceJob;
@@ -406,7 +406,7 @@ impl Gpu {
                 value: rows as f64,
                 why: "exceeds one launch's grid",
             })?,
-            src: self.upload(job.src)?,
+            src: job.src.map(|src| self.upload(src)).transpose()?,
             cs: self.upload(&cs)?,
             table: self.upload(job.table)?,
             pool: self.upload(job.pool)?,
@@ -417,8 +417,13 @@ impl Gpu {
     /// Launches a prepared splice (one launch for every layer) without waiting.
     pub fn launch_splice(&self, s: &mut PreparedSplice) -> Result<(), KernelError> {
         let mut b = self.stream.launch_builder(&self.splice);
-        b.arg(&s.src)
-            .arg(&s.layers)
+        // In place: a null source pointer (the kernel then reads the pool rows).
+        let null = 0u64;
+        match &s.src {
+            Some(src) => b.arg(src),
+            None => b.arg(&null),
+        };
+        b.arg(&s.layers)
             .arg(&s.tokens)
             .arg(&s.cs)
             .arg(&s.half)
@@ -518,7 +523,8 @@ pub struct PreparedSplice {
     tokens: i32,
     half: i32,
     blocks: u32,
-    src: CudaSlice<u16>,
+    /// `None`: in place.
+    src: Option<CudaSlice<u16>>,
     cs: CudaSlice<f64>,
     table: CudaSlice<u32>,
     pool: CudaSlice<u16>,
@@ -526,8 +532,10 @@ pub struct PreparedSplice {
 }
 
 impl PreparedSplice {
-    /// The bytes one launch moves: every source row read and written once.
+    /// The bytes one launch moves: every source row read and written once, or in place the
+    /// RoPE band of every row.
     pub fn bytes_moved(&self) -> usize {
-        2 * self.layers as usize * self.tokens as usize * D_QK * 2
+        let per_row = if self.src.is_some() { D_QK } else { D_ROPE };
+        2 * self.layers as usize * self.tokens as usize * per_row * 2
     }
 }
