@@ -71,7 +71,7 @@ pub struct KernelPartialArgs {
     /// Output directory.
     #[arg(long)]
     pub out: std::path::PathBuf,
-    /// auto, cpu, cuda, reference (or avx512, avx2, scalar).
+    /// auto, cpu, cuda, reference (or avx512, avx512bf16, avx2, scalar).
     #[arg(long, default_value = "auto")]
     pub backend: String,
 }
@@ -202,7 +202,7 @@ pub struct FabricPeerArgs {
 /// `kvroute bench kernels`.
 #[derive(Debug, Clone, Args)]
 pub struct KernelsBenchArgs {
-    /// cpu (or avx512, avx2, scalar) or cuda.
+    /// cpu (or avx512, avx512bf16, avx2, scalar) or cuda.
     #[arg(long, default_value = "cpu")]
     pub backend: String,
     /// Fewer repetitions (a smoke run).

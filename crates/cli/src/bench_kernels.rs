@@ -1,8 +1,10 @@
 //! `kvroute bench kernels`: the kernels' workloads ([`kvroute_kernels::workload`], the same
 //! the criterion bench runs), each beside its baseline measured in the same run:
 //! - CPU: the dense partial's cache bytes per second against the machine's read bandwidth (a
-//!   parallel sum over 256 MiB) and the f64 reference; the sparse partial against the
-//!   reference; the merge against adding the `o` arrays; the splice against copying its rows.
+//!   parallel sum over 256 MiB), its arithmetic against the machine's f32 FMA peak (its
+//!   compute roofline), and the f64 reference; the sparse partial against the reference; the
+//!   merge against adding the `o` arrays; the copying splice against copying its rows, the
+//!   in-place splice against touching the same RoPE bands.
 //! - CUDA: the kernels on resident inputs (CUDA events) against a device-to-device copy's
 //!   traffic and the CPU path; the merge host to host (its transfers included).
 
@@ -32,6 +34,8 @@ pub struct DenseRow {
     pub gflops: f64,
     /// `gbps` as a share of the read-bandwidth baseline.
     pub of_read_bandwidth: f64,
+    /// `gflops` as a share of the FMA-peak baseline (CPU only).
+    pub of_fma_peak: Option<f64>,
     /// What the speedup is against (`reference`, or `cpu` for CUDA).
     pub versus: &'static str,
     /// That baseline's time, microseconds (absent where it was not run: too slow to matter).
@@ -76,14 +80,16 @@ pub struct KernelsBenchReport {
     pub read_gbps: f64,
     /// The same sum over one ct = 2048 chunk (cache-resident; CPU only).
     pub chunk_read_gbps: Option<f64>,
+    /// The f32 FMA peak of all threads, GFLOP/s (CPU only).
+    pub fma_gflops: Option<f64>,
     /// Dense partial at ct = 2048.
     pub dense: Vec<DenseRow>,
     /// Sparse partial, one token of 16 heads, top-k of 8192.
     pub sparse: Vec<SparseRow>,
     /// Merge of 8 partials of 256 rows.
     pub merge: FloorRow,
-    /// The 27 x 2048 splice.
-    pub splice: FloorRow,
+    /// The 27 x 2048 splice: copying, in place, in place with a delta per token.
+    pub splice: Vec<FloorRow>,
     /// Targets of the kernels issue.
     pub targets: Vec<Target>,
 }
@@ -95,27 +101,50 @@ impl fmt::Display for KernelsBenchReport {
         if let Some(chunk) = self.chunk_read_gbps {
             write!(f, " (one 2.36 MB chunk, cache-resident: {chunk:.1} GB/s)")?;
         }
+        if let Some(peak) = self.fma_gflops {
+            write!(
+                f,
+                "\nf32 FMA peak baseline: {peak:.1} GFLOP/s (all threads)"
+            )?;
+        }
         writeln!(f, "\n\ndense partial, ct = {}", w::DENSE_CT)?;
         writeln!(
             f,
-            "  {:>5} {:>10} {:>8} {:>9} {:>8} {:>16}",
-            "Mq", "us", "GB/s", "GFLOP/s", "of read", "speedup"
+            "  {:>5} {:>10} {:>8} {:>9} {:>8} {:>7} {:>16}",
+            "Mq", "us", "GB/s", "GFLOP/s", "of read", "of FMA", "speedup"
         )?;
         for r in &self.dense {
             let speedup = r.versus_us.map_or_else(
                 || "-".to_owned(),
                 |v| format!("{:.1}x {}", v / r.us, r.versus),
             );
+            let of_fma = r
+                .of_fma_peak
+                .map_or_else(|| "-".to_owned(), |x| format!("{:.0}%", 100.0 * x));
             writeln!(
                 f,
-                "  {:>5} {:>10.1} {:>8.2} {:>9.1} {:>7.0}% {:>16}",
+                "  {:>5} {:>10.1} {:>8.2} {:>9.1} {:>7.0}% {:>7} {:>16}",
                 r.mq,
                 r.us,
                 r.gbps,
                 r.gflops,
                 100.0 * r.of_read_bandwidth,
+                of_fma,
                 speedup
             )?;
+        }
+        if let Some(peak) = self.fma_gflops {
+            // The compute roofline: no kernel does a row's multiply-adds faster than the peak.
+            for r in self.dense.iter().filter(|r| r.mq == 16) {
+                let floor_us = dense_flops(r.mq) / peak / 1e3;
+                let bytes = (w::DENSE_CT * D_QK * 2) as f64;
+                writeln!(
+                    f,
+                    "  Mq = {} at the FMA peak: {floor_us:.1} us, at most {:.0}% of read bandwidth",
+                    r.mq,
+                    100.0 * bytes / floor_us / 1e3 / self.read_gbps
+                )?;
+            }
         }
         writeln!(
             f,
@@ -135,10 +164,10 @@ impl fmt::Display for KernelsBenchReport {
             )?;
         }
         writeln!(f)?;
-        for r in [&self.merge, &self.splice] {
+        for r in std::iter::once(&self.merge).chain(&self.splice) {
             writeln!(
                 f,
-                "{:<34} {:>10.1} us   {} {:.1} us ({:.2}x)",
+                "{:<40} {:>10.1} us   {} {:.1} us ({:.2}x)",
                 r.what,
                 r.us,
                 r.floor,
@@ -208,6 +237,11 @@ fn cpu(budget: &Budget, backend: Backend) -> Result<KernelsBenchReport> {
         black_box(w::read_sum(&chunk));
     });
     let read_gbps = dram_bytes as f64 / read_us / 1e3;
+    let isa = match backend {
+        Backend::CpuWith(isa) => isa,
+        _ => kvroute_kernels::Isa::detect(),
+    };
+    let fma_gflops = w::fma_peak_gflops(isa, budget.time.as_millis() as u64 / 3 + 20);
 
     let cache_rows = rows(w::DENSE_CT, 1);
     let cache = Cache::contiguous(&cache_rows)?;
@@ -232,6 +266,7 @@ fn cpu(budget: &Budget, backend: Backend) -> Result<KernelsBenchReport> {
             gbps,
             gflops: dense_flops(mq) / us / 1e3,
             of_read_bandwidth: gbps / read_gbps,
+            of_fma_peak: Some(dense_flops(mq) / us / 1e3 / fma_gflops),
             versus: "reference",
             versus_us,
         });
@@ -264,17 +299,35 @@ fn cpu(budget: &Budget, backend: Backend) -> Result<KernelsBenchReport> {
     };
 
     let mut work = w::SpliceWorkload::new()?;
-    let splice_us = median_us(budget.iters, budget.time, || {
-        if let Ok(job) = work.job() {
-            let _ = kvroute_kernels::splice(backend, job);
-        }
-    });
-    let splice = FloorRow {
-        what: format!("splice {}x{}", w::SPLICE_LAYERS, w::SPLICE_TOKENS),
-        us: splice_us,
+    let name = format!("splice {}x{}", w::SPLICE_LAYERS, w::SPLICE_TOKENS);
+    let copying = FloorRow {
+        what: format!("{name}, copying"),
+        us: median_us(budget.iters, budget.time, || {
+            if let Ok(job) = work.job() {
+                let _ = kvroute_kernels::splice(backend, job);
+            }
+        }),
         floor_us: median_us(budget.iters, budget.time, || work.copy_rows()),
         floor: "copying the rows",
     };
+    let in_place = |work: &mut w::SpliceWorkload, what: String| FloorRow {
+        what,
+        us: median_us(budget.iters, budget.time, || {
+            if let Ok(job) = work.in_place_job() {
+                let _ = kvroute_kernels::splice(backend, job);
+            }
+        }),
+        floor_us: median_us(budget.iters, budget.time, || work.touch_bands()),
+        floor: "touching the RoPE bands",
+    };
+    let splice = vec![
+        copying,
+        in_place(&mut work, format!("{name}, in place")),
+        in_place(
+            &mut w::SpliceWorkload::scattered()?,
+            format!("{name}, in place, a delta per token"),
+        ),
+    ];
 
     let worst_small = dense
         .iter()
@@ -289,16 +342,17 @@ fn cpu(budget: &Budget, backend: Backend) -> Result<KernelsBenchReport> {
             met: worst_small >= 0.7,
         },
         Target {
-            what: "27 x 2048 splice (us)",
+            what: "27 x 2048 splice in place (us)",
             target: "< 1000",
-            measured: splice.us,
-            met: splice.us < 1000.0,
+            measured: splice[1].us,
+            met: splice[1].us < 1000.0,
         },
     ];
     Ok(KernelsBenchReport {
         backend: described,
         read_gbps,
         chunk_read_gbps: Some(chunk_bytes as f64 / chunk_us / 1e3),
+        fma_gflops: Some(fma_gflops),
         dense,
         sparse,
         merge,
@@ -363,6 +417,7 @@ fn gpu(budget: &Budget, gpu: &Gpu) -> Result<KernelsBenchReport> {
             gbps,
             gflops: dense_flops(mq) / us / 1e3,
             of_read_bandwidth: gbps / read_gbps,
+            of_fma_peak: None,
             versus: "cpu",
             versus_us: Some(versus_us),
         });
@@ -390,29 +445,47 @@ fn gpu(budget: &Budget, gpu: &Gpu) -> Result<KernelsBenchReport> {
         floor: "the CPU merge",
     };
     let mut work = w::SpliceWorkload::new()?;
-    let mut prepared = gpu.prepare_splice(&work.job()?)?;
-    let splice_us = gpu.time_us(iters, || gpu.launch_splice(&mut prepared))?;
-    let moved = prepared.bytes_moved();
-    let splice = FloorRow {
-        what: format!(
-            "splice {}x{} (one launch)",
-            w::SPLICE_LAYERS,
-            w::SPLICE_TOKENS
-        ),
-        us: splice_us,
-        floor_us: gpu.time_copy_us(moved / 2, iters)?,
-        floor: "device copy of the rows",
-    };
-    let targets = vec![Target {
-        what: "27 x 2048 fused splice (us)",
-        target: "< 30",
-        measured: splice.us,
-        met: splice.us < 30.0,
-    }];
+    let mut splice = Vec::new();
+    for in_place in [false, true] {
+        let job = if in_place {
+            work.in_place_job()?
+        } else {
+            work.job()?
+        };
+        let mut prepared = gpu.prepare_splice(&job)?;
+        let us = gpu.time_us(iters, || gpu.launch_splice(&mut prepared))?;
+        let moved = prepared.bytes_moved();
+        splice.push(FloorRow {
+            what: format!(
+                "splice {}x{} {} (one launch)",
+                w::SPLICE_LAYERS,
+                w::SPLICE_TOKENS,
+                if in_place { "in place" } else { "copying" }
+            ),
+            us,
+            floor_us: gpu.time_copy_us(moved / 2, iters)?,
+            floor: "device copy of the bytes it moves",
+        });
+    }
+    let targets = vec![
+        Target {
+            what: "27 x 2048 fused splice, copying (us)",
+            target: "< 30",
+            measured: splice[0].us,
+            met: splice[0].us < 30.0,
+        },
+        Target {
+            what: "27 x 2048 fused splice, in place (us)",
+            target: "< 30",
+            measured: splice[1].us,
+            met: splice[1].us < 30.0,
+        },
+    ];
     Ok(KernelsBenchReport {
         backend: kvroute_kernels::describe(Backend::Cuda)?,
         read_gbps,
         chunk_read_gbps: None,
+        fma_gflops: None,
         dense,
         sparse,
         merge,

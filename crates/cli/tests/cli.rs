@@ -295,12 +295,16 @@ fn bench_kernels_quick_reports_each_kernel_beside_its_baseline() {
     let positive = |x: &serde_json::Value| x.as_f64().is_some_and(|f| f.is_finite() && f > 0.0);
     assert!(v["backend"].as_str().unwrap().starts_with("cpu"));
     assert!(positive(&v["read_gbps"]) && positive(&v["chunk_read_gbps"]));
+    assert!(positive(&v["fma_gflops"]));
     let dense = v["dense"].as_array().unwrap();
     let mq: Vec<u64> = dense.iter().map(|r| r["mq"].as_u64().unwrap()).collect();
     assert_eq!(mq, [1, 16, 64, 256]);
     for r in dense {
         assert!(
-            positive(&r["us"]) && positive(&r["gbps"]) && positive(&r["gflops"]),
+            positive(&r["us"])
+                && positive(&r["gbps"])
+                && positive(&r["gflops"])
+                && positive(&r["of_fma_peak"]),
             "{r}"
         );
         // The reference runs beside the small batches (the ones the target is about).
@@ -317,9 +321,18 @@ fn bench_kernels_quick_reports_each_kernel_beside_its_baseline() {
         .map(|r| r["k"].as_u64().unwrap())
         .collect();
     assert_eq!(ks, [512, 2048]);
-    for floor in ["merge", "splice"] {
+    let splices = v["splice"].as_array().unwrap();
+    let names: Vec<&str> = splices
+        .iter()
+        .map(|r| r["what"].as_str().unwrap())
+        .collect();
+    assert!(
+        names.len() == 3 && names[0].ends_with("copying") && names[1].ends_with("in place"),
+        "{names:?}"
+    );
+    for floor in std::iter::once(&v["merge"]).chain(splices) {
         assert!(
-            positive(&v[floor]["us"]) && positive(&v[floor]["floor_us"]),
+            positive(&floor["us"]) && positive(&floor["floor_us"]),
             "{floor}"
         );
     }
