@@ -7,7 +7,9 @@
 //!   `dense/cpu_<isa>/16` runs the same call on each instruction set this CPU has.
 //! - `sparse/{cpu,reference}/<k>`: one query token of 16 heads, top-k of 8192.
 //! - `merge/8x<rows>` against `merge/sum_floor`: adding the eight `o` arrays, no softmax.
-//! - `splice/<layers>x<tokens>` (27 x 2048) against `splice/memcpy`: copying the same rows.
+//! - `splice/cpu/<layers>x<tokens>` (27 x 2048, copying) against `splice/memcpy`: copying the
+//!   same rows; `splice/in_place/<layers>x<tokens>` (fetch's case: the rows already in the
+//!   pool) against `splice/touch_bands`: reading and writing the same RoPE bands.
 
 // A bench whose setup fails should stop loudly.
 #![allow(clippy::expect_used)]
@@ -118,6 +120,13 @@ fn splicing(c: &mut Criterion) {
         },
     );
     g.bench_function("memcpy", |b| b.iter(|| work.copy_rows()));
+    g.bench_function(
+        format!("in_place/{}x{}", w::SPLICE_LAYERS, w::SPLICE_TOKENS),
+        |b| {
+            b.iter(|| splice(Backend::Cpu, work.in_place_job().expect("job")).expect("splice"));
+        },
+    );
+    g.bench_function("touch_bands", |b| b.iter(|| work.touch_bands()));
 }
 
 criterion_group!(benches, read, dense, sparse, merging, splicing);
