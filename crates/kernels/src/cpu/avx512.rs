@@ -247,11 +247,6 @@ unsafe fn softmax_row(s: &mut [f32], n: usize, r: usize, st: &mut RowState) {
             s.fill(0.0);
             return;
         }
-        let alpha = if m_old == f32::NEG_INFINITY {
-            0.0
-        } else {
-            (m_old - m_new).exp()
-        };
         let mut sum = _mm512_setzero_ps();
         for c in 0..TILE / 16 {
             let v = _mm512_loadu_ps(s.as_ptr().add(c * 16));
@@ -260,13 +255,7 @@ unsafe fn softmax_row(s: &mut [f32], n: usize, r: usize, st: &mut RowState) {
             sum = _mm512_add_ps(sum, p);
             _mm512_storeu_ps(s.as_mut_ptr().add(c * 16), p);
         }
-        st.l[r] = st.l[r] * alpha + _mm512_reduce_add_ps(sum);
-        st.m[r] = m_new;
-        if alpha != 1.0 {
-            for a in &mut st.acc[r * D_LATENT..(r + 1) * D_LATENT] {
-                *a *= alpha;
-            }
-        }
+        st.advance(r, m_new, _mm512_reduce_add_ps(sum));
     }
 }
 

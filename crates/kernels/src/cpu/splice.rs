@@ -90,7 +90,7 @@ fn rotate_band(band: &mut [u16], t: &AngleTable, layout: RopeLayout) {
 /// of each are touched in place, a stride the hardware prefetchers do not follow far enough.
 const PREFETCH_ROWS: usize = 8;
 
-/// A hint to load row `t` of `layer`'s RoPE band (and, copying, its source row) into cache.
+/// A hint to load row `t` of `layer`'s RoPE band into cache.
 #[inline(always)]
 fn prefetch_band(job: &SpliceJob<'_>, pool: Pool, layer: usize, t: usize, t1: usize) {
     #[cfg(target_arch = "x86_64")]
@@ -129,9 +129,8 @@ fn tokens(
             // (layer, token)'s own row: distinct pages per table entry, distinct slots per
             // token. In place, the row is read and written only here.
             let dst = unsafe { std::slice::from_raw_parts_mut(pool.base().add(start), D_QK) };
-            if let Some(src) = job.src {
-                let at = (layer * job.tokens() + t) * D_QK;
-                dst.copy_from_slice(&src[at..at + D_QK]);
+            if !job.is_in_place() {
+                dst.copy_from_slice(job.src_row(layer, t));
             }
             rotate_band(&mut dst[D_LATENT..], &tables[which[t]], layout);
         }

@@ -28,6 +28,26 @@ impl RowState {
             acc: vec![0.0; rows * D_LATENT],
         }
     }
+
+    /// Row `r`'s online-softmax step to the running maximum `m_new` (finite, >= the old one),
+    /// given the tile's `sum exp(s - m_new)`: `l` and the accumulators are rescaled by
+    /// `exp(m_old - m_new)` before the tile's values are added.
+    #[inline(always)]
+    pub(crate) fn advance(&mut self, r: usize, m_new: f32, tile_sum: f32) {
+        let m_old = self.m[r];
+        let alpha = if m_old == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (m_old - m_new).exp()
+        };
+        self.l[r] = self.l[r] * alpha + tile_sum;
+        self.m[r] = m_new;
+        if alpha != 1.0 {
+            for a in &mut self.acc[r * D_LATENT..(r + 1) * D_LATENT] {
+                *a *= alpha;
+            }
+        }
+    }
 }
 
 #[inline(always)]
@@ -158,23 +178,12 @@ pub(crate) fn tile<const FMA: bool>(
             s.fill(0.0);
             continue;
         }
-        let alpha = if m_old == f32::NEG_INFINITY {
-            0.0
-        } else {
-            (m_old - m_new).exp()
-        };
         let mut sum = 0f32;
         for x in s.iter_mut() {
             *x = (*x - m_new).exp();
             sum += *x;
         }
-        st.l[r] = st.l[r] * alpha + sum;
-        st.m[r] = m_new;
-        if alpha != 1.0 {
-            for a in &mut st.acc[r * D_LATENT..(r + 1) * D_LATENT] {
-                *a *= alpha;
-            }
-        }
+        st.advance(r, m_new, sum);
     }
     let mut r0 = 0;
     while r0 + 4 <= rows {
