@@ -142,6 +142,49 @@ impl RegisteredBuffer {
         unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), byte, self.len) };
     }
 
+    /// Bytes `offset..offset + 2 * words` as `u16` words (bf16 rows), borrowed without a copy:
+    /// what attention over a registered chunk or pool reads. `offset` must be even.
+    ///
+    /// # Safety
+    /// While the slice lives, no peer write into the range may be in flight or start (the
+    /// protocol has counted the immediates of every write into it and hands the range out
+    /// no further), and nothing writes the range locally ([`Self::write_at`], [`Self::fill`],
+    /// [`Self::u16s_mut`]).
+    pub unsafe fn u16s(&self, offset: usize, words: usize) -> Result<&[u16], TransportError> {
+        self.check_words(offset, words)?;
+        // SAFETY: in bounds and aligned (checked; the allocation is 64-byte aligned); no
+        // writer while the borrow lives (the caller's contract).
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset).cast(), words) })
+    }
+
+    /// [`Self::u16s`], mutable: what a splice or a local fill writes in place.
+    ///
+    /// # Safety
+    /// As [`Self::u16s`], and no other view (shared or mutable) of the range exists while this
+    /// one lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn u16s_mut(
+        &self,
+        offset: usize,
+        words: usize,
+    ) -> Result<&mut [u16], TransportError> {
+        self.check_words(offset, words)?;
+        // SAFETY: as in `u16s`, and exclusive (the caller's contract).
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset).cast(), words) })
+    }
+
+    fn check_words(&self, offset: usize, words: usize) -> Result<(), TransportError> {
+        if !offset.is_multiple_of(2) {
+            return Err(TransportError::InvalidArgument(
+                "a u16 view starts at an even offset",
+            ));
+        }
+        let bytes = words
+            .checked_mul(2)
+            .ok_or(TransportError::InvalidArgument("view length overflows"))?;
+        check_range(Side::Source, self.len as u64, offset as u64, bytes as u64)
+    }
+
     /// The buffer's address, for code that hands it to a device.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()

@@ -1,0 +1,43 @@
+//! # kvroute-kvstore
+//!
+//! Where KV lives between the transport and the kernels (DESIGN "KV store"):
+//!
+//! - [`layout`]: layer blocks `[tokens, 576]` bf16 and full blocks (the `L` layer blocks of the
+//!   same tokens back to back, so concatenating layer blocks is a full block with no copy), in
+//!   whole 64-token pages, as typed views over registered memory or vectors;
+//! - [`pool`]: the paged pool, blocks handed out by index (what paged writes target);
+//! - [`registry`]: canonical chunk id -> holder address, region descriptor, layout, stored
+//!   positions, with replicas;
+//! - [`corpus`]: a deterministic synthetic corpus with a model preset's dimensions (random
+//!   latents, RoPE applied at the stored positions, so splices are real).
+//!
+//! Planned (DESIGN): the prefix trie, the hybrid prefix-cache pool and the SSD tier.
+//!
+//! ```
+//! use kvroute_kvstore::{BlockLayout, ChunkId, CorpusSpec, FullBlock, PagedPool, PAGE_BYTES};
+//!
+//! let spec = CorpusSpec {
+//!     layers: 2, chunk_tokens: 100, chunks: 3, seed: 1, rope_theta: 10_000.0,
+//!     yarn: None, rope_layout: Default::default(),
+//! };
+//! let block = spec.chunk(ChunkId(2))?;
+//! let full = FullBlock::new(&block, spec.layout())?;
+//! assert_eq!(full.layer(1)?.tokens(), 100);
+//! // A requester's pool takes the chunk's 2 layers x 2 pages.
+//! let pool = PagedPool::new(16, PAGE_BYTES)?;
+//! let pages = pool.alloc(spec.layout().pages())?;
+//! assert_eq!(pages.len(), 4);
+//! # Ok::<(), kvroute_kvstore::StoreError>(())
+//! ```
+
+pub mod corpus;
+mod error;
+pub mod layout;
+pub mod pool;
+pub mod registry;
+
+pub use corpus::CorpusSpec;
+pub use error::StoreError;
+pub use layout::{BlockLayout, FullBlock, LayerBlock, PAGE_BYTES, ROW_BYTES, concat_layers};
+pub use pool::PagedPool;
+pub use registry::{ChunkEntry, ChunkId, ChunkRegistry};
