@@ -1,0 +1,644 @@
+//! The holder: serves partial attention over the chunks it holds (route) and pushes them into
+//! requesters' pools (fetch).
+//!
+//! One serving thread drains every request that has arrived, groups the segments of all of
+//! them by (chunk, layer, kind) and runs one kernel call per group (paper 000 section 5.3's
+//! second reduction: the batch is all requests for the same chunk), then answers each request
+//! with one write of its partial rows (the first reduction). A control thread per requester
+//! keeps its session; at the cap the next requester is told [`Answer::Busy`].
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use crossbeam_channel::{Receiver, RecvTimeoutError, unbounded};
+use kvroute_kernels::{Backend, Cache, Partial, Queries, Selection, partial_dense, partial_sparse};
+use kvroute_kvstore::{ChunkEntry, ChunkId, CorpusSpec, FullBlock, PAGE_BYTES};
+use kvroute_transport::{MrDesc, OnDone, Pages, RegisteredBuffer, TransferEngine};
+
+use super::session::{Answer, Control, Hello, HolderStats, Welcome};
+use super::wire::{self, Request, SegmentKind, Status};
+
+/// How a holder is set up.
+#[derive(Debug, Clone)]
+pub struct HolderConfig {
+    /// The corpus the chunks come from.
+    pub corpus: CorpusSpec,
+    /// The chunks this holder serves.
+    pub chunks: Vec<ChunkId>,
+    /// Concurrent requesters served; the next one is told busy (paper 000 section 6.3: ~8).
+    pub max_requesters: usize,
+    /// Bytes of each requester's inbox slot (the largest request).
+    pub slot_bytes: usize,
+    /// Bytes of each requester's reply staging (the largest reply).
+    pub reply_bytes: usize,
+    /// Which kernels run the partials.
+    pub backend: Backend,
+}
+
+impl HolderConfig {
+    /// Defaults for `corpus` and `chunks`: 8 requesters, 4 MiB slots and replies, CPU kernels.
+    pub fn new(corpus: CorpusSpec, chunks: Vec<ChunkId>) -> Self {
+        Self {
+            corpus,
+            chunks,
+            max_requesters: 8,
+            slot_bytes: 4 << 20,
+            reply_bytes: 4 << 20,
+            backend: Backend::Cpu,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Session {
+    hello: Hello,
+}
+
+struct Shared {
+    engine: TransferEngine,
+    config: HolderConfig,
+    store: RegisteredBuffer,
+    inbox: RegisteredBuffer,
+    staging: RegisteredBuffer,
+    /// Chunk -> index of its full block in `store`.
+    chunk_index: BTreeMap<u32, usize>,
+    entries: Vec<ChunkEntry>,
+    sessions: Mutex<Vec<Option<Session>>>,
+    stats: Mutex<HolderStats>,
+    stop: AtomicBool,
+}
+
+/// A running holder; dropping it stops it.
+pub struct Holder {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Holder")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Holder {
+    /// Generates the chunks into registered memory and starts serving on `listener`.
+    pub fn start(
+        engine: TransferEngine,
+        listener: TcpListener,
+        config: HolderConfig,
+    ) -> Result<Self> {
+        config.corpus.validate()?;
+        if config.chunks.is_empty() || config.max_requesters == 0 || config.max_requesters > 1 << 16
+        {
+            bail!("a holder needs chunks and 1 to 65536 requesters");
+        }
+        if config.slot_bytes < wire::REQUEST_HEADER || config.reply_bytes < wire::reply_len(1, 0) {
+            bail!("slot and reply sizes too small for a header");
+        }
+        let layout = config.corpus.layout();
+        let store = engine.alloc_mr(layout.full_bytes() * config.chunks.len())?;
+        let mut chunk_index = BTreeMap::new();
+        let mut entries = Vec::new();
+        for (i, &id) in config.chunks.iter().enumerate() {
+            if chunk_index.insert(id.0, i).is_some() {
+                bail!("{id} listed twice");
+            }
+            // SAFETY: the store was just allocated; no peer knows its descriptor yet and no
+            // other view of it exists.
+            let block = unsafe { store.u16s_mut(i * layout.full_bytes(), layout.full_elems())? };
+            config.corpus.fill(id, block)?;
+            entries.push(ChunkEntry {
+                id,
+                holder: engine.main_address(),
+                desc: store.desc().clone(),
+                offset: (i * layout.full_bytes()) as u64,
+                layout,
+                rope_layout: config.corpus.rope_layout,
+                positions: config.corpus.positions(id),
+            });
+        }
+        let inbox = engine.alloc_mr(config.slot_bytes * config.max_requesters)?;
+        let staging = engine.alloc_mr(config.reply_bytes * config.max_requesters)?;
+        let (tx, rx) = unbounded();
+        engine.on_unexpected_imm(move |imm, _count| {
+            let _ = tx.send(imm);
+        });
+        let shared = Arc::new(Shared {
+            engine,
+            sessions: Mutex::new(vec![None; config.max_requesters]),
+            config,
+            store,
+            inbox,
+            staging,
+            chunk_index,
+            entries,
+            stats: Mutex::new(HolderStats::default()),
+            stop: AtomicBool::new(false),
+        });
+        let addr = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let serve = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("holder-serve".into())
+                .spawn(move || shared.serve(&rx))?
+        };
+        let accept = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("holder-accept".into())
+                .spawn(move || shared.accept(&listener))?
+        };
+        Ok(Self {
+            shared,
+            addr,
+            threads: vec![serve, accept],
+        })
+    }
+
+    /// The control listener's address (what requesters connect to).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The chunks served, as registry entries.
+    pub fn entries(&self) -> &[ChunkEntry] {
+        &self.shared.entries
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> HolderStats {
+        self.shared.stats()
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Shared {
+    fn stats(&self) -> HolderStats {
+        let mut s = lock(&self.stats).clone();
+        s.active = lock(&self.sessions).iter().flatten().count() as u64;
+        s
+    }
+
+    fn accept(self: &Arc<Self>, listener: &TcpListener) {
+        while !self.stop.load(Ordering::Acquire) {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    let shared = self.clone();
+                    let _ = std::thread::Builder::new()
+                        .name("holder-session".into())
+                        .spawn(move || {
+                            if let Err(e) = shared.session(stream) {
+                                tracing::debug!(%e, "session ended");
+                            }
+                        });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => {
+                    tracing::warn!(%e, "accept failed");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        }
+    }
+
+    /// One requester's control connection: hello, answer, then stats requests until it closes.
+    fn session(&self, stream: TcpStream) -> Result<()> {
+        stream.set_nodelay(true)?;
+        stream.set_nonblocking(false)?;
+        let mut writer = stream.try_clone()?;
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        // A hello is small; a peer that sends megabytes without a newline is cut off.
+        if (&mut reader).take(1 << 20).read_line(&mut line)? == 0 {
+            return Ok(());
+        }
+        let hello: Hello = match serde_json::from_str(&line) {
+            Ok(h) => h,
+            Err(e) => {
+                send_line(
+                    &mut writer,
+                    &Answer::Refused(format!("malformed hello: {e}")),
+                )?;
+                return Ok(());
+            }
+        };
+        if let Err(e) = hello.addr.validate() {
+            send_line(&mut writer, &Answer::Refused(e.to_string()))?;
+            return Ok(());
+        }
+        let slot = {
+            let mut sessions = lock(&self.sessions);
+            match sessions.iter().position(Option::is_none) {
+                Some(i) => {
+                    sessions[i] = Some(Session {
+                        hello: hello.clone(),
+                    });
+                    i
+                }
+                None => {
+                    let cap = sessions.len();
+                    drop(sessions);
+                    lock(&self.stats).busy += 1;
+                    send_line(&mut writer, &Answer::Busy { active: cap, cap })?;
+                    return Ok(());
+                }
+            }
+        };
+        let _release = SlotGuard { shared: self, slot };
+        let welcome = Welcome {
+            session: slot as u16,
+            holder: self.engine.main_address(),
+            inbox: self.inbox.desc().clone(),
+            slot_offset: (slot * self.config.slot_bytes) as u64,
+            slot_bytes: self.config.slot_bytes as u64,
+            reply_bytes: self.config.reply_bytes as u64,
+            chunks: self.entries.clone(),
+        };
+        send_line(&mut writer, &Answer::Welcome(welcome))?;
+        loop {
+            line.clear();
+            if (&mut reader).take(1 << 16).read_line(&mut line)? == 0 {
+                return Ok(());
+            }
+            match serde_json::from_str::<Control>(&line) {
+                Ok(Control::Stats) => send_line(&mut writer, &self.stats())?,
+                Err(e) => tracing::debug!(%e, "ignoring a malformed control line"),
+            }
+        }
+    }
+
+    /// The serving loop: wait for request immediates, then serve everything that is complete.
+    fn serve(&self, rx: &Receiver<u32>) {
+        // Arrivals counted per session, until a request's shards are all in.
+        let mut arrived = vec![0u64; self.config.max_requesters];
+        while !self.stop.load(Ordering::Acquire) {
+            let first = match rx.recv_timeout(Duration::from_millis(20)) {
+                Ok(imm) => imm,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            let mut ready = Vec::new();
+            for imm in std::iter::once(first).chain(rx.try_iter()) {
+                let count = self.engine.take_imm(imm);
+                match wire::parse_request_imm(imm) {
+                    Some((session, shards)) if usize::from(session) < arrived.len() => {
+                        let n = &mut arrived[usize::from(session)];
+                        *n += count;
+                        if *n >= shards {
+                            *n -= shards;
+                            ready.push(usize::from(session));
+                        }
+                    }
+                    _ => lock(&self.stats).stray_imms += count,
+                }
+            }
+            if !ready.is_empty() {
+                self.serve_batch(&ready);
+            }
+        }
+    }
+
+    fn serve_batch(&self, ready: &[usize]) {
+        let sessions: Vec<(usize, Option<Session>)> = {
+            let all = lock(&self.sessions);
+            ready.iter().map(|&s| (s, all[s].clone())).collect()
+        };
+        // Copy each slot before parsing: the requester cannot change what is being checked.
+        let slots: Vec<(usize, Session, Vec<u8>)> = sessions
+            .into_iter()
+            .filter_map(|(slot, session)| {
+                let Some(session) = session else {
+                    lock(&self.stats).stray_imms += 1;
+                    return None;
+                };
+                let mut bytes = vec![0u8; self.config.slot_bytes];
+                let mut header = [0u8; wire::REQUEST_HEADER];
+                let base = slot * self.config.slot_bytes;
+                self.inbox.read_at(base, &mut header).ok()?;
+                let total =
+                    u32::from_le_bytes([header[24], header[25], header[26], header[27]]) as usize;
+                bytes.truncate(total.clamp(wire::REQUEST_HEADER, self.config.slot_bytes));
+                self.inbox.read_at(base, &mut bytes).ok()?;
+                Some((slot, session, bytes))
+            })
+            .collect();
+        let mut stats = HolderStats::default();
+        let requests: Vec<_> = slots
+            .iter()
+            .map(|(_, _, bytes)| Request::parse(bytes))
+            .collect();
+        stats.requests += requests.len() as u64;
+        // Per request: its statuses and, per segment, its encoded partial rows.
+        let mut statuses: Vec<Vec<Status>> = Vec::new();
+        let mut rows: Vec<Vec<Vec<u8>>> = Vec::new();
+        // (chunk, layer, kind key, scale bits) -> the (request, segment) pairs of the group.
+        let mut groups: BTreeMap<(u32, u16, (u32, u32), u32), Vec<(usize, usize)>> =
+            BTreeMap::new();
+        for (r, req) in requests.iter().enumerate() {
+            let Ok(req) = req else {
+                statuses.push(Vec::new());
+                rows.push(Vec::new());
+                continue;
+            };
+            statuses.push(vec![Status::Ok; req.segments.len()]);
+            rows.push(vec![Vec::new(); req.segments.len()]);
+            for (s, seg) in req.segments.iter().enumerate() {
+                let seg = match seg {
+                    Ok(seg) => seg,
+                    Err(status) => {
+                        statuses[r][s] = *status;
+                        continue;
+                    }
+                };
+                if !self.chunk_index.contains_key(&seg.chunk) {
+                    statuses[r][s] = Status::UnknownChunk;
+                } else if u32::from(seg.layer) >= self.config.corpus.layers {
+                    statuses[r][s] = Status::BadLayer;
+                } else {
+                    let key = match seg.kind {
+                        SegmentKind::Dense => (0, 0),
+                        SegmentKind::Sparse { k, rows_per_token } => (k, rows_per_token),
+                        SegmentKind::Fetch => (u32::MAX, u32::MAX),
+                    };
+                    groups
+                        .entry((seg.chunk, seg.layer, key, req.scale.to_bits()))
+                        .or_default()
+                        .push((r, s));
+                }
+            }
+        }
+        for (&(chunk, layer, key, scale), members) in &groups {
+            if key == (u32::MAX, u32::MAX) {
+                for &(r, s) in members {
+                    let (slot, session, _) = &slots[r];
+                    let ok = requests[r]
+                        .as_ref()
+                        .ok()
+                        .and_then(|req| req.segments[s].as_ref().ok());
+                    statuses[r][s] = match ok {
+                        Some(seg) => self.fetch(*slot, session, chunk, &seg.pages()),
+                        None => Status::BadSegment,
+                    };
+                    stats.fetches += u64::from(statuses[r][s] == Status::Ok);
+                }
+                continue;
+            }
+            let segs: Vec<_> = members
+                .iter()
+                .filter_map(|&(r, s)| {
+                    let seg = requests[r].as_ref().ok()?.segments[s].as_ref().ok()?;
+                    Some((r, s, seg))
+                })
+                .collect();
+            let mut queries = Vec::new();
+            let mut indices = Vec::new();
+            for (_, _, seg) in &segs {
+                queries.extend(seg.queries());
+                indices.extend(seg.indices());
+            }
+            let started = Instant::now();
+            let result = self.attend(chunk, layer, key, f32::from_bits(scale), &queries, &indices);
+            stats.kernel_us += started.elapsed().as_secs_f64() * 1e6;
+            stats.kernel_calls += 1;
+            match result {
+                Ok(partial) => {
+                    stats.rows += partial.rows() as u64;
+                    let wire = partial.to_wire();
+                    let mut at = 0;
+                    for (r, s, seg) in &segs {
+                        let n = seg.rows * kvroute_kernels::layout::PARTIAL_ROW_BYTES;
+                        rows[*r][*s] = wire[at..at + n].to_vec();
+                        at += n;
+                        stats.segments += 1;
+                    }
+                }
+                Err(e) => {
+                    // One bad segment (an index out of range) must not fail the others: redo
+                    // the group one segment at a time.
+                    tracing::debug!(%e, "batched kernel call refused; retrying per segment");
+                    for (r, s, seg) in &segs {
+                        match self.attend(
+                            chunk,
+                            layer,
+                            key,
+                            f32::from_bits(scale),
+                            &seg.queries(),
+                            &seg.indices(),
+                        ) {
+                            Ok(p) => {
+                                rows[*r][*s] = p.to_wire();
+                                stats.segments += 1;
+                            }
+                            Err(_) => statuses[*r][*s] = Status::Kernel,
+                        }
+                    }
+                }
+            }
+        }
+        for (r, (slot, session, _)) in slots.iter().enumerate() {
+            let (status, seq, reply_offset) = match &requests[r] {
+                Ok(req) => (Status::Ok, req.seq, req.reply_offset),
+                Err((status, Some((seq, off)))) => (*status, *seq, *off),
+                Err((_, None)) => {
+                    // Nothing says where to answer: the requester times out.
+                    stats.refused += 1;
+                    continue;
+                }
+            };
+            stats.refused += statuses[r].iter().filter(|s| **s != Status::Ok).count() as u64
+                + u64::from(status != Status::Ok);
+            self.reply(
+                *slot,
+                session,
+                status,
+                seq,
+                reply_offset,
+                &statuses[r],
+                &rows[r],
+            );
+        }
+        let mut total = lock(&self.stats);
+        total.requests += stats.requests;
+        total.segments += stats.segments;
+        total.kernel_calls += stats.kernel_calls;
+        total.rows += stats.rows;
+        total.kernel_us += stats.kernel_us;
+        total.refused += stats.refused;
+        total.fetches += stats.fetches;
+    }
+
+    fn attend(
+        &self,
+        chunk: u32,
+        layer: u16,
+        (k, rows_per_token): (u32, u32),
+        scale: f32,
+        queries: &[u16],
+        indices: &[i32],
+    ) -> Result<Partial> {
+        let index = self.chunk_index[&chunk];
+        let layout = self.config.corpus.layout();
+        // SAFETY: the store is written only by `start`; peers never write it (the protocol
+        // hands its descriptor out for reference, and fetch only reads it).
+        let elems = unsafe {
+            self.store
+                .u16s(index * layout.full_bytes(), layout.full_elems())?
+        };
+        let block = FullBlock::new(elems, layout)?.layer(u32::from(layer))?;
+        let cache: Cache<'_> = block.cache()?;
+        let q = Queries::new(queries)?;
+        Ok(if k == 0 {
+            partial_dense(self.config.backend, &q, &cache, scale)?
+        } else {
+            let sel = Selection::new(
+                indices,
+                k as usize,
+                rows_per_token as usize,
+                q.len(),
+                cache.tokens(),
+            )?;
+            partial_sparse(self.config.backend, &q, &cache, &sel, scale)?
+        })
+    }
+
+    fn fetch(&self, _slot: usize, session: &Session, chunk: u32, pages: &[u32]) -> Status {
+        let layout = self.config.corpus.layout();
+        let Some(pool) = &session.hello.pool else {
+            return Status::FetchRefused;
+        };
+        if pages.len() != layout.pages() {
+            return Status::FetchRefused;
+        }
+        let base = (self.chunk_index[&chunk] * layout.pages()) as u32;
+        let src = Pages::new(
+            (base..base + layout.pages() as u32).collect::<Vec<_>>(),
+            PAGE_BYTES as u64,
+            0,
+        );
+        let dst = Pages::new(pages.to_vec(), PAGE_BYTES as u64, 0);
+        match self.engine.submit_paged_writes(
+            PAGE_BYTES as u64,
+            Some(session.hello.fetch_imm),
+            (self.store.handle(), &src),
+            (pool, &dst),
+            OnDone::nothing(),
+        ) {
+            Ok(()) => Status::Ok,
+            Err(e) => {
+                tracing::debug!(%e, "fetch refused");
+                Status::FetchRefused
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn reply(
+        &self,
+        slot: usize,
+        session: &Session,
+        status: Status,
+        seq: u64,
+        reply_offset: u64,
+        statuses: &[Status],
+        rows: &[Vec<u8>],
+    ) {
+        let n_rows: usize = rows.iter().map(|r| r.len()).sum::<usize>()
+            / kvroute_kernels::layout::PARTIAL_ROW_BYTES;
+        let mut len = wire::reply_len(statuses.len(), n_rows);
+        let (mut status, mut statuses, mut n_rows) = (status, statuses.to_vec(), n_rows);
+        if len > self.config.reply_bytes {
+            status = Status::ReplyTooLarge;
+            statuses.clear();
+            n_rows = 0;
+            len = wire::reply_len(0, 0);
+        }
+        if status != Status::Ok {
+            statuses.clear();
+            n_rows = 0;
+            len = wire::reply_len(0, 0);
+        }
+        let mut out = vec![0u8; len];
+        wire::encode_reply_header(&mut out, status, seq, &statuses, n_rows);
+        if n_rows > 0 {
+            let mut at = wire::reply_rows_offset(statuses.len());
+            for r in rows {
+                out[at..at + r.len()].copy_from_slice(r);
+                at += r.len();
+            }
+        }
+        let staging = slot * self.config.reply_bytes;
+        let reply: &MrDesc = &session.hello.reply;
+        let result = self
+            .staging
+            .write_at(staging, &out)
+            .map_err(anyhow::Error::from)
+            .and_then(|()| {
+                Ok(self.engine.submit_single_write(
+                    len as u64,
+                    Some(session.hello.reply_imm),
+                    (self.staging.handle(), staging as u64),
+                    (reply, reply_offset),
+                    OnDone::nothing(),
+                )?)
+            });
+        if let Err(e) = result {
+            // A forged reply offset or region: refused before anything was posted.
+            tracing::debug!(%e, "reply not sent");
+            lock(&self.stats).refused += 1;
+        }
+    }
+}
+
+/// Frees a session slot when its control connection ends, however it ends.
+struct SlotGuard<'a> {
+    shared: &'a Shared,
+    slot: usize,
+}
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        lock(&self.shared.sessions)[self.slot] = None;
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+pub(crate) fn send_line<T: serde::Serialize>(w: &mut TcpStream, msg: &T) -> Result<()> {
+    let mut line = serde_json::to_string(msg).context("encoding a control line")?;
+    line.push('\n');
+    w.write_all(line.as_bytes())?;
+    Ok(())
+}
+
+/// Reads one JSON line (at most `limit` bytes).
+pub(crate) fn recv_line<T: serde::de::DeserializeOwned>(
+    r: &mut BufReader<TcpStream>,
+    limit: u64,
+) -> Result<T> {
+    let mut line = String::new();
+    if r.take(limit).read_line(&mut line)? == 0 {
+        bail!("connection closed");
+    }
+    serde_json::from_str(&line).with_context(|| format!("malformed control line: {}", line.trim()))
+}

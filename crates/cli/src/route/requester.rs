@@ -1,0 +1,659 @@
+//! The requester: the dispatcher that routes query rows to holders and merges what comes back,
+//! and fetches chunks into its own paged pool.
+//!
+//! [`Requester::route`] takes every call of a decode step at once, groups the calls bound to
+//! the same holder into one inbox write (paper 000 section 5.3's third reduction), waits for
+//! every reply with a deadline, and returns one result per call. A holder that does not answer
+//! in time, or whose writes fail, is marked dead and its calls fail with
+//! [`RouteError::HolderFailed`]; calling again sends them to the chunk's next replica.
+
+use std::io::BufReader;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use kvroute_kernels::layout::{D_QK, PARTIAL_ROW_BYTES};
+use kvroute_kernels::{Backend, Cache, Partial, Rope, SpliceJob, splice};
+use kvroute_kvstore::{ChunkEntry, ChunkId, ChunkRegistry, PAGE_BYTES, PagedPool};
+use kvroute_transport::{
+    CancellationToken, DoneFlag, MrDesc, OnDone, RegisteredBuffer, TransferEngine, TransferShape,
+};
+
+use super::holder::{recv_line, send_line};
+use super::session::{Answer, Control, Hello, HolderStats, Welcome};
+use super::wire::{self, SegmentKind, SegmentSpec, Status};
+
+/// How a requester is set up.
+#[derive(Debug, Clone)]
+pub struct RequesterConfig {
+    /// How long a route or fetch waits for a holder before declaring it failed.
+    pub timeout: Duration,
+    /// Bytes of the send staging and of the reply region, per holder.
+    pub link_bytes: usize,
+    /// Pages (64 tokens x 1152 B each) of the pool fetches land in.
+    pub pool_pages: u32,
+    /// The softmax scale sent with every request.
+    pub scale: f32,
+}
+
+/// One partial attention the requester wants from whoever holds `chunk`.
+#[derive(Debug, Clone, Copy)]
+pub struct Call<'a> {
+    /// The chunk.
+    pub chunk: ChunkId,
+    /// The layer.
+    pub layer: u16,
+    /// Query rows `[mq, 576]` bf16 bits.
+    pub queries: &'a [u16],
+    /// A sparse selection over the chunk's tokens (chunk-local indices), or dense.
+    pub sparse: Option<Sparse<'a>>,
+}
+
+/// A sparse selection in a [`Call`].
+#[derive(Debug, Clone, Copy)]
+pub struct Sparse<'a> {
+    /// `mq / rows_per_token * k` chunk-local token indices, -1 = padding.
+    pub indices: &'a [i32],
+    /// Indices per query token.
+    pub k: u32,
+    /// Query rows per query token.
+    pub rows_per_token: u32,
+}
+
+/// Why a call failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RouteError {
+    /// No live holder has the chunk.
+    #[error("no live holder has {0}")]
+    NoHolder(ChunkId),
+    /// The holder refused the segment or the request.
+    #[error("holder {holder} refused: {status}")]
+    Refused {
+        /// The holder's control address.
+        holder: SocketAddr,
+        /// Its status.
+        status: Status,
+    },
+    /// The holder did not answer in time, or the transfer to it failed; it is now dead here.
+    #[error("holder {holder} failed: {why}")]
+    HolderFailed {
+        /// The holder's control address.
+        holder: SocketAddr,
+        /// What happened.
+        why: String,
+    },
+    /// The request does not fit the link's buffers.
+    #[error("request too large: {0} bytes")]
+    TooLarge(usize),
+    /// The reply did not decode.
+    #[error("malformed reply from {holder}: {why}")]
+    BadReply {
+        /// The holder's control address.
+        holder: SocketAddr,
+        /// What was wrong.
+        why: String,
+    },
+}
+
+struct Link {
+    control: TcpStream,
+    reader: BufReader<TcpStream>,
+    addr: SocketAddr,
+    welcome: Welcome,
+    reply_imm: u32,
+    fetch_imm: u32,
+    seq: u64,
+    alive: bool,
+}
+
+/// A chunk fetched into the pool and spliced to the requester's positions.
+#[derive(Debug)]
+pub struct Fetched {
+    /// The chunk.
+    pub chunk: ChunkId,
+    /// Pool pages, layer-major (`layers * ceil(tokens / 64)`).
+    pub pages: Vec<u32>,
+    /// Tokens per layer.
+    pub tokens: usize,
+    /// Layers.
+    pub layers: usize,
+    /// Time from submitting the fetch to the last page landing, microseconds.
+    pub transfer_us: f64,
+    /// Time of the in-place splice, microseconds.
+    pub splice_us: f64,
+}
+
+/// The requester side of route and fetch.
+pub struct Requester {
+    engine: TransferEngine,
+    config: RequesterConfig,
+    send: RegisteredBuffer,
+    replies: RegisteredBuffer,
+    pool_mem: RegisteredBuffer,
+    pool: PagedPool,
+    links: Vec<Link>,
+    registry: ChunkRegistry,
+    scratch: Vec<u8>,
+}
+
+impl std::fmt::Debug for Requester {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Requester")
+            .field("holders", &self.links.len())
+            .field("chunks", &self.registry.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Waits for every flag or the deadline; `Err(i)` names the first flag not set in time.
+fn wait_all(
+    engine: &TransferEngine,
+    flags: &[&Arc<DoneFlag>],
+    deadline: Instant,
+) -> Result<(), usize> {
+    let mut spins = 0u32;
+    loop {
+        match flags.iter().position(|f| !f.is_done()) {
+            None => return Ok(()),
+            Some(i) if Instant::now() > deadline => return Err(i),
+            Some(_) => {}
+        }
+        if engine.manual_progress() {
+            engine.progress();
+        }
+        spins += 1;
+        if spins < 2000 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+impl Requester {
+    /// Opens a session with every holder in `holders` and builds the chunk registry from what
+    /// they serve. A holder that is busy or unreachable is an error.
+    pub fn connect(
+        engine: TransferEngine,
+        holders: &[SocketAddr],
+        config: RequesterConfig,
+    ) -> Result<Self> {
+        if holders.is_empty() || holders.len() > 1 << 12 {
+            bail!("a requester needs 1 to 4096 holders");
+        }
+        let n = holders.len();
+        let send = engine.alloc_mr(config.link_bytes * n)?;
+        let replies = engine.alloc_mr(config.link_bytes * n)?;
+        let pool = PagedPool::new(config.pool_pages.max(1), PAGE_BYTES)?;
+        let pool_mem = engine.alloc_mr(pool.bytes())?;
+        let mut links = Vec::with_capacity(n);
+        let mut registry = ChunkRegistry::new();
+        for (i, &addr) in holders.iter().enumerate() {
+            let control = TcpStream::connect_timeout(&addr, config.timeout)
+                .with_context(|| format!("connecting to holder {addr}"))?;
+            control.set_nodelay(true)?;
+            control.set_read_timeout(Some(config.timeout.max(Duration::from_secs(1))))?;
+            let mut reader = BufReader::new(control.try_clone()?);
+            let mut writer = control.try_clone()?;
+            let (reply_imm, fetch_imm) = (0x6100_0000 | i as u32, 0x6200_0000 | i as u32);
+            let reply = replies.desc().clone();
+            let hello = Hello {
+                addr: engine.main_address(),
+                reply,
+                pool: Some(pool_mem.desc().clone()),
+                reply_imm,
+                fetch_imm,
+            };
+            send_line(&mut writer, &hello)?;
+            let welcome = match recv_line::<Answer>(&mut reader, 64 << 20)? {
+                Answer::Welcome(w) => w,
+                Answer::Busy { active, cap } => {
+                    bail!("holder {addr} is busy ({active} of {cap} requesters)")
+                }
+                Answer::Refused(why) => bail!("holder {addr} refused the session: {why}"),
+            };
+            for entry in &welcome.chunks {
+                registry.register(entry.clone())?;
+            }
+            links.push(Link {
+                control,
+                reader,
+                addr,
+                welcome,
+                reply_imm,
+                fetch_imm,
+                seq: 0,
+                alive: true,
+            });
+        }
+        Ok(Self {
+            engine,
+            config,
+            send,
+            replies,
+            pool_mem,
+            pool,
+            links,
+            registry,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// The chunk registry the holders' welcomes built.
+    pub fn registry(&self) -> &ChunkRegistry {
+        &self.registry
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &TransferEngine {
+        &self.engine
+    }
+
+    /// Holders still considered alive.
+    pub fn live_holders(&self) -> usize {
+        self.links.iter().filter(|l| l.alive).count()
+    }
+
+    /// A holder's counters, over its control connection.
+    pub fn holder_stats(&mut self, holder: usize) -> Result<HolderStats> {
+        let link = self.links.get_mut(holder).context("no such holder")?;
+        send_line(&mut link.control, &Control::Stats)?;
+        recv_line(&mut link.reader, 1 << 20)
+    }
+
+    /// The free pages of the pool (for leak checks).
+    pub fn free_pool_pages(&self) -> usize {
+        self.pool.free_pages()
+    }
+
+    /// The first live link holding `chunk`.
+    fn link_for(&self, chunk: ChunkId) -> Result<usize, RouteError> {
+        let holders = self
+            .registry
+            .holders(chunk)
+            .map_err(|_| RouteError::NoHolder(chunk))?;
+        holders
+            .iter()
+            .find_map(|e| {
+                self.links
+                    .iter()
+                    .position(|l| l.alive && l.welcome.holder == e.holder)
+            })
+            .ok_or(RouteError::NoHolder(chunk))
+    }
+
+    fn entry(&self, chunk: ChunkId) -> Result<&ChunkEntry, RouteError> {
+        self.registry
+            .holders(chunk)
+            .ok()
+            .and_then(|h| h.first())
+            .ok_or(RouteError::NoHolder(chunk))
+    }
+
+    fn kill(&mut self, link: usize) {
+        self.links[link].alive = false;
+        let _ = self.links[link].control.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// Sends one request of `segments` to `link` and waits for its reply (and, for a fetch, its
+    /// `pages` paged writes). Returns the reply bytes.
+    fn exchange(
+        &mut self,
+        batches: Vec<(usize, Vec<SegmentSpec<'_>>, u64)>,
+    ) -> Vec<Result<Vec<u8>, RouteError>> {
+        let deadline = Instant::now() + self.config.timeout;
+        let mut waits = Vec::new();
+        let mut out: Vec<Result<Vec<u8>, RouteError>> = Vec::new();
+        for (link, segments, fetch_pages) in &batches {
+            let link = *link;
+            let l = &mut self.links[link];
+            l.seq += 1;
+            let len = wire::request_len(segments);
+            let reply_len = wire::reply_len(segments.len(), wire::reply_rows(segments));
+            let limit = self.config.link_bytes.min(l.welcome.slot_bytes as usize);
+            if len > limit || reply_len > self.config.link_bytes.min(l.welcome.reply_bytes as usize)
+            {
+                out.push(Err(RouteError::TooLarge(len.max(reply_len))));
+                waits.push(None);
+                continue;
+            }
+            let reply_offset = (link * self.config.link_bytes) as u64;
+            wire::encode_request(
+                &mut self.scratch,
+                l.seq,
+                reply_offset,
+                self.config.scale,
+                segments,
+            );
+            let staged = link * self.config.link_bytes;
+            let token = CancellationToken::new();
+            let reply_flag = DoneFlag::new();
+            let arrivals = self.engine.expected_arrivals(TransferShape::SingleWrite {
+                len: reply_len as u64,
+            });
+            self.engine.expect_imm_count(
+                l.reply_imm,
+                arrivals,
+                OnDone::flag(&reply_flag).cancellable(&token),
+            );
+            let fetch_flag = (*fetch_pages > 0).then(|| {
+                let flag = DoneFlag::new();
+                let n = self.engine.expected_arrivals(TransferShape::PagedWrites {
+                    pages: *fetch_pages,
+                });
+                self.engine.expect_imm_count(
+                    l.fetch_imm,
+                    n,
+                    OnDone::flag(&flag).cancellable(&token),
+                );
+                flag
+            });
+            let shards = self
+                .engine
+                .expected_arrivals(TransferShape::SingleWrite { len: len as u64 });
+            let imm = wire::request_imm(l.welcome.session, shards);
+            let sent_flag = DoneFlag::new();
+            let submitted = self
+                .send
+                .write_at(staged, &self.scratch)
+                .map_err(|e| e.to_string())
+                .and_then(|()| {
+                    self.engine
+                        .submit_single_write(
+                            len as u64,
+                            Some(imm),
+                            (self.send.handle(), staged as u64),
+                            (&l.welcome.inbox, l.welcome.slot_offset),
+                            OnDone::flag(&sent_flag),
+                        )
+                        .map_err(|e| e.to_string())
+                });
+            match submitted {
+                Ok(()) => {
+                    out.push(Ok(Vec::new()));
+                    waits.push(Some((sent_flag, reply_flag, fetch_flag, token, reply_len)));
+                }
+                Err(why) => {
+                    token.cancel();
+                    out.push(Err(RouteError::HolderFailed {
+                        holder: l.addr,
+                        why,
+                    }));
+                    waits.push(None);
+                }
+            }
+        }
+        for (i, wait) in waits.into_iter().enumerate() {
+            let Some((sent, reply, fetch, token, reply_len)) = wait else {
+                continue;
+            };
+            let link = batches[i].0;
+            let mut flags = vec![&sent, &reply];
+            if let Some(f) = &fetch {
+                flags.push(f);
+            }
+            let failure = match wait_all(&self.engine, &flags, deadline) {
+                Err(which) => Some(format!(
+                    "no {} within {:?}",
+                    ["send completion", "reply", "fetch pages"][which],
+                    self.config.timeout
+                )),
+                Ok(()) => match sent.result() {
+                    Some(Err(e)) => Some(format!("request write failed: {e}")),
+                    _ => None,
+                },
+            };
+            if let Some(why) = failure {
+                token.cancel();
+                out[i] = Err(RouteError::HolderFailed {
+                    holder: self.links[link].addr,
+                    why,
+                });
+                self.kill(link);
+                continue;
+            }
+            let mut bytes = vec![0u8; reply_len];
+            out[i] = self
+                .replies
+                .read_at(link * self.config.link_bytes, &mut bytes)
+                .map(|()| bytes)
+                .map_err(|e| RouteError::BadReply {
+                    holder: self.links[link].addr,
+                    why: e.to_string(),
+                });
+        }
+        out
+    }
+
+    /// Routes every call, one write per holder; one result per call, in order.
+    pub fn route(&mut self, calls: &[Call<'_>]) -> Vec<Result<Partial, RouteError>> {
+        let mut results: Vec<Option<Result<Partial, RouteError>>> = vec![None; calls.len()];
+        // link -> the calls bound to it, in order.
+        let mut by_link: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (c, call) in calls.iter().enumerate() {
+            if call.queries.is_empty() || call.queries.len() % D_QK != 0 {
+                results[c] = Some(Err(RouteError::TooLarge(call.queries.len())));
+                continue;
+            }
+            match self.link_for(call.chunk) {
+                Ok(link) => match by_link.iter_mut().find(|(l, _)| *l == link) {
+                    Some((_, v)) => v.push(c),
+                    None => by_link.push((link, vec![c])),
+                },
+                Err(e) => results[c] = Some(Err(e)),
+            }
+        }
+        let batches: Vec<_> = by_link
+            .iter()
+            .map(|(link, members)| {
+                let segs = members
+                    .iter()
+                    .map(|&c| {
+                        let call = &calls[c];
+                        let (kind, indices) = match call.sparse {
+                            None => (SegmentKind::Dense, &[][..]),
+                            Some(s) => (
+                                SegmentKind::Sparse {
+                                    k: s.k,
+                                    rows_per_token: s.rows_per_token,
+                                },
+                                s.indices,
+                            ),
+                        };
+                        SegmentSpec {
+                            kind,
+                            chunk: call.chunk.0,
+                            layer: call.layer,
+                            queries: call.queries,
+                            indices,
+                            pages: &[],
+                        }
+                    })
+                    .collect();
+                (*link, segs, 0)
+            })
+            .collect();
+        let replies = self.exchange(batches);
+        for ((link, members), reply) in by_link.iter().zip(replies) {
+            let holder = self.links[*link].addr;
+            let seq = self.links[*link].seq;
+            let decoded = reply.and_then(|bytes| decode_reply(holder, seq, &bytes, members.len()));
+            match decoded {
+                Err(e) => {
+                    for &c in members {
+                        results[c] = Some(Err(e.clone()));
+                    }
+                }
+                Ok((statuses, rows)) => {
+                    let mut at = 0;
+                    for (&c, status) in members.iter().zip(statuses) {
+                        let n = calls[c].queries.len() / D_QK * PARTIAL_ROW_BYTES;
+                        results[c] = Some(if status != Status::Ok {
+                            Err(RouteError::Refused { holder, status })
+                        } else {
+                            let part = rows.get(at..at + n).ok_or_else(|| RouteError::BadReply {
+                                holder,
+                                why: "fewer rows than asked for".into(),
+                            });
+                            at += n;
+                            part.and_then(|p| {
+                                Partial::from_wire(p).map_err(|e| RouteError::BadReply {
+                                    holder,
+                                    why: e.to_string(),
+                                })
+                            })
+                        });
+                    }
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or(Err(RouteError::NoHolder(ChunkId(u32::MAX)))))
+            .collect()
+    }
+
+    /// Fetches `chunk` from a live holder into the pool (paged writes, one immediate
+    /// expectation for the whole pull) and re-rotates it in place to `to` (the requester's
+    /// positions for its tokens), with `rope`, the rotation the chunk was stored with.
+    pub fn fetch(
+        &mut self,
+        chunk: ChunkId,
+        to: &[i64],
+        rope: Rope,
+        backend: Backend,
+    ) -> Result<Fetched, RouteError> {
+        let link = self.link_for(chunk)?;
+        let entry = self.entry(chunk)?.clone();
+        let layout = entry.layout;
+        let holder = self.links[link].addr;
+        let pages = self
+            .pool
+            .alloc(layout.pages())
+            .map_err(|e| RouteError::HolderFailed {
+                holder,
+                why: format!("pool: {e}"),
+            })?;
+        let started = Instant::now();
+        let seg = SegmentSpec {
+            kind: SegmentKind::Fetch,
+            chunk: chunk.0,
+            layer: 0,
+            queries: &[],
+            indices: &[],
+            pages: &pages,
+        };
+        let reply = self
+            .exchange(vec![(link, vec![seg], pages.len() as u64)])
+            .pop();
+        let reply = reply.unwrap_or_else(|| Err(RouteError::NoHolder(chunk)));
+        let seq = self.links[link].seq;
+        let status = reply.and_then(|bytes| decode_reply(holder, seq, &bytes, 1));
+        match status {
+            Ok((s, _)) if s[0] == Status::Ok => {}
+            Ok((s, _)) => {
+                let _ = self.pool.release(&pages);
+                return Err(RouteError::Refused {
+                    holder,
+                    status: s[0],
+                });
+            }
+            Err(e) => {
+                // Pages a late write may still land in are quarantined, not reused.
+                return Err(e);
+            }
+        }
+        let transfer_us = started.elapsed().as_secs_f64() * 1e6;
+        let started = Instant::now();
+        // SAFETY: every page write of this fetch has been counted; no other fetch is in flight
+        // (the requester is used from one thread) and a timed-out fetch's pages are never
+        // released, so no peer writes into the pool now; no other view of the pool exists.
+        let pool = unsafe { self.pool_mem.u16s_mut(0, self.pool.bytes() / 2) }.map_err(|e| {
+            RouteError::HolderFailed {
+                holder,
+                why: e.to_string(),
+            }
+        })?;
+        let job = SpliceJob::in_place(
+            layout.layers as usize,
+            &entry.positions,
+            to,
+            rope,
+            pool,
+            &pages,
+        )
+        .and_then(|job| splice(backend, job));
+        if let Err(e) = job {
+            let _ = self.pool.release(&pages);
+            return Err(RouteError::BadReply {
+                holder,
+                why: format!("splice: {e}"),
+            });
+        }
+        Ok(Fetched {
+            chunk,
+            pages,
+            tokens: layout.tokens as usize,
+            layers: layout.layers as usize,
+            transfer_us,
+            splice_us: started.elapsed().as_secs_f64() * 1e6,
+        })
+    }
+
+    /// Layer `layer` of a fetched chunk as a paged cache the kernels read.
+    pub fn fetched_cache<'a>(&'a self, fetched: &'a Fetched, layer: usize) -> Result<Cache<'a>> {
+        let ppl = fetched
+            .tokens
+            .div_ceil(kvroute_kernels::layout::PAGE_TOKENS);
+        let table = fetched
+            .pages
+            .get(layer * ppl..(layer + 1) * ppl)
+            .context("layer out of range")?;
+        // SAFETY: as in `fetch`: no writes into the pool are in flight while `self` is borrowed.
+        let pool = unsafe { self.pool_mem.u16s(0, self.pool.bytes() / 2)? };
+        Ok(Cache::paged(pool, table, fetched.tokens)?)
+    }
+
+    /// Returns a fetched chunk's pages to the pool.
+    pub fn release(&mut self, fetched: Fetched) -> Result<()> {
+        Ok(self.pool.release(&fetched.pages)?)
+    }
+
+    /// The descriptor of the pool (for tests that play a forged holder).
+    pub fn pool_desc(&self) -> &MrDesc {
+        self.pool_mem.desc()
+    }
+}
+
+/// Checks a reply against what was asked: magic, the request's seq, one status per segment,
+/// and as many rows as the statuses promise.
+fn decode_reply(
+    holder: SocketAddr,
+    seq: u64,
+    bytes: &[u8],
+    segments: usize,
+) -> Result<(Vec<Status>, Vec<u8>), RouteError> {
+    let bad = |why: &str| RouteError::BadReply {
+        holder,
+        why: why.to_owned(),
+    };
+    let header = wire::decode_reply_header(bytes).ok_or_else(|| bad("no reply header"))?;
+    if header.seq != seq {
+        return Err(bad("reply to another request"));
+    }
+    if header.status != Status::Ok {
+        return Err(RouteError::Refused {
+            holder,
+            status: header.status,
+        });
+    }
+    if header.statuses.len() != segments {
+        return Err(bad("status count differs from the segments sent"));
+    }
+    let start = wire::reply_rows_offset(segments);
+    let rows = bytes
+        .get(start..start + header.rows * PARTIAL_ROW_BYTES)
+        .ok_or_else(|| bad("rows past the reply"))?;
+    Ok((header.statuses, rows.to_vec()))
+}

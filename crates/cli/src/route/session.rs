@@ -1,0 +1,92 @@
+//! The rendezvous (DESIGN "The main job"): a requester opens a TCP connection to a holder's
+//! control listener and sends one JSON line, [`Hello`]; the holder answers [`Welcome`] (a
+//! session: an inbox slot, its immediate, the chunks it holds) or [`Busy`] when it already
+//! serves its cap of requesters (paper 000 section 6.3's ~8 elbow). The session lives as long
+//! as the connection: closing it, or the requester dying, frees the slot. Data never crosses
+//! this connection; it carries descriptors, and [`Control::Stats`] on request.
+
+use kvroute_kvstore::ChunkEntry;
+use kvroute_transport::{MrDesc, NetAddr};
+use serde::{Deserialize, Serialize};
+
+/// The requester's first line.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Hello {
+    /// The requester's transfer-engine address.
+    pub addr: NetAddr,
+    /// The requester's reply region for this holder.
+    pub reply: MrDesc,
+    /// The requester's paged pool, if it fetches.
+    pub pool: Option<MrDesc>,
+    /// The immediate the holder's reply writes carry.
+    pub reply_imm: u32,
+    /// The immediate the holder's fetch page writes carry.
+    pub fetch_imm: u32,
+}
+
+/// The holder's answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Answer {
+    /// A session.
+    Welcome(Welcome),
+    /// At the cap: try later or elsewhere.
+    Busy {
+        /// Requesters being served.
+        active: usize,
+        /// The cap.
+        cap: usize,
+    },
+    /// The hello was malformed.
+    Refused(String),
+}
+
+/// A granted session.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Welcome {
+    /// The session number (in the request immediate).
+    pub session: u16,
+    /// The holder's engine address.
+    pub holder: NetAddr,
+    /// The holder's inbox region.
+    pub inbox: MrDesc,
+    /// This session's slot in the inbox.
+    pub slot_offset: u64,
+    /// Slot bytes: the largest request.
+    pub slot_bytes: u64,
+    /// Bytes of the largest reply the holder stages.
+    pub reply_bytes: u64,
+    /// The chunks the holder serves.
+    pub chunks: Vec<ChunkEntry>,
+}
+
+/// Lines a requester may send after the hello.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Control {
+    /// Ask for the holder's counters.
+    Stats,
+}
+
+/// A holder's counters, since it started.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct HolderStats {
+    /// Requests parsed (well formed or not).
+    pub requests: u64,
+    /// Segments served.
+    pub segments: u64,
+    /// Kernel calls (one per batch of segments on the same chunk and layer).
+    pub kernel_calls: u64,
+    /// Query rows attended.
+    pub rows: u64,
+    /// Time in kernels, microseconds.
+    pub kernel_us: f64,
+    /// Requests or segments refused as malformed.
+    pub refused: u64,
+    /// Immediates that named no session.
+    pub stray_imms: u64,
+    /// Fetches started.
+    pub fetches: u64,
+    /// Sessions turned away at the cap.
+    pub busy: u64,
+    /// Sessions active now.
+    pub active: u64,
+}

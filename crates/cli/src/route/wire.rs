@@ -1,0 +1,592 @@
+//! The route protocol's bytes (paper 000 section 3.2 rows, section 5.3's reductions).
+//!
+//! A **request** is one write into the requester's inbox slot at the holder, carrying an
+//! immediate: a 48-byte header, a table of 32-byte segments, then the payloads (query rows,
+//! 1152 B each; sparse indices, i32; fetch destination pages, u32). Several segments, for
+//! different requests and chunks bound to the same holder, share one write (the dispatcher's
+//! batching). The **reply** is one write into the requester's reply region, also with an
+//! immediate: a 24-byte header, one status word per segment, then every partial row of every
+//! dense or sparse segment in order (1032 B each: o as bf16, m and l as f32). A fetch segment
+//! answers with its status only; its bytes arrive as paged writes with their own immediate.
+//!
+//! Everything a holder reads comes from a peer: [`Request::parse`] checks every length, offset
+//! and count before anything is used, and a malformed request gets a status, never a panic.
+
+use kvroute_kernels::layout::{D_QK, PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
+
+/// "KVRQ", little-endian.
+pub const REQUEST_MAGIC: u32 = u32::from_le_bytes(*b"KVRQ");
+/// "KVRP", little-endian.
+pub const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"KVRP");
+/// The protocol version this build speaks.
+pub const VERSION: u16 = 1;
+/// Bytes of a request header.
+pub const REQUEST_HEADER: usize = 48;
+/// Bytes of one segment descriptor.
+pub const SEGMENT_BYTES: usize = 32;
+/// Bytes of a reply header (before the status words).
+pub const REPLY_HEADER: usize = 24;
+/// Segments one request may carry.
+pub const MAX_SEGMENTS: usize = 256;
+
+/// The immediate of a request write: a tag, the number of arrivals the write makes (1 to 4,
+/// one per NIC shard) and the session. The holder counts arrivals per value and starts on the
+/// request when all shards are in.
+pub fn request_imm(session: u16, shards: u64) -> u32 {
+    let shards = shards.clamp(1, 4) as u32;
+    0x5200_0000 | ((shards - 1) << 16) | u32::from(session)
+}
+
+/// Decodes [`request_imm`]: `(session, shards)`, or `None` for a value that is not a request.
+pub fn parse_request_imm(imm: u32) -> Option<(u16, u64)> {
+    if imm & 0xfffc_0000 != 0x5200_0000 {
+        return None;
+    }
+    Some(((imm & 0xffff) as u16, u64::from((imm >> 16) & 0x3) + 1))
+}
+
+/// What a segment asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegmentKind {
+    /// Dense partial attention of the rows over the whole chunk (one layer).
+    Dense,
+    /// Sparse partial attention over selected chunk tokens (one layer).
+    Sparse {
+        /// Indices per query token (-1 = padding).
+        k: u32,
+        /// Query rows (heads) per query token.
+        rows_per_token: u32,
+    },
+    /// Paged writes of the whole chunk (every layer) into the requester's pool pages.
+    Fetch,
+}
+
+/// One segment of a request, as the requester builds it.
+#[derive(Debug, Clone, Copy)]
+pub struct SegmentSpec<'a> {
+    /// What is asked.
+    pub kind: SegmentKind,
+    /// The chunk.
+    pub chunk: u32,
+    /// The layer (dense and sparse).
+    pub layer: u16,
+    /// Query rows, `[rows, 576]` bf16 bits (empty for a fetch).
+    pub queries: &'a [u16],
+    /// Sparse: `rows / rows_per_token * k` chunk-local indices.
+    pub indices: &'a [i32],
+    /// Fetch: the requester's pool pages, layer-major (`layers * ceil(tokens / 64)`).
+    pub pages: &'a [u32],
+}
+
+/// Bytes of a request carrying `segments`.
+pub fn request_len(segments: &[SegmentSpec<'_>]) -> usize {
+    REQUEST_HEADER
+        + segments.len() * SEGMENT_BYTES
+        + segments
+            .iter()
+            .map(|s| s.queries.len() * 2 + s.indices.len() * 4 + s.pages.len() * 4)
+            .sum::<usize>()
+}
+
+/// Partial rows a reply to `segments` carries.
+pub fn reply_rows(segments: &[SegmentSpec<'_>]) -> usize {
+    segments.iter().map(|s| s.queries.len() / D_QK).sum()
+}
+
+/// Bytes of a reply with `segments` segments and `rows` partial rows.
+pub fn reply_len(segments: usize, rows: usize) -> usize {
+    status_end(segments) + rows * PARTIAL_ROW_BYTES
+}
+
+fn status_end(segments: usize) -> usize {
+    (REPLY_HEADER + segments * 4).next_multiple_of(8)
+}
+
+/// Encodes a request into `out` (cleared first).
+pub fn encode_request(
+    out: &mut Vec<u8>,
+    seq: u64,
+    reply_offset: u64,
+    scale: f32,
+    segments: &[SegmentSpec<'_>],
+) {
+    let total = request_len(segments);
+    out.clear();
+    out.reserve(total);
+    out.extend_from_slice(&REQUEST_MAGIC.to_le_bytes());
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&(segments.len() as u16).to_le_bytes());
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(&reply_offset.to_le_bytes());
+    out.extend_from_slice(&(total as u32).to_le_bytes());
+    out.extend_from_slice(&scale.to_le_bytes());
+    out.resize(REQUEST_HEADER, 0);
+    let mut payload = REQUEST_HEADER + segments.len() * SEGMENT_BYTES;
+    for s in segments {
+        let (kind, k, rpt) = match s.kind {
+            SegmentKind::Dense => (1u8, 0, 0),
+            SegmentKind::Sparse { k, rows_per_token } => (2, k, rows_per_token),
+            SegmentKind::Fetch => (3, 0, 0),
+        };
+        let len = s.queries.len() * 2 + s.indices.len() * 4 + s.pages.len() * 4;
+        let rows = match s.kind {
+            SegmentKind::Fetch => s.pages.len(),
+            _ => s.queries.len() / D_QK,
+        };
+        out.extend_from_slice(&[kind, 0]);
+        out.extend_from_slice(&s.layer.to_le_bytes());
+        out.extend_from_slice(&s.chunk.to_le_bytes());
+        out.extend_from_slice(&(rows as u32).to_le_bytes());
+        out.extend_from_slice(&k.to_le_bytes());
+        out.extend_from_slice(&rpt.to_le_bytes());
+        out.extend_from_slice(&(payload as u32).to_le_bytes());
+        out.extend_from_slice(&(len as u32).to_le_bytes());
+        out.extend_from_slice(&[0; 4]);
+        payload += len;
+    }
+    for s in segments {
+        out.extend(s.queries.iter().flat_map(|x| x.to_le_bytes()));
+        out.extend(s.indices.iter().flat_map(|x| x.to_le_bytes()));
+        out.extend(s.pages.iter().flat_map(|x| x.to_le_bytes()));
+    }
+    debug_assert_eq!(out.len(), total);
+}
+
+/// Why a request or one of its segments was refused (the status words of a reply).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Status {
+    /// Served.
+    Ok = 0,
+    /// The header's magic or version is wrong.
+    BadHeader = 1,
+    /// A length, offset or count does not fit the slot or the payload.
+    BadLength = 2,
+    /// Unknown segment kind, or rows/k/rows-per-token inconsistent.
+    BadSegment = 3,
+    /// The holder does not hold the chunk.
+    UnknownChunk = 4,
+    /// Layer past the chunk's layers.
+    BadLayer = 5,
+    /// A kernel refused the input (an index out of range, a non-finite scale, ...).
+    Kernel = 6,
+    /// The reply would not fit the requester's reply region.
+    ReplyTooLarge = 7,
+    /// The fetch's pages do not fit the requester's pool, or the paged writes failed to start.
+    FetchRefused = 8,
+    /// A status this build does not know (from a newer peer).
+    Unknown = 0xffff_ffff,
+}
+
+impl Status {
+    /// From a status word.
+    pub fn from_u32(v: u32) -> Self {
+        match v {
+            0 => Self::Ok,
+            1 => Self::BadHeader,
+            2 => Self::BadLength,
+            3 => Self::BadSegment,
+            4 => Self::UnknownChunk,
+            5 => Self::BadLayer,
+            6 => Self::Kernel,
+            7 => Self::ReplyTooLarge,
+            8 => Self::FetchRefused,
+            _ => Self::Unknown,
+        }
+    }
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self, f)
+    }
+}
+
+/// A parsed segment, borrowing its payload from the request's bytes.
+#[derive(Debug, Clone)]
+pub struct Segment<'a> {
+    /// What is asked.
+    pub kind: SegmentKind,
+    /// The chunk.
+    pub chunk: u32,
+    /// The layer.
+    pub layer: u16,
+    /// Query rows (dense, sparse) or pages (fetch).
+    pub rows: usize,
+    /// The payload bytes: query rows then indices, or pages.
+    pub payload: &'a [u8],
+}
+
+impl Segment<'_> {
+    /// Query rows as bf16 bits.
+    pub fn queries(&self) -> Vec<u16> {
+        let n = match self.kind {
+            SegmentKind::Fetch => 0,
+            _ => self.rows * QUERY_ROW_BYTES,
+        };
+        self.payload[..n]
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect()
+    }
+
+    /// Sparse indices (empty otherwise).
+    pub fn indices(&self) -> Vec<i32> {
+        match self.kind {
+            SegmentKind::Sparse { .. } => self.payload[self.rows * QUERY_ROW_BYTES..]
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Fetch pages (empty otherwise).
+    pub fn pages(&self) -> Vec<u32> {
+        match self.kind {
+            SegmentKind::Fetch => self
+                .payload
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Partial rows this segment contributes to the reply.
+    pub fn reply_rows(&self) -> usize {
+        match self.kind {
+            SegmentKind::Fetch => 0,
+            _ => self.rows,
+        }
+    }
+}
+
+/// A parsed request header and its segments (each `Err` where that segment is malformed).
+#[derive(Debug)]
+pub struct Request<'a> {
+    /// The requester's sequence number, echoed in the reply.
+    pub seq: u64,
+    /// Where in the requester's reply region the reply goes.
+    pub reply_offset: u64,
+    /// The softmax scale.
+    pub scale: f32,
+    /// The segments, in order.
+    pub segments: Vec<Result<Segment<'a>, Status>>,
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut x = [0; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+impl<'a> Request<'a> {
+    /// Parses a request from the bytes of an inbox slot. A header that cannot be trusted is an
+    /// error for the whole request (with the seq and reply offset, when they could be read, so
+    /// the holder can still answer); a bad segment is an error for that segment only.
+    pub fn parse(slot: &'a [u8]) -> Result<Self, (Status, Option<(u64, u64)>)> {
+        if slot.len() < REQUEST_HEADER {
+            return Err((Status::BadLength, None));
+        }
+        if u32_at(slot, 0) != REQUEST_MAGIC || u16_at(slot, 4) != VERSION {
+            return Err((Status::BadHeader, None));
+        }
+        let (seq, reply_offset) = (u64_at(slot, 8), u64_at(slot, 16));
+        let fail = |s| Err((s, Some((seq, reply_offset))));
+        let segments = usize::from(u16_at(slot, 6));
+        let total = u32_at(slot, 24) as usize;
+        let scale = f32::from_le_bytes([slot[28], slot[29], slot[30], slot[31]]);
+        if segments == 0 || segments > MAX_SEGMENTS {
+            return fail(Status::BadSegment);
+        }
+        let table_end = REQUEST_HEADER + segments * SEGMENT_BYTES;
+        if total > slot.len() || total < table_end {
+            return fail(Status::BadLength);
+        }
+        let body = &slot[..total];
+        let parsed = (0..segments)
+            .map(|i| parse_segment(body, REQUEST_HEADER + i * SEGMENT_BYTES, table_end))
+            .collect();
+        Ok(Self {
+            seq,
+            reply_offset,
+            scale,
+            segments: parsed,
+        })
+    }
+
+    /// Partial rows the reply carries (a malformed segment contributes none).
+    pub fn reply_rows(&self) -> usize {
+        self.segments
+            .iter()
+            .map(|s| s.as_ref().map_or(0, Segment::reply_rows))
+            .sum()
+    }
+}
+
+fn parse_segment(body: &[u8], at: usize, table_end: usize) -> Result<Segment<'_>, Status> {
+    let d = &body[at..at + SEGMENT_BYTES];
+    let layer = u16_at(d, 2);
+    let chunk = u32_at(d, 4);
+    let rows = u32_at(d, 8) as usize;
+    let (k, rpt) = (u32_at(d, 12), u32_at(d, 16));
+    let (offset, len) = (u32_at(d, 20) as usize, u32_at(d, 24) as usize);
+    let end = offset.checked_add(len).ok_or(Status::BadLength)?;
+    if offset < table_end || end > body.len() {
+        return Err(Status::BadLength);
+    }
+    let kind = match d[0] {
+        1 => SegmentKind::Dense,
+        2 => SegmentKind::Sparse {
+            k,
+            rows_per_token: rpt,
+        },
+        3 => SegmentKind::Fetch,
+        _ => return Err(Status::BadSegment),
+    };
+    let expected = match kind {
+        SegmentKind::Dense => rows.checked_mul(QUERY_ROW_BYTES),
+        SegmentKind::Sparse { k, rows_per_token } => {
+            if rows == 0 || k == 0 || rows_per_token == 0 || rows % rows_per_token as usize != 0 {
+                return Err(Status::BadSegment);
+            }
+            (rows / rows_per_token as usize)
+                .checked_mul(k as usize)
+                .and_then(|n| n.checked_mul(4))
+                .and_then(|n| n.checked_add(rows * QUERY_ROW_BYTES))
+        }
+        SegmentKind::Fetch => rows.checked_mul(4),
+    };
+    if rows == 0 || expected != Some(len) {
+        return Err(Status::BadSegment);
+    }
+    Ok(Segment {
+        kind,
+        chunk,
+        layer,
+        rows,
+        payload: &body[offset..end],
+    })
+}
+
+/// Encodes a reply header and status words into the front of `out` (which must be
+/// [`reply_len`] long); the rows follow at [`reply_rows_offset`].
+pub fn encode_reply_header(
+    out: &mut [u8],
+    status: Status,
+    seq: u64,
+    statuses: &[Status],
+    rows: usize,
+) {
+    out[0..4].copy_from_slice(&REPLY_MAGIC.to_le_bytes());
+    out[4..8].copy_from_slice(&(status as u32).to_le_bytes());
+    out[8..16].copy_from_slice(&seq.to_le_bytes());
+    out[16..18].copy_from_slice(&(statuses.len() as u16).to_le_bytes());
+    out[18..20].copy_from_slice(&[0, 0]);
+    out[20..24].copy_from_slice(&(rows as u32).to_le_bytes());
+    for (i, s) in statuses.iter().enumerate() {
+        out[REPLY_HEADER + 4 * i..REPLY_HEADER + 4 * i + 4]
+            .copy_from_slice(&(*s as u32).to_le_bytes());
+    }
+    out[REPLY_HEADER + 4 * statuses.len()..status_end(statuses.len())].fill(0);
+}
+
+/// Where the partial rows start in a reply with `segments` segments.
+pub fn reply_rows_offset(segments: usize) -> usize {
+    status_end(segments)
+}
+
+/// A decoded reply header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplyHeader {
+    /// The whole request's status.
+    pub status: Status,
+    /// The request's sequence number.
+    pub seq: u64,
+    /// One status per segment (empty when the whole request was refused).
+    pub statuses: Vec<Status>,
+    /// Partial rows that follow.
+    pub rows: usize,
+}
+
+/// Decodes a reply's header (from the holder: checked).
+pub fn decode_reply_header(bytes: &[u8]) -> Option<ReplyHeader> {
+    if bytes.len() < REPLY_HEADER || u32_at(bytes, 0) != REPLY_MAGIC {
+        return None;
+    }
+    let segments = usize::from(u16_at(bytes, 16));
+    if segments > MAX_SEGMENTS || bytes.len() < status_end(segments) {
+        return None;
+    }
+    Some(ReplyHeader {
+        status: Status::from_u32(u32_at(bytes, 4)),
+        seq: u64_at(bytes, 8),
+        statuses: (0..segments)
+            .map(|i| Status::from_u32(u32_at(bytes, REPLY_HEADER + 4 * i)))
+            .collect(),
+        rows: u32_at(bytes, 20) as usize,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample() -> Vec<u8> {
+        let q = vec![0x3f80u16; 3 * D_QK];
+        let idx = vec![0i32, 5, -1, 2, 2, 9];
+        let pages = vec![4u32, 5, 6];
+        let segs = [
+            SegmentSpec {
+                kind: SegmentKind::Dense,
+                chunk: 7,
+                layer: 3,
+                queries: &q[..D_QK],
+                indices: &[],
+                pages: &[],
+            },
+            SegmentSpec {
+                kind: SegmentKind::Sparse {
+                    k: 3,
+                    rows_per_token: 1,
+                },
+                chunk: 8,
+                layer: 0,
+                queries: &q[..2 * D_QK],
+                indices: &idx,
+                pages: &[],
+            },
+            SegmentSpec {
+                kind: SegmentKind::Fetch,
+                chunk: 9,
+                layer: 0,
+                queries: &[],
+                indices: &[],
+                pages: &pages,
+            },
+        ];
+        let mut out = Vec::new();
+        encode_request(&mut out, 42, 4096, 0.1147, &segs);
+        assert_eq!(out.len(), request_len(&segs));
+        assert_eq!(reply_rows(&segs), 3);
+        out
+    }
+
+    #[test]
+    fn request_round_trips() {
+        let bytes = sample();
+        let r = Request::parse(&bytes)
+            .map_err(|e| e.0)
+            .unwrap_or_else(|s| panic!("{s}"));
+        assert_eq!((r.seq, r.reply_offset, r.scale), (42, 4096, 0.1147));
+        assert_eq!(r.reply_rows(), 3);
+        let segs: Vec<_> = r
+            .segments
+            .into_iter()
+            .map(|s| s.unwrap_or_else(|e| panic!("{e}")))
+            .collect();
+        assert_eq!(
+            (segs[0].kind, segs[0].chunk, segs[0].layer, segs[0].rows),
+            (SegmentKind::Dense, 7, 3, 1)
+        );
+        assert_eq!(segs[0].queries(), vec![0x3f80u16; D_QK]);
+        assert_eq!(segs[1].indices(), [0, 5, -1, 2, 2, 9]);
+        assert_eq!(segs[1].queries().len(), 2 * D_QK);
+        assert_eq!(segs[2].pages(), [4, 5, 6]);
+    }
+
+    #[test]
+    fn reply_header_round_trips() {
+        let statuses = [Status::Ok, Status::UnknownChunk, Status::Ok];
+        let mut out = vec![0xaa; reply_len(3, 2)];
+        encode_reply_header(&mut out, Status::Ok, 9, &statuses, 2);
+        let h = decode_reply_header(&out);
+        assert_eq!(
+            h,
+            Some(ReplyHeader {
+                status: Status::Ok,
+                seq: 9,
+                statuses: statuses.to_vec(),
+                rows: 2
+            })
+        );
+        assert_eq!(reply_rows_offset(3), 40);
+        assert!(decode_reply_header(&out[..10]).is_none());
+    }
+
+    #[test]
+    fn bad_headers_and_segments_are_refused() {
+        let good = sample();
+        let mut b = good.clone();
+        b[0] ^= 1;
+        assert_eq!(
+            Request::parse(&b).err().map(|e| e.0),
+            Some(Status::BadHeader)
+        );
+        let mut b = good.clone();
+        b[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(
+            Request::parse(&b).err().map(|e| e.0),
+            Some(Status::BadLength)
+        );
+        let mut b = good.clone();
+        b[6..8].copy_from_slice(&0u16.to_le_bytes());
+        assert_eq!(
+            Request::parse(&b).err().map(|e| e.0),
+            Some(Status::BadSegment)
+        );
+        // Segment 1 claims more rows than its payload holds: that segment only is refused.
+        let mut b = good.clone();
+        let at = REQUEST_HEADER + SEGMENT_BYTES + 8;
+        b[at..at + 4].copy_from_slice(&3u32.to_le_bytes());
+        let r = Request::parse(&b).map_err(|e| e.0);
+        let segs = r.map(|r| {
+            r.segments
+                .iter()
+                .map(|s| s.as_ref().err().copied())
+                .collect::<Vec<_>>()
+        });
+        assert_eq!(segs, Ok(vec![None, Some(Status::BadSegment), None]));
+        // Payload offset pointing into the header.
+        let mut b = good;
+        let at = REQUEST_HEADER + 20;
+        b[at..at + 4].copy_from_slice(&0u32.to_le_bytes());
+        let r = Request::parse(&b).map_err(|e| e.0);
+        assert!(r.is_ok_and(|r| r.segments[0].as_ref().err() == Some(&Status::BadLength)));
+    }
+
+    #[test]
+    fn immediates_round_trip() {
+        for (s, n) in [(0u16, 1u64), (7, 2), (65535, 4)] {
+            assert_eq!(parse_request_imm(request_imm(s, n)), Some((s, n)));
+        }
+        assert_eq!(parse_request_imm(0x1234), None);
+    }
+
+    proptest! {
+        /// Any bytes: parsing never panics, and whatever parses has payloads inside the slot.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..600), seed in any::<u64>()) {
+            let mut b = sample();
+            // Mutate a prefix of a valid request so parsing gets past the magic sometimes.
+            for (i, x) in bytes.iter().enumerate() {
+                if (seed >> (i % 64)) & 1 == 1 && i < b.len() { b[i] = *x; }
+            }
+            if let Ok(r) = Request::parse(&b) {
+                for s in r.segments.into_iter().flatten() {
+                    let _ = (s.queries(), s.indices(), s.pages());
+                }
+            }
+            let _ = Request::parse(&bytes);
+            let _ = decode_reply_header(&bytes);
+        }
+    }
+}

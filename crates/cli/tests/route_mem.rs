@@ -1,0 +1,364 @@
+//! Route and fetch end to end in one process over the `mem` fabric: holders and a requester
+//! with their own engines, the TCP rendezvous on loopback. Checks every output against
+//! single-instance attention over the whole document.
+
+use std::net::TcpListener;
+use std::time::Duration;
+
+use anyhow::Result;
+use kvroute_cli::route::{
+    Call, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse, wire,
+};
+use kvroute_kernels::layout::D_QK;
+use kvroute_kernels::{
+    Backend, Cache, Queries, RopeLayout, Selection, merge, partial_dense, partial_sparse,
+};
+use kvroute_kvstore::corpus::queries;
+use kvroute_kvstore::{ChunkId, CorpusSpec};
+use std::io::{BufRead, Write};
+
+use kvroute_cli::route::session;
+use kvroute_transport::{MemFabric, OnDone, TransferEngine};
+
+const SCALE: f32 = 0.1147;
+
+fn spec() -> CorpusSpec {
+    CorpusSpec {
+        layers: 3,
+        chunk_tokens: 200,
+        chunks: 4,
+        seed: 11,
+        rope_theta: 10_000.0,
+        yarn: Some(kvroute_kernels::Yarn::DEEPSEEK),
+        rope_layout: RopeLayout::Interleaved,
+    }
+}
+
+fn holder(fabric: &MemFabric, chunks: &[u32], cap: usize) -> Result<Holder> {
+    let mut config = HolderConfig::new(spec(), chunks.iter().map(|&c| ChunkId(c)).collect());
+    config.max_requesters = cap;
+    config.slot_bytes = 1 << 20;
+    config.reply_bytes = 1 << 20;
+    Holder::start(
+        TransferEngine::mem(fabric, 1)?,
+        TcpListener::bind("127.0.0.1:0")?,
+        config,
+    )
+}
+
+fn requester(fabric: &MemFabric, holders: &[&Holder]) -> Result<Requester> {
+    let config = RequesterConfig {
+        timeout: Duration::from_secs(2),
+        link_bytes: 1 << 20,
+        pool_pages: 64,
+        scale: SCALE,
+    };
+    Requester::connect(
+        TransferEngine::mem(fabric, 1)?,
+        &holders.iter().map(|h| h.addr()).collect::<Vec<_>>(),
+        config,
+    )
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn dense_route_over_two_holders_matches_one_instance() -> Result<()> {
+    let fabric = MemFabric::new();
+    let (a, b) = (holder(&fabric, &[0, 1], 8)?, holder(&fabric, &[2, 3], 8)?);
+    let mut req = requester(&fabric, &[&a, &b])?;
+    let s = spec();
+    let blocks: Vec<_> = (0..s.chunks)
+        .map(|c| s.chunk(ChunkId(c)))
+        .collect::<Result<_, _>>()?;
+    let q = queries(16, 900, &s.rope()?, 5);
+    for layer in 0..3u16 {
+        let calls: Vec<_> = (0..4)
+            .map(|c| Call {
+                chunk: ChunkId(c),
+                layer,
+                queries: &q,
+                sparse: None,
+            })
+            .collect();
+        let parts: Vec<_> = req.route(&calls).into_iter().collect::<Result<_, _>>()?;
+        let merged = merge(&parts.iter().collect::<Vec<_>>())?;
+        let doc = s.document_layer(&blocks, u32::from(layer))?;
+        let whole = partial_dense(
+            Backend::Reference,
+            &Queries::new(&q)?,
+            &Cache::contiguous(&doc)?,
+            SCALE,
+        )?;
+        let err = max_abs(&merged.o, &whole.o);
+        assert!(
+            err < 4e-3,
+            "layer {layer}: routed through the bf16 wire, max abs {err}"
+        );
+    }
+    let stats = req.holder_stats(0)?;
+    assert_eq!(
+        stats.requests, 3,
+        "one write per holder per step: {stats:?}"
+    );
+    assert_eq!(stats.kernel_calls, 6);
+    Ok(())
+}
+
+#[test]
+fn sparse_scattered_selection_matches_one_instance() -> Result<()> {
+    let fabric = MemFabric::new();
+    let (a, b) = (holder(&fabric, &[0, 2], 8)?, holder(&fabric, &[1, 3], 8)?);
+    let mut req = requester(&fabric, &[&a, &b])?;
+    let s = spec();
+    let blocks: Vec<_> = (0..s.chunks)
+        .map(|c| s.chunk(ChunkId(c)))
+        .collect::<Result<_, _>>()?;
+    let (heads, k) = (16usize, 300usize);
+    let q = queries(heads, 900, &s.rope()?, 6);
+    // One query token selecting k scattered tokens of the 800-token document.
+    let global: Vec<i32> = (0..k).map(|i| ((i * 7919 + 13) % 800) as i32).collect();
+    let mut calls_idx = Vec::new();
+    for c in 0..4i32 {
+        let local: Vec<i32> = global
+            .iter()
+            .filter(|&&g| g / 200 == c)
+            .map(|&g| g - c * 200)
+            .collect();
+        calls_idx.push(local);
+    }
+    let layer = 1u16;
+    let calls: Vec<_> = calls_idx
+        .iter()
+        .enumerate()
+        .map(|(c, idx)| Call {
+            chunk: ChunkId(c as u32),
+            layer,
+            queries: &q,
+            sparse: Some(Sparse {
+                indices: idx,
+                k: idx.len() as u32,
+                rows_per_token: heads as u32,
+            }),
+        })
+        .collect();
+    let parts: Vec<_> = req.route(&calls).into_iter().collect::<Result<_, _>>()?;
+    let merged = merge(&parts.iter().collect::<Vec<_>>())?;
+    let doc = s.document_layer(&blocks, u32::from(layer))?;
+    let cache = Cache::contiguous(&doc)?;
+    let sel = Selection::new(&global, k, heads, heads, cache.tokens())?;
+    let whole = partial_sparse(Backend::Reference, &Queries::new(&q)?, &cache, &sel, SCALE)?;
+    let err = max_abs(&merged.o, &whole.o);
+    assert!(err < 4e-3, "max abs {err}");
+    Ok(())
+}
+
+#[test]
+fn fetch_splices_to_the_requesters_positions() -> Result<()> {
+    let fabric = MemFabric::new();
+    let a = holder(&fabric, &[1], 8)?;
+    let mut req = requester(&fabric, &[&a])?;
+    let s = spec();
+    let rope = s.rope()?;
+    let to: Vec<i64> = (5000..5200).collect();
+    let free = req.free_pool_pages();
+    let fetched = req.fetch(ChunkId(1), &to, rope, Backend::Cpu)?;
+    // The reference: the holder's rows re-rotated by the f64 reference splice.
+    let block = s.chunk(ChunkId(1))?;
+    let layout = s.layout();
+    let mut pool = vec![0u16; layout.full_elems()];
+    let table: Vec<u32> = (0..layout.pages() as u32).collect();
+    let from = s.positions(ChunkId(1));
+    let full = kvroute_kvstore::FullBlock::new(&block, layout)?;
+    let mut src = Vec::new();
+    for l in 0..layout.layers {
+        src.extend_from_slice(full.layer(l)?.rows());
+    }
+    let job = kvroute_kernels::SpliceJob::new(
+        &src,
+        layout.layers as usize,
+        &from,
+        &to,
+        rope,
+        &mut pool,
+        &table,
+    )?;
+    kvroute_kernels::splice(Backend::Reference, job)?;
+    let q = queries(16, 5300, &rope, 9);
+    for layer in 0..3usize {
+        let got = partial_dense(
+            Backend::Cpu,
+            &Queries::new(&q)?,
+            &req.fetched_cache(&fetched, layer)?,
+            SCALE,
+        )?;
+        let want_cache = Cache::paged(&pool, &table[layer * 4..layer * 4 + 4], 200)?;
+        let want = partial_dense(Backend::Reference, &Queries::new(&q)?, &want_cache, SCALE)?;
+        let err = max_abs(&got.o, &want.o);
+        assert!(err < 1e-3, "layer {layer}: {err}");
+    }
+    req.release(fetched)?;
+    assert_eq!(req.free_pool_pages(), free, "no pages leak");
+    Ok(())
+}
+
+#[test]
+fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
+    let fabric = MemFabric::new();
+    let a = holder(&fabric, &[0], 8)?;
+    let mut req = requester(&fabric, &[&a])?;
+    let q = vec![0x3f80u16; 4 * D_QK];
+    // Unknown chunk, layer out of range, index out of range: typed refusals per call.
+    let bad_idx = [0i32, 250];
+    let calls = [
+        Call {
+            chunk: ChunkId(0),
+            layer: 9,
+            queries: &q,
+            sparse: None,
+        },
+        Call {
+            chunk: ChunkId(0),
+            layer: 0,
+            queries: &q,
+            sparse: Some(Sparse {
+                indices: &bad_idx,
+                k: 2,
+                rows_per_token: 4,
+            }),
+        },
+        Call {
+            chunk: ChunkId(0),
+            layer: 0,
+            queries: &q,
+            sparse: None,
+        },
+    ];
+    let out = req.route(&calls);
+    assert!(
+        matches!(
+            out[0],
+            Err(RouteError::Refused {
+                status: wire::Status::BadLayer,
+                ..
+            })
+        ),
+        "{:?}",
+        out[0]
+    );
+    assert!(
+        matches!(
+            out[1],
+            Err(RouteError::Refused {
+                status: wire::Status::Kernel,
+                ..
+            })
+        ),
+        "{:?}",
+        out[1]
+    );
+    assert!(out[2].is_ok(), "{:?}", out[2]);
+    assert!(matches!(
+        req.route(&[Call {
+            chunk: ChunkId(3),
+            layer: 0,
+            queries: &q,
+            sparse: None
+        }])[0],
+        Err(RouteError::NoHolder(_))
+    ));
+    // A rogue requester with a real session writes garbage into its slot, then a request
+    // whose header is fine and whose segment lies, then a stray immediate.
+    let rogue = TransferEngine::mem(&fabric, 1)?;
+    let reply = rogue.alloc_mr(1 << 16)?;
+    let mut control = std::net::TcpStream::connect(a.addr())?;
+    let hello = session::Hello {
+        addr: rogue.main_address(),
+        reply: reply.desc().clone(),
+        pool: None,
+        reply_imm: 77,
+        fetch_imm: 78,
+    };
+    writeln!(control, "{}", serde_json::to_string(&hello)?)?;
+    let mut line = String::new();
+    std::io::BufReader::new(control.try_clone()?).read_line(&mut line)?;
+    let session::Answer::Welcome(welcome) = serde_json::from_str(&line)? else {
+        panic!("no session: {line}");
+    };
+    let buf = rogue.alloc_mr(4096)?;
+    buf.fill(0xab);
+    let imm = wire::request_imm(welcome.session, 1);
+    let inbox = (&welcome.inbox, welcome.slot_offset);
+    rogue.submit_single_write(4096, Some(imm), (buf.handle(), 0), inbox, OnDone::nothing())?;
+    std::thread::sleep(Duration::from_millis(50));
+    let mut lying = Vec::new();
+    let seg = wire::SegmentSpec {
+        kind: wire::SegmentKind::Dense,
+        chunk: 0,
+        layer: 0,
+        queries: &q[..D_QK],
+        indices: &[],
+        pages: &[],
+    };
+    wire::encode_request(&mut lying, 5, 0, SCALE, &[seg]);
+    let rows_at = wire::REQUEST_HEADER + 8;
+    lying[rows_at..rows_at + 4].copy_from_slice(&1000u32.to_le_bytes());
+    buf.write_at(0, &lying)?;
+    let answered = rogue.imm_count(77, 1);
+    rogue.submit_single_write(
+        lying.len() as u64,
+        Some(imm),
+        (buf.handle(), 0),
+        inbox,
+        OnDone::nothing(),
+    )?;
+    answered.wait()?;
+    let header =
+        wire::decode_reply_header(&reply.to_vec()).ok_or_else(|| anyhow::anyhow!("no reply"))?;
+    assert_eq!(
+        (header.seq, header.statuses.as_slice()),
+        (5, &[wire::Status::BadSegment][..])
+    );
+    rogue.submit_imm(
+        wire::request_imm(9999, 1),
+        &welcome.inbox,
+        OnDone::nothing(),
+    )?;
+    rogue.submit_imm(0x1234_5678, &welcome.inbox, OnDone::nothing())?;
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        req.route(&calls[2..])[0].is_ok(),
+        "still serving after a stray immediate"
+    );
+    let stats = req.holder_stats(0)?;
+    assert!(stats.refused >= 4, "{stats:?}");
+    assert!(stats.stray_imms >= 2, "{stats:?}");
+    Ok(())
+}
+
+#[test]
+fn holder_pushes_back_beyond_its_cap() -> Result<()> {
+    let fabric = MemFabric::new();
+    let a = holder(&fabric, &[0], 1)?;
+    let first = requester(&fabric, &[&a])?;
+    let second = requester(&fabric, &[&a]);
+    assert!(second.is_err_and(|e| e.to_string().contains("busy")));
+    drop(first);
+    // The slot is freed when the first requester's control connection closes.
+    let mut ok = false;
+    for _ in 0..100 {
+        if requester(&fabric, &[&a]).is_ok() {
+            ok = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(ok, "a freed session is granted again");
+    assert!(a.stats().busy >= 1);
+    Ok(())
+}
