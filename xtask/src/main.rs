@@ -61,22 +61,26 @@ fn run(args: &[String]) -> Result<()> {
         "gpu-test" => gpu_test::run(&workspace_root(), rest.iter().any(|a| a == "--require-gpu")),
         "test" | "ci" => test(),
         "loom" => loom(),
-        "demo" => cargo_step(
-            "demo",
-            &with_rest(
-                &[
-                    "run",
-                    "--release",
-                    "--locked",
-                    "-p",
-                    "kvroute",
-                    "--",
-                    "tour",
-                ],
-                rest,
-            ),
-            &[],
-        ),
+        "demo" => {
+            // The demo runs over libfabric: a fresh machine gets it from `deps` first.
+            deps::run(false)?;
+            cargo_step(
+                "demo",
+                &with_rest(
+                    &[
+                        "run",
+                        "--release",
+                        "--locked",
+                        "-p",
+                        "kvroute",
+                        "--",
+                        "demo",
+                    ],
+                    rest,
+                ),
+                &[],
+            )
+        }
         "bench" => cargo_step(
             "bench",
             &with_rest(&["bench", "--workspace", "--locked", "--"], rest),

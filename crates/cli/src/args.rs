@@ -36,6 +36,11 @@ pub enum Command {
     /// bits; outputs are f32), to check it against PyTorch or NumPy.
     #[command(subcommand)]
     Kernel(KernelCommand),
+    /// The main job end to end: holder processes and a requester over libfabric, dense and
+    /// sparse decode steps routed, fetched or local, every output checked.
+    Demo(DemoArgs),
+    /// Serve chunks of a synthetic corpus to requesters (started by `demo`, or by hand).
+    Holder(HolderArgs),
 }
 
 /// `kvroute kernel ...`.
@@ -400,4 +405,59 @@ pub struct HelixArgs {
     /// HOP-B: all-to-all time per request.
     #[arg(long, requires = "hopb_requests")]
     pub hopb_comm: Option<f64>,
+}
+
+/// `kvroute demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Holder processes to start (2 to 8).
+    #[arg(long, default_value_t = 3)]
+    pub holders: usize,
+    /// libfabric provider: auto (shm if present, else tcp), shm or tcp.
+    #[arg(long, default_value = "auto")]
+    pub provider: String,
+    /// Seed of the corpus and the queries.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Decode steps.
+    #[arg(long, default_value_t = 2)]
+    pub steps: u32,
+    /// Tokens per chunk (one chunk per holder).
+    #[arg(long, default_value_t = 2048)]
+    pub tokens: u32,
+    /// Copies of each chunk (chunk c also on holders c+1, ..., c+replicas-1).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Decode tokens per step (each routes 16 query rows per layer, DeepSeek-V2-Lite's heads).
+    #[arg(long, default_value_t = 4)]
+    pub batch: u32,
+    /// Force one primitive for every (chunk, request): route, fetch or local.
+    #[arg(long)]
+    pub force: Option<String>,
+    /// How long the requester waits for a holder before declaring it failed, milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    pub timeout_ms: u64,
+    /// Kill holder process 0 before this step (tests the fallback to a replica).
+    #[arg(long)]
+    pub kill_holder_at_step: Option<u32>,
+}
+
+/// `kvroute holder`: serve chunks of a synthetic corpus until stdin closes.
+#[derive(Debug, Clone, Args)]
+pub struct HolderArgs {
+    /// libfabric provider (shm, tcp, efa, ...).
+    #[arg(long, default_value = "tcp")]
+    pub provider: String,
+    /// Control listener address.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: String,
+    /// The corpus, as the JSON of `CorpusSpec`.
+    #[arg(long)]
+    pub corpus: String,
+    /// Chunk ids to serve, comma separated.
+    #[arg(long)]
+    pub chunks: String,
+    /// Concurrent requesters served before pushing back (paper 000 section 6.3: 8).
+    #[arg(long, default_value_t = 8)]
+    pub max_requesters: usize,
 }

@@ -14,6 +14,7 @@ pub mod args;
 mod bench;
 mod bench_fabric;
 mod bench_kernels;
+pub mod demo;
 mod kernel;
 mod npy;
 mod plan;
@@ -51,6 +52,20 @@ pub fn run(cli: &Cli) -> Result<String> {
         Command::Kernel(KernelCommand::Merge(args)) => render(cli.json, &kernel::merge(args)?),
         Command::Kernel(KernelCommand::Splice(args)) => render(cli.json, &kernel::splice(args)?),
         Command::Kernel(KernelCommand::GpuInfo) => render(cli.json, &kernel::gpu_info()?),
+        Command::Demo(args) => {
+            let report = demo::run(args)?;
+            let text = render(cli.json, &report)?;
+            if !report.passed {
+                // Printed before failing, so the numbers of a failed run are not lost.
+                print!("{text}");
+                anyhow::bail!("the demo's checks failed");
+            }
+            Ok(text)
+        }
+        Command::Holder(args) => {
+            demo::holder(args)?;
+            Ok(String::new())
+        }
         Command::Bench(BenchCommand::FabricPeer(args)) => {
             bench_fabric::peer(args)?;
             Ok(String::new())

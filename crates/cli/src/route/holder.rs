@@ -54,6 +54,10 @@ impl HolderConfig {
     }
 }
 
+/// (chunk, layer, (k, rows per token) or (0, 0) for dense, scale bits): segments that one
+/// kernel call serves together.
+type GroupKey = (u32, u16, (u32, u32), u32);
+
 #[derive(Debug, Clone)]
 struct Session {
     hello: Hello,
@@ -351,8 +355,7 @@ impl Shared {
         let mut statuses: Vec<Vec<Status>> = Vec::new();
         let mut rows: Vec<Vec<Vec<u8>>> = Vec::new();
         // (chunk, layer, kind key, scale bits) -> the (request, segment) pairs of the group.
-        let mut groups: BTreeMap<(u32, u16, (u32, u32), u32), Vec<(usize, usize)>> =
-            BTreeMap::new();
+        let mut groups: BTreeMap<GroupKey, Vec<(usize, usize)>> = BTreeMap::new();
         for (r, req) in requests.iter().enumerate() {
             let Ok(req) = req else {
                 statuses.push(Vec::new());

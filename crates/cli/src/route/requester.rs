@@ -547,7 +547,7 @@ impl Requester {
         let reply = self
             .exchange(vec![(link, vec![seg], pages.len() as u64)])
             .pop();
-        let reply = reply.unwrap_or_else(|| Err(RouteError::NoHolder(chunk)));
+        let reply = reply.unwrap_or(Err(RouteError::NoHolder(chunk)));
         let seq = self.links[link].seq;
         let status = reply.and_then(|bytes| decode_reply(holder, seq, &bytes, 1));
         match status {

@@ -354,7 +354,11 @@ fn parse_segment(body: &[u8], at: usize, table_end: usize) -> Result<Segment<'_>
     let expected = match kind {
         SegmentKind::Dense => rows.checked_mul(QUERY_ROW_BYTES),
         SegmentKind::Sparse { k, rows_per_token } => {
-            if rows == 0 || k == 0 || rows_per_token == 0 || rows % rows_per_token as usize != 0 {
+            if rows == 0
+                || k == 0
+                || rows_per_token == 0
+                || !rows.is_multiple_of(rows_per_token as usize)
+            {
                 return Err(Status::BadSegment);
             }
             (rows / rows_per_token as usize)

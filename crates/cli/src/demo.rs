@@ -1,0 +1,716 @@
+//! `kvroute demo` and `kvroute holder`: the main job end to end (issue 6, paper 000).
+//!
+//! The demo starts holder processes (copies of this binary running `kvroute holder`) that each
+//! generate and serve chunks of a DeepSeek-V2-Lite-shaped synthetic corpus over libfabric,
+//! connects a requester to them, measures route round trips to fit the cost model's fabric
+//! constants, then runs decode steps: per (chunk, request) the predicate picks route, fetch or
+//! local (or `--force` does), dense steps attend every chunk of the document and a sparse step
+//! attends a top-2048 selection scattered over all holders. Every merged output is checked
+//! against single-instance attention over the whole document, computed here from a full copy:
+//! before the wire (the holders' partials recomputed here and merged: f32 round-off) and
+//! through it (what the holders sent, bf16 on the wire). A failed check fails the run.
+//!
+//! `local` has no model weights to run here: its output is the full copy's attention and its
+//! cost is the cost model's `ct x L x c` term, not a measurement.
+
+use std::fmt;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use kvroute_costmodel::fit::{RoundTripSample, Weighting, fit_round_trips};
+use kvroute_costmodel::{CostModel, CostParams, Primitive, Request, model_preset};
+use kvroute_kernels::{
+    Backend, Cache, Partial, Queries, Selection, merge, partial_dense, partial_sparse,
+};
+use kvroute_kvstore::corpus::queries;
+use kvroute_kvstore::{ChunkId, CorpusSpec, FullBlock};
+use kvroute_transport::{EngineConfig, FabricConfig, ProviderChoice, TransferEngine};
+use serde::Serialize;
+
+use crate::args::{DemoArgs, HolderArgs};
+use crate::route::{Call, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse};
+
+/// DeepSeek-V2-Lite's softmax scale (kernels' `deepseek_softmax_scale(192, 40, 0.707)`).
+const SCALE: f32 = 0.1147;
+/// Query heads of DeepSeek-V2-Lite: query rows per decode token.
+const HEADS: usize = 16;
+/// Top-k of the sparse step (DeepSeek-V3.2's `index_topk`).
+const TOPK: usize = 2048;
+/// Before the wire: merged f32 partials against one call over the whole document. The
+/// exactness claim of paper 000 section 3.3 (<= 4e-7 on its f64-accumulating reference). The
+/// CPU kernel accumulates in f32 and splits the keys differently for one call over the whole
+/// document than for per-chunk calls: for n keys the order alone moves o by up to ~n eps |v|
+/// (6144 x 6e-8 x 2 = 7e-4) in the worst case and ~sqrt(n) eps |v| (1e-5) typically; observed
+/// <= 2e-6 on the default demo.
+const F32_TOL: f32 = 1e-5;
+/// Through the wire: o in bf16 (relative 2^-9) on values below ~2 in magnitude; paper 000
+/// section 3.3 measured 0.0012 for a two-instance route-merge.
+const BF16_TOL: f32 = 8e-3;
+
+/// One check: an output against its single-instance reference.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    /// What was checked.
+    pub name: String,
+    /// Max abs difference of o.
+    pub max_abs: f32,
+    /// The tolerance it had to meet.
+    pub tolerance: f32,
+    /// Whether it did.
+    pub passed: bool,
+}
+
+/// One logged (chunk, request) decision.
+#[derive(Debug, Clone, Serialize)]
+pub struct Decided {
+    /// Decode step.
+    pub step: u32,
+    /// The chunk.
+    pub chunk: u32,
+    /// Query rows.
+    pub mq: u32,
+    /// What was chosen.
+    pub choice: String,
+    /// Why (the predicate's reason, or "forced").
+    pub reason: String,
+}
+
+/// What the demo did and found.
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoReport {
+    /// The provider the transport opened.
+    pub provider: String,
+    /// Holder processes.
+    pub holders: usize,
+    /// Chunks, tokens each, layers.
+    pub chunks: u32,
+    /// Tokens per chunk.
+    pub chunk_tokens: u32,
+    /// Layers per chunk.
+    pub layers: u32,
+    /// The start-up probe sweep: (Mq, round trip us).
+    pub probe_sweep: Vec<(u32, f64)>,
+    /// The fitted T_probe (us) and BW (GB/s).
+    pub fitted: (f64, f64),
+    /// Each decision.
+    pub decisions: Vec<Decided>,
+    /// Route round trips of the decode steps (submit to merged output), microseconds.
+    pub route_us: Vec<f64>,
+    /// Fetch transfer and splice times, microseconds.
+    pub fetch_us: Vec<(f64, f64)>,
+    /// Holder failures seen and what was done about them.
+    pub failures: Vec<String>,
+    /// The checks.
+    pub checks: Vec<Check>,
+    /// Whether every check passed.
+    pub passed: bool,
+}
+
+impl fmt::Display for DemoReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "kvroute demo: {} holder processes over libfabric {}, DeepSeek-V2-Lite corpus of {} chunks x {} tokens x {} layers",
+            self.holders, self.provider, self.chunks, self.chunk_tokens, self.layers
+        )?;
+        let sweep: Vec<String> = self
+            .probe_sweep
+            .iter()
+            .map(|(m, t)| format!("Mq={m}: {t:.0} us"))
+            .collect();
+        writeln!(
+            f,
+            "probe sweep (route round trip incl. holder kernel): {}",
+            sweep.join(", ")
+        )?;
+        writeln!(
+            f,
+            "fitted: T_probe = {:.1} us, BW = {:.2} GB/s",
+            self.fitted.0, self.fitted.1
+        )?;
+        for d in &self.decisions {
+            writeln!(
+                f,
+                "  step {} chunk {} Mq={}: {} ({})",
+                d.step, d.chunk, d.mq, d.choice, d.reason
+            )?;
+        }
+        if !self.route_us.is_empty() {
+            let mut v = self.route_us.clone();
+            v.sort_by(f64::total_cmp);
+            writeln!(
+                f,
+                "route round trips: {} , median {:.0} us",
+                v.len(),
+                v[v.len() / 2]
+            )?;
+        }
+        for (t, s) in &self.fetch_us {
+            writeln!(f, "fetch: transfer {t:.0} us, splice {s:.0} us")?;
+        }
+        for e in &self.failures {
+            writeln!(f, "failure: {e}")?;
+        }
+        writeln!(
+            f,
+            "checks (max abs of o against single-instance attention over the whole document):"
+        )?;
+        for c in &self.checks {
+            writeln!(
+                f,
+                "  [{}] {}: {:.3e} (tolerance {:.0e})",
+                if c.passed { "ok" } else { "FAIL" },
+                c.name,
+                c.max_abs,
+                c.tolerance
+            )?;
+        }
+        write!(
+            f,
+            "{}",
+            if self.passed {
+                "all checks passed\n"
+            } else {
+                "SOME CHECKS FAILED\n"
+            }
+        )
+    }
+}
+
+fn provider_for(name: &str) -> Result<ProviderChoice> {
+    if name != "auto" {
+        return Ok(name.parse()?);
+    }
+    let available = kvroute_transport::fabric::available_providers()?;
+    Ok(if available.iter().any(|p| p == "shm") {
+        ProviderChoice::Shm
+    } else {
+        ProviderChoice::Tcp
+    })
+}
+
+fn fabric_engine(provider: &ProviderChoice) -> Result<(TransferEngine, String)> {
+    let config = FabricConfig {
+        provider: provider.clone(),
+        required: true,
+        node: (*provider == ProviderChoice::Tcp).then(|| "127.0.0.1".to_owned()),
+        // Several processes share two cores here: idle workers poll every 50 us instead of
+        // spinning a core each.
+        idle_poll: Some(Duration::from_micros(50)),
+        op_timeout: Duration::from_secs(3),
+        ..FabricConfig::default()
+    };
+    let (engine, report) = TransferEngine::fabric(&config, EngineConfig::default())?;
+    Ok((engine, report.provider))
+}
+
+/// The corpus: DeepSeek-V2-Lite's 27 layers, RoPE theta 10000 with its YaRN scaling.
+fn corpus(args: &DemoArgs) -> Result<CorpusSpec> {
+    let layers = model_preset("deepseek-v2-lite")?.dims.layers;
+    let spec = CorpusSpec {
+        layers,
+        chunk_tokens: args.tokens,
+        chunks: args.holders as u32,
+        seed: args.seed,
+        rope_theta: 10_000.0,
+        yarn: Some(kvroute_kernels::Yarn::DEEPSEEK),
+        rope_layout: kvroute_kernels::RopeLayout::Interleaved,
+    };
+    spec.validate()?;
+    Ok(spec)
+}
+
+/// `kvroute holder`.
+pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
+    let spec: CorpusSpec =
+        serde_json::from_str(&args.corpus).context("--corpus is not a CorpusSpec")?;
+    let chunks = args
+        .chunks
+        .split(',')
+        .map(|c| c.trim().parse().map(ChunkId))
+        .collect::<Result<Vec<_>, _>>()
+        .context("--chunks: comma-separated ids")?;
+    let (engine, _) = fabric_engine(&args.provider.parse()?)?;
+    let mut config = HolderConfig::new(spec, chunks);
+    config.max_requesters = args.max_requesters;
+    let holder = Holder::start(engine, TcpListener::bind(&args.listen)?, config)?;
+    println!(
+        "{}",
+        serde_json::json!({ "listen": holder.addr().to_string() })
+    );
+    std::io::stdout().flush()?;
+    // Serve until the parent closes stdin (or dies).
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    drop(holder);
+    Ok(())
+}
+
+struct HolderProcess {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for HolderProcess {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_holders(
+    args: &DemoArgs,
+    spec: &CorpusSpec,
+    provider: &ProviderChoice,
+) -> Result<Vec<HolderProcess>> {
+    let exe = std::env::current_exe().context("finding the kvroute binary")?;
+    let corpus = serde_json::to_string(spec)?;
+    let n = args.holders;
+    let mut out = Vec::new();
+    for h in 0..n {
+        let chunks: Vec<String> = (0..args.replicas)
+            .map(|r| ((h + n - r) % n).to_string())
+            .collect();
+        let mut child = Command::new(&exe)
+            .args([
+                "holder",
+                "--provider",
+                &provider.to_string(),
+                "--corpus",
+                &corpus,
+                "--chunks",
+                &chunks.join(","),
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting a holder process")?;
+        let stdout: ChildStdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow!("no holder stdout"))?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line)?;
+        let v: serde_json::Value =
+            serde_json::from_str(&line).with_context(|| format!("holder {h} said: {line:?}"))?;
+        let addr = v["listen"]
+            .as_str()
+            .ok_or_else(|| anyhow!("holder {h} gave no address"))?
+            .parse()?;
+        out.push(HolderProcess { child, addr });
+    }
+    Ok(out)
+}
+
+fn max_abs(a: &Partial, b: &Partial) -> f32 {
+    a.o.iter()
+        .zip(&b.o)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn check(checks: &mut Vec<Check>, name: String, got: &Partial, want: &Partial, tolerance: f32) {
+    let max_abs = if got.rows() == want.rows() {
+        max_abs(got, want)
+    } else {
+        f32::INFINITY
+    };
+    checks.push(Check {
+        name,
+        max_abs,
+        tolerance,
+        passed: max_abs <= tolerance,
+    });
+}
+
+/// Routes `calls`; calls whose holder failed are retried once on the chunk's next replica.
+fn route_with_fallback(
+    req: &mut Requester,
+    calls: &[Call<'_>],
+    failures: &mut Vec<String>,
+) -> Result<Vec<Partial>> {
+    let mut out = req.route(calls);
+    let retry: Vec<usize> = (0..calls.len())
+        .filter(|&i| matches!(out[i], Err(RouteError::HolderFailed { .. })))
+        .collect();
+    if !retry.is_empty() {
+        for &i in &retry {
+            if let Err(e) = &out[i] {
+                failures.push(format!(
+                    "{}: {e}; retrying on another replica",
+                    calls[i].chunk
+                ));
+            }
+        }
+        let again = req.route(&retry.iter().map(|&i| calls[i]).collect::<Vec<_>>());
+        for (&i, r) in retry.iter().zip(again) {
+            out[i] = r;
+        }
+    }
+    out.into_iter()
+        .zip(calls)
+        .map(|(r, c)| {
+            r.with_context(|| {
+                format!(
+                    "routing {} (failures so far: {})",
+                    c.chunk,
+                    failures.join("; ")
+                )
+            })
+        })
+        .collect()
+}
+
+/// `kvroute demo`.
+pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
+    if !(2..=8).contains(&args.holders) || args.replicas == 0 || args.replicas > args.holders {
+        bail!("--holders must be 2 to 8 and --replicas 1 to --holders");
+    }
+    let force = args
+        .force
+        .as_deref()
+        .map(|f| match f {
+            "route" => Ok(Primitive::Route),
+            "fetch" => Ok(Primitive::Fetch),
+            "local" => Ok(Primitive::Local),
+            other => Err(anyhow!("--force takes route, fetch or local, not {other}")),
+        })
+        .transpose()?;
+    let spec = corpus(args)?;
+    let provider = provider_for(&args.provider)?;
+    let procs = spawn_holders(args, &spec, &provider)?;
+    let (engine, provider_name) = fabric_engine(&provider)?;
+    let config = RequesterConfig {
+        timeout: Duration::from_millis(args.timeout_ms),
+        link_bytes: 4 << 20,
+        pool_pages: spec.layout().pages() as u32 * spec.chunks,
+        scale: SCALE,
+    };
+    let mut req = Requester::connect(
+        engine,
+        &procs.iter().map(|p| p.addr).collect::<Vec<_>>(),
+        config,
+    )?;
+    // The full copy the checks are computed against.
+    let blocks: Vec<Vec<u16>> = (0..spec.chunks)
+        .map(|c| spec.chunk(ChunkId(c)))
+        .collect::<Result<_, _>>()?;
+    let rope = spec.rope()?;
+    let model = model_preset("deepseek-v2-lite")?.dims;
+    let ct = spec.chunk_tokens;
+    let doc_tokens = spec.tokens() as i64;
+
+    // Start-up probe sweep: route round trips at a few Mq, fitted to T_probe + Mq (q + p) / BW.
+    let mut probe_sweep = Vec::new();
+    for mq in [1u32, 16, 64, 256] {
+        let q = queries(mq as usize, doc_tokens, &rope, 99);
+        let call = [Call {
+            chunk: ChunkId(0),
+            layer: 0,
+            queries: &q,
+            sparse: None,
+        }];
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let t = Instant::now();
+            req.route(&call)
+                .pop()
+                .ok_or_else(|| anyhow!("no result"))??;
+            best = best.min(t.elapsed().as_secs_f64() * 1e6);
+        }
+        probe_sweep.push((mq, best));
+    }
+    let samples: Vec<RoundTripSample> = probe_sweep
+        .iter()
+        .map(|&(m, t)| RoundTripSample {
+            mq_rows: m,
+            round_trip_us: t,
+        })
+        .collect();
+    let fit = fit_round_trips(&samples, model.routed_row_bytes(), Weighting::Absolute)?;
+    let fabric = fit.fabric().or_else(|_| {
+        kvroute_costmodel::Fabric::measured(probe_sweep[0].1, fit.bw_gbps.max(0.01))
+    })?;
+    let costs = CostModel::new(CostParams::paper_defaults(model, fabric))?;
+
+    let mut report = DemoReport {
+        provider: provider_name,
+        holders: args.holders,
+        chunks: spec.chunks,
+        chunk_tokens: ct,
+        layers: spec.layers,
+        probe_sweep: probe_sweep.clone(),
+        fitted: (fabric.probe_us, fabric.bw_gbps),
+        decisions: Vec::new(),
+        route_us: Vec::new(),
+        fetch_us: Vec::new(),
+        failures: Vec::new(),
+        checks: Vec::new(),
+        passed: false,
+    };
+    let mut procs = procs;
+    let layers = [0, spec.layers / 2, spec.layers - 1];
+    // The requester's own prompt precedes the document: a fetched chunk is re-homed past it.
+    let prefix = 4096i64;
+    let mq = args.batch as usize * HEADS;
+    for step in 0..args.steps {
+        if args.kill_holder_at_step == Some(step) {
+            let p = &mut procs[0];
+            p.child.kill().context("killing holder 0")?;
+            let _ = p.child.wait();
+            report
+                .failures
+                .push(format!("holder 0 ({}) killed before step {step}", p.addr));
+        }
+        // Decode queries at the end of the document (as the requester sees it: after its prefix).
+        let q = queries(
+            mq,
+            prefix + doc_tokens + i64::from(step),
+            &rope,
+            args.seed ^ u64::from(step),
+        );
+        let mut choice = Vec::new();
+        for c in 0..spec.chunks {
+            let (primitive, reason) = match force {
+                Some(p) => (p, "forced".to_owned()),
+                None => {
+                    let d = costs.decide(&Request::contiguous(mq as u32, ct))?;
+                    (
+                        d.choice,
+                        d.to_string().lines().next().unwrap_or_default().to_owned(),
+                    )
+                }
+            };
+            report.decisions.push(Decided {
+                step,
+                chunk: c,
+                mq: mq as u32,
+                choice: format!("{primitive:?}"),
+                reason,
+            });
+            choice.push(primitive);
+        }
+        for &layer in &layers {
+            // Routed chunks attend at their stored positions, fetched ones at the requester's,
+            // so each chunk's reference is computed the way its primitive attends.
+            let routed: Vec<u32> = (0..spec.chunks)
+                .filter(|&c| choice[c as usize] == Primitive::Route)
+                .collect();
+            let calls: Vec<Call<'_>> = routed
+                .iter()
+                .map(|&c| Call {
+                    chunk: ChunkId(c),
+                    layer: layer as u16,
+                    queries: &q,
+                    sparse: None,
+                })
+                .collect();
+            let started = Instant::now();
+            let got = if calls.is_empty() {
+                Vec::new()
+            } else {
+                route_with_fallback(&mut req, &calls, &mut report.failures)?
+            };
+            if !calls.is_empty() {
+                report.route_us.push(started.elapsed().as_secs_f64() * 1e6);
+            }
+            let mut parts: Vec<Partial> = got;
+            let mut before_wire: Vec<Partial> = Vec::new();
+            let mut whole_rows: Vec<u16> = Vec::new();
+            let queries_q = Queries::new(&q)?;
+            for c in 0..spec.chunks {
+                let full = FullBlock::new(&blocks[c as usize], spec.layout())?;
+                let rows = full.layer(layer)?.rows();
+                match choice[c as usize] {
+                    Primitive::Route => {
+                        before_wire.push(partial_dense(
+                            Backend::Cpu,
+                            &queries_q,
+                            &Cache::contiguous(rows)?,
+                            SCALE,
+                        )?);
+                        whole_rows.extend_from_slice(rows);
+                    }
+                    Primitive::Fetch => {
+                        let to: Vec<i64> = spec
+                            .positions(ChunkId(c))
+                            .iter()
+                            .map(|p| p + prefix)
+                            .collect();
+                        let fetched = req
+                            .fetch(ChunkId(c), &to, rope, Backend::Cpu)
+                            .map_err(|e| anyhow!("{e}"))?;
+                        report
+                            .fetch_us
+                            .push((fetched.transfer_us, fetched.splice_us));
+                        let p = partial_dense(
+                            Backend::Cpu,
+                            &queries_q,
+                            &req.fetched_cache(&fetched, layer as usize)?,
+                            SCALE,
+                        )?;
+                        // The same splice on the full copy.
+                        let mut spliced = rows.to_vec();
+                        let mut pool = vec![0u16; spec.layout().layer_elems()];
+                        let table: Vec<u32> = (0..spec.layout().pages_per_layer() as u32).collect();
+                        let from = spec.positions(ChunkId(c));
+                        let job = kvroute_kernels::SpliceJob::new(
+                            &spliced, 1, &from, &to, rope, &mut pool, &table,
+                        )?;
+                        kvroute_kernels::splice(Backend::Cpu, job)?;
+                        spliced.copy_from_slice(&pool[..rows.len()]);
+                        before_wire.push(partial_dense(
+                            Backend::Cpu,
+                            &queries_q,
+                            &Cache::contiguous(&spliced)?,
+                            SCALE,
+                        )?);
+                        whole_rows.extend_from_slice(&spliced);
+                        parts.push(p);
+                        req.release(fetched)?;
+                    }
+                    Primitive::Local => {
+                        // No weights: the full copy's attention stands in for a re-prefill.
+                        let p = partial_dense(
+                            Backend::Cpu,
+                            &queries_q,
+                            &Cache::contiguous(rows)?,
+                            SCALE,
+                        )?;
+                        before_wire.push(p.clone());
+                        parts.push(p);
+                        whole_rows.extend_from_slice(rows);
+                    }
+                }
+            }
+            let whole = partial_dense(
+                Backend::Cpu,
+                &queries_q,
+                &Cache::contiguous(&whole_rows)?,
+                SCALE,
+            )?;
+            let merged_before = merge(&before_wire.iter().collect::<Vec<_>>())?;
+            let merged = merge(&parts.iter().collect::<Vec<_>>())?;
+            check(
+                &mut report.checks,
+                format!("step {step} layer {layer} dense, merged f32 partials"),
+                &merged_before,
+                &whole,
+                F32_TOL,
+            );
+            check(
+                &mut report.checks,
+                format!("step {step} layer {layer} dense, through the wire"),
+                &merged,
+                &whole,
+                BF16_TOL,
+            );
+        }
+    }
+    // Sparse: one decode token's 16 heads select top-2048 of the whole document, scattered
+    // over every holder; each holder attends its subset in place (no splice), we merge.
+    let sel_k = TOPK.min(spec.tokens());
+    let mut s = args.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut picked = std::collections::BTreeSet::new();
+    while picked.len() < sel_k {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        picked.insert((s % spec.tokens() as u64) as i32);
+    }
+    let global: Vec<i32> = picked.into_iter().collect();
+    let q = queries(HEADS, doc_tokens, &rope, args.seed ^ 0x5a5a);
+    let per_chunk: Vec<Vec<i32>> = (0..spec.chunks as i32)
+        .map(|c| {
+            global
+                .iter()
+                .filter(|&&g| g / ct as i32 == c)
+                .map(|&g| g - c * ct as i32)
+                .collect()
+        })
+        .collect();
+    for &layer in &layers {
+        let calls: Vec<Call<'_>> = per_chunk
+            .iter()
+            .enumerate()
+            .filter(|(_, idx)| !idx.is_empty())
+            .map(|(c, idx)| Call {
+                chunk: ChunkId(c as u32),
+                layer: layer as u16,
+                queries: &q,
+                sparse: Some(Sparse {
+                    indices: idx,
+                    k: idx.len() as u32,
+                    rows_per_token: HEADS as u32,
+                }),
+            })
+            .collect();
+        let parts = route_with_fallback(&mut req, &calls, &mut report.failures)?;
+        let doc = spec.document_layer(&blocks, layer)?;
+        let cache = Cache::contiguous(&doc)?;
+        let qq = Queries::new(&q)?;
+        let whole = partial_sparse(
+            Backend::Cpu,
+            &qq,
+            &cache,
+            &Selection::new(&global, sel_k, HEADS, HEADS, cache.tokens())?,
+            SCALE,
+        )?;
+        let mut before = Vec::new();
+        for call in &calls {
+            let full = FullBlock::new(&blocks[call.chunk.0 as usize], spec.layout())?;
+            let chunk_cache = full.layer(layer)?.cache()?;
+            let Some(sp) = call.sparse else { continue };
+            let sel = Selection::new(
+                sp.indices,
+                sp.k as usize,
+                HEADS,
+                HEADS,
+                chunk_cache.tokens(),
+            )?;
+            before.push(partial_sparse(
+                Backend::Cpu,
+                &qq,
+                &chunk_cache,
+                &sel,
+                SCALE,
+            )?);
+        }
+        let merged_before = merge(&before.iter().collect::<Vec<_>>())?;
+        let merged = merge(&parts.iter().collect::<Vec<_>>())?;
+        let name = format!(
+            "sparse top-{sel_k} over {} holders, layer {layer}",
+            calls.len()
+        );
+        check(
+            &mut report.checks,
+            format!("{name}, merged f32 partials"),
+            &merged_before,
+            &whole,
+            F32_TOL,
+        );
+        check(
+            &mut report.checks,
+            format!("{name}, through the wire"),
+            &merged,
+            &whole,
+            BF16_TOL,
+        );
+    }
+    report.passed = report.checks.iter().all(|c| c.passed) && !report.checks.is_empty();
+    drop(req);
+    drop(procs);
+    Ok(report)
+}
