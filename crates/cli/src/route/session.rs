@@ -1,6 +1,6 @@
 //! The rendezvous (DESIGN "The main job"): a requester opens a TCP connection to a holder's
 //! control listener and sends one JSON line, [`Hello`]; the holder answers [`Welcome`] (a
-//! session: an inbox slot, its immediate, the chunks it holds) or [`Busy`] when it already
+//! session: an inbox slot, its immediate, the chunks it holds) or [`Answer::Busy`] when it already
 //! serves its cap of requesters (paper 000 section 6.3's ~8 elbow). The session lives as long
 //! as the connection: closing it, or the requester dying, frees the slot. Data never crosses
 //! this connection; it carries descriptors, and [`Control::Stats`] on request.
