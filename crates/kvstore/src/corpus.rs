@@ -105,12 +105,7 @@ impl CorpusSpec {
                 let (rows, padding) = block.split_at_mut(tokens * D_QK);
                 let mut s = splitmix(self.seed ^ splitmix(u64::from(chunk.0) << 32 | layer as u64));
                 for (row, angles) in rows.chunks_exact_mut(D_QK).zip(&angles) {
-                    for x in row.iter_mut() {
-                        s = s
-                            .wrapping_mul(6_364_136_223_846_793_005)
-                            .wrapping_add(1_442_695_040_888_963_407);
-                        *x = bf16::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0);
-                    }
+                    fill_uniform(row, &mut s, 2.0);
                     rotate_row_f64(row, angles, rope.layout());
                 }
                 padding.fill(0);
@@ -152,15 +147,22 @@ pub fn queries(rows: usize, position: i64, rope: &Rope, seed: u64) -> Vec<u16> {
     let mut s = splitmix(seed);
     let mut out = vec![0u16; rows * D_QK];
     for row in out.chunks_exact_mut(D_QK) {
-        for x in row.iter_mut() {
-            s = s
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            *x = bf16::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0);
-        }
+        fill_uniform(row, &mut s, 1.0);
         rotate_row_f64(row, &angles, rope.layout());
     }
     out
+}
+
+/// Fills `row` with bf16 draws ~ U(-half_width, half_width) from the LCG state `s`.
+fn fill_uniform(row: &mut [u16], s: &mut u64, half_width: f32) {
+    for x in row.iter_mut() {
+        *s = s
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        *x = bf16::from_f32(
+            ((*s >> 40) as f32 / (1u64 << 24) as f32) * (2.0 * half_width) - half_width,
+        );
+    }
 }
 
 /// SplitMix64's finaliser: decorrelates the per-(chunk, layer) streams.

@@ -392,13 +392,13 @@ impl Shared {
         for (&(chunk, layer, key, scale), members) in &groups {
             if key == (u32::MAX, u32::MAX) {
                 for &(r, s) in members {
-                    let (slot, session, _) = &slots[r];
+                    let (_, session, _) = &slots[r];
                     let ok = requests[r]
                         .as_ref()
                         .ok()
                         .and_then(|req| req.segments[s].as_ref().ok());
                     statuses[r][s] = match ok {
-                        Some(seg) => self.fetch(*slot, session, chunk, &seg.pages()),
+                        Some(seg) => self.fetch(session, chunk, &seg.pages()),
                         None => Status::BadSegment,
                     };
                     stats.fetches += u64::from(statuses[r][s] == Status::Ok);
@@ -523,7 +523,7 @@ impl Shared {
         })
     }
 
-    fn fetch(&self, _slot: usize, session: &Session, chunk: u32, pages: &[u32]) -> Status {
+    fn fetch(&self, session: &Session, chunk: u32, pages: &[u32]) -> Status {
         let layout = self.config.corpus.layout();
         let Some(pool) = &session.hello.pool else {
             return Status::FetchRefused;
