@@ -173,6 +173,32 @@ impl RegisteredBuffer {
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset).cast(), words) })
     }
 
+    /// Bytes `offset..offset + len`, borrowed without a copy: what a server parses a request
+    /// from in place.
+    ///
+    /// # Safety
+    /// As [`Self::u16s`]: while the slice lives, no peer write into the range may be in flight
+    /// or start, and nothing writes it locally. (A peer that breaks its protocol and writes
+    /// anyway changes the values read, never the slice's bounds; a parser must still read
+    /// each field it checks once.)
+    pub unsafe fn bytes(&self, offset: usize, len: usize) -> Result<&[u8], TransportError> {
+        check_range(Side::Source, self.len as u64, offset as u64, len as u64)?;
+        // SAFETY: in bounds (checked); no writer while the borrow lives (the caller's contract).
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), len) })
+    }
+
+    /// [`Self::bytes`], mutable: what a server encodes a reply into before writing it out.
+    ///
+    /// # Safety
+    /// As [`Self::u16s_mut`]: no other view of the range exists, no peer writes into it, and
+    /// no local write reading from it is in flight while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn bytes_mut(&self, offset: usize, len: usize) -> Result<&mut [u8], TransportError> {
+        check_range(Side::Source, self.len as u64, offset as u64, len as u64)?;
+        // SAFETY: as in `bytes`, and exclusive (the caller's contract).
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset), len) })
+    }
+
     fn check_words(&self, offset: usize, words: usize) -> Result<(), TransportError> {
         if !offset.is_multiple_of(2) {
             return Err(TransportError::InvalidArgument(

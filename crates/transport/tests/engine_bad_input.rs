@@ -407,3 +407,27 @@ fn oversized_sends_second_receive_pools_and_empty_pools_are_refused() {
     assert_eq!(block_on(fut), Ok(()));
     wait_for("the good message's buffer to come back", || true);
 }
+
+#[test]
+fn buffer_views_are_bounds_checked() {
+    let fabric = MemFabric::new();
+    let p = pair(&fabric);
+    // SAFETY (all views below): no peer writes into these buffers in this test, and each
+    // mutable view is the only view while it lives.
+    unsafe {
+        assert!(p.src.bytes(1000, 25).is_err(), "past the end");
+        assert!(p.src.bytes(usize::MAX, 2).is_err(), "overflowing offset");
+        assert!(p.src.u16s(1, 2).is_err(), "odd offset for a u16 view");
+        assert!(p.src.u16s(0, usize::MAX).is_err(), "overflowing length");
+        assert!(p.dst.bytes_mut(1020, 8).is_err());
+        assert_eq!(p.src.bytes(1000, 24).unwrap(), &[0xAA; 24][..]);
+        p.dst
+            .bytes_mut(8, 4)
+            .unwrap()
+            .copy_from_slice(&[1, 2, 3, 4]);
+        assert_eq!(p.dst.u16s(8, 2).unwrap(), &[0x0201, 0x0403][..]);
+    }
+    let mut back = [0u8; 4];
+    p.dst.read_at(8, &mut back).unwrap();
+    assert_eq!(back, [1, 2, 3, 4]);
+}

@@ -445,6 +445,22 @@ impl TransferEngine {
             .store(true, std::sync::atomic::Ordering::Release);
     }
 
+    /// A queue of the arrivals that find no expectation waiting, as `(imm, count)`, pushed by
+    /// the progress pass itself (a worker thread, or [`TransferEngine::progress`]) with no
+    /// callback-thread hop: for servers that wait for requests in a loop of their own and
+    /// want the lowest wake-up latency. The arrivals also stay counted, so `take_imm` claims
+    /// them as with [`TransferEngine::on_unexpected_imm`], which keeps working beside it.
+    /// Every call returns a receiver of the same queue; arrivals before the first call are
+    /// not queued (they stay counted). The queue is unbounded: drain it.
+    pub fn unexpected_imms(&self) -> crossbeam_channel::Receiver<(u32, u64)> {
+        self.inner
+            .engine
+            .unexpected_imm_queue
+            .get_or_init(crossbeam_channel::unbounded)
+            .1
+            .clone()
+    }
+
     /// Writes `len` bytes from `src` (handle, offset) to `dst` (descriptor, offset), sharded
     /// over the NICs; each shard carries `imm`.
     pub fn submit_single_write(

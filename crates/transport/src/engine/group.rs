@@ -357,16 +357,21 @@ impl<D: Domain> Group<D> {
                 for done in self.fired.drain(..) {
                     done.finish(Ok(()), |f, o| callbacks.run_done(f, o));
                 }
-                if found == Arrival::Unexpected
-                    && self
+                if found == Arrival::Unexpected {
+                    if let Some((tx, _)) = self.engine.unexpected_imm_queue.get() {
+                        // Unbounded: the pass never waits for the application.
+                        let _ = tx.send((imm, u64::from(c.count)));
+                    }
+                    if self
                         .engine
                         .unexpected_imm_handler
                         .load(std::sync::atomic::Ordering::Acquire)
-                {
-                    callbacks.push(Job::Unexpected {
-                        imm,
-                        count: u64::from(c.count),
-                    });
+                    {
+                        callbacks.push(Job::Unexpected {
+                            imm,
+                            count: u64::from(c.count),
+                        });
+                    }
                 }
             }
             CompletionKind::Recv { len } => {

@@ -167,6 +167,7 @@ impl EngineBuilder {
             imm: ImmCounter::new(),
             callbacks: callbacks.clone(),
             unexpected_imm_handler: AtomicBool::new(false),
+            unexpected_imm_queue: std::sync::OnceLock::new(),
             record_latency: self.config.record_latency,
         });
         let callback_thread_id = callback_thread.thread().id();

@@ -217,6 +217,9 @@ pub(crate) struct PeerGroupEntry {
     pub(crate) members: Vec<Arc<PeerEntry>>,
 }
 
+/// Both ends of the queue of unexpected arrivals, `(imm, count)`.
+pub(crate) type ImmQueue = (Sender<(u32, u64)>, Receiver<(u32, u64)>);
+
 /// What everything in one engine shares.
 #[derive(Debug)]
 pub(crate) struct EngineShared {
@@ -224,5 +227,8 @@ pub(crate) struct EngineShared {
     pub(crate) imm: ImmCounter<OnDone>,
     pub(crate) callbacks: CallbackQueue,
     pub(crate) unexpected_imm_handler: AtomicBool,
+    /// Arrivals nobody expected, handed straight from the progress pass to the application
+    /// (no callback-thread hop); created by the first `unexpected_imms` call.
+    pub(crate) unexpected_imm_queue: OnceLock<ImmQueue>,
     pub(crate) record_latency: bool,
 }

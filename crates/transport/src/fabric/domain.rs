@@ -110,6 +110,41 @@ fn check(lib: &fi::Library, what: &str, rc: i32) -> Result<(), TransportError> {
     }
 }
 
+/// libfabric 1.17's `shm` provider names an endpoint's shared region `/dev/shm/<pid>:<uid>:<n>`
+/// (`n` counts the process's endpoints) and unlinks it when the endpoint closes. A process that
+/// is killed leaves its regions behind, and a later process that is given the same pid then
+/// fails `fi_enable` with EBUSY (seen here after many holder processes). Before this process
+/// opens its first shm endpoint, a region under its own pid and uid can only be such a
+/// leftover: they are removed, once per process. Nothing of another pid is touched.
+fn clear_stale_shm_regions() {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(uid) = std::fs::metadata("/proc/self").map(|m| m.uid()) else {
+            return;
+        };
+        let prefix = format!("{}:{uid}:", std::process::id());
+        let Ok(entries) = std::fs::read_dir("/dev/shm") else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+                continue;
+            };
+            if !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()) {
+                match std::fs::remove_file(entry.path()) {
+                    Ok(()) => tracing::warn!(
+                        region = %entry.path().display(),
+                        "removed a stale shm region a killed process with this pid left"
+                    ),
+                    Err(e) => tracing::debug!(%e, "could not remove a stale shm region"),
+                }
+            }
+        }
+    });
+}
+
 impl FabricDomain {
     /// Opens NIC `nic` of the chosen provider: fabric, domain, CQ, AV and an enabled endpoint.
     pub(crate) fn open(
@@ -124,6 +159,9 @@ impl FabricDomain {
             return Err(TransportError::Domain("fi_dupinfo failed".to_owned()));
         }
         let candidate = &chosen.candidate;
+        if candidate.provider == "shm" {
+            clear_stale_shm_regions();
+        }
         let mut d = Self {
             lib,
             info,

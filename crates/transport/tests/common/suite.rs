@@ -158,12 +158,31 @@ pub(crate) fn unexpected_immediates(make: &Make<'_>) {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let s = seen.clone();
     b.on_unexpected_imm(move |imm, n| s.lock().unwrap().push((imm, n)));
+    let queue = b.unexpected_imms();
     let dst = b.alloc_mr(8).unwrap();
     a.submit_imm(123, dst.desc(), OnDone::nothing()).unwrap();
     wait_for("the handler", || !seen.lock().unwrap().is_empty());
     assert_eq!(seen.lock().unwrap()[0], (123, 1));
+    // The queue saw the same arrival, once, without the callback thread.
+    assert_eq!(
+        queue.recv_timeout(std::time::Duration::from_secs(5)),
+        Ok((123, 1))
+    );
+    assert!(queue.try_recv().is_err());
     assert_eq!(b.take_imm(123), 1);
     assert_eq!(b.take_imm(123), 0);
+    // An expected arrival fires its expectation and is not queued.
+    let expected = b.imm_count(77, 1);
+    a.submit_imm(77, dst.desc(), OnDone::nothing()).unwrap();
+    assert_eq!(block_on(expected), Ok(()));
+    a.submit_imm(124, dst.desc(), OnDone::nothing()).unwrap();
+    assert_eq!(
+        b.unexpected_imms()
+            .recv_timeout(std::time::Duration::from_secs(5)),
+        Ok((124, 1)),
+        "the next queued arrival is 124: 77 was expected"
+    );
+    assert_eq!(b.take_imm(124), 1);
 }
 
 pub(crate) fn scatter_and_barrier(make: &Make<'_>, peers: usize) {
