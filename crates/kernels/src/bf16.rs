@@ -12,13 +12,12 @@ pub fn to_f32(bits: u16) -> f32 {
 #[inline]
 pub fn from_f32(x: f32) -> u16 {
     let bits = x.to_bits();
-    if x.is_nan() {
-        // A quiet NaN with the sign kept; rounding could otherwise carry into infinity.
-        return ((bits >> 16) as u16) | 0x0040;
-    }
     let lsb = (bits >> 16) & 1;
-    let rounded = bits.wrapping_add(0x7fff + lsb);
-    (rounded >> 16) as u16
+    let rounded = (bits.wrapping_add(0x7fff + lsb) >> 16) as u16;
+    // A NaN becomes a quiet NaN with the sign kept (rounding could carry it into infinity).
+    // A select, not a branch, so loops over slices vectorise.
+    let nan = ((bits >> 16) as u16) | 0x0040;
+    if x.is_nan() { nan } else { rounded }
 }
 
 /// f64 to bf16 bits with a single rounding (through f32 would round twice).

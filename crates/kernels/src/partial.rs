@@ -54,6 +54,11 @@ impl Partial {
     /// shapes agree, `l >= 0` and finite, `m` finite where `l > 0` and `-inf` where `l = 0`,
     /// `o` finite (zero where `l = 0`).
     pub fn validate(&self) -> Result<(), KernelError> {
+        self.validate_rows(true)
+    }
+
+    /// [`Partial::validate`]; `check_o: false` skips the finiteness of `o` (checked already).
+    fn validate_rows(&self, check_o: bool) -> Result<(), KernelError> {
         let mq = self.m.len();
         check_len("partial l", mq, self.l.len())?;
         check_len("partial o", mq * D_LATENT, self.o.len())?;
@@ -70,7 +75,7 @@ impl Partial {
                 return bad("an empty row (l = 0) must have m = -inf");
             }
             let o = self.o_row(r);
-            if o.iter().any(|x| !x.is_finite()) {
+            if check_o && !all_finite(o) {
                 return bad("o must be finite");
             }
             if l == 0.0 && o.iter().any(|&x| x != 0.0) {
@@ -83,15 +88,58 @@ impl Partial {
     /// The wire encoding: per row, `o` as 512 bf16 (rounded to nearest even) then `m` and `l`
     /// as f32, little-endian: 1032 B per row.
     pub fn to_wire(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.rows() * PARTIAL_ROW_BYTES);
-        for r in 0..self.rows() {
-            for &x in self.o_row(r) {
-                out.extend_from_slice(&bf16::from_f32(x).to_le_bytes());
-            }
-            out.extend_from_slice(&self.m[r].to_le_bytes());
-            out.extend_from_slice(&self.l[r].to_le_bytes());
-        }
+        let mut out = vec![0u8; self.rows() * PARTIAL_ROW_BYTES];
+        // Cannot fail: the length is the encoding's.
+        let _ = self.write_wire(&mut out);
         out
+    }
+
+    /// [`Partial::to_wire`] into `out` (exactly `rows * 1032` bytes), with no allocation: what
+    /// a server encodes straight into registered memory. The loops are over fixed-size rows so
+    /// the compiler vectorises the rounding.
+    pub fn write_wire(&self, out: &mut [u8]) -> Result<(), KernelError> {
+        check_len(
+            "partial wire bytes",
+            self.rows() * PARTIAL_ROW_BYTES,
+            out.len(),
+        )?;
+        self.write_wire_rows(0, out)
+    }
+
+    /// Rows `first..first + out.len() / 1032` of [`Partial::to_wire`] into `out` (a whole
+    /// number of rows): one request's share of a batched partial.
+    pub fn write_wire_rows(&self, first: usize, out: &mut [u8]) -> Result<(), KernelError> {
+        check_len("partial o", self.rows() * D_LATENT, self.o.len())?;
+        check_len("partial l", self.rows(), self.l.len())?;
+        let n = out.len() / PARTIAL_ROW_BYTES;
+        check_len(
+            "partial wire bytes (whole rows)",
+            n * PARTIAL_ROW_BYTES,
+            out.len(),
+        )?;
+        if first.checked_add(n).is_none_or(|end| end > self.rows()) {
+            return Err(KernelError::Shape {
+                what: "partial rows to encode",
+                expected: self.rows().saturating_sub(first),
+                got: n,
+            });
+        }
+        let rows = first..first + n;
+        let (o, m, l) = (
+            &self.o[rows.start * D_LATENT..rows.end * D_LATENT],
+            &self.m[rows.clone()],
+            &self.l[rows],
+        );
+        match wire_isa() {
+            // SAFETY: the CPU has the features (checked once by `wire_isa`).
+            #[cfg(target_arch = "x86_64")]
+            WireIsa::Avx512 => unsafe { encode_avx512(o, m, l, out) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            WireIsa::Avx2 => unsafe { encode_avx2(o, m, l, out) },
+            WireIsa::Baseline => encode(o, m, l, out),
+        }
+        Ok(())
     }
 
     /// Decodes [`Partial::to_wire`]'s bytes, validating them (they come from a peer).
@@ -105,17 +153,157 @@ impl Partial {
         }
         let mq = bytes.len() / PARTIAL_ROW_BYTES;
         let mut p = Self::empty(mq);
-        for (r, row) in bytes.chunks_exact(PARTIAL_ROW_BYTES).enumerate() {
-            let (o, ml) = row.split_at(D_LATENT * 2);
-            for (d, b) in o.chunks_exact(2).enumerate() {
-                p.o[r * D_LATENT + d] = bf16::to_f32(u16::from_le_bytes([b[0], b[1]]));
-            }
-            p.m[r] = f32::from_le_bytes([ml[0], ml[1], ml[2], ml[3]]);
-            p.l[r] = f32::from_le_bytes([ml[4], ml[5], ml[6], ml[7]]);
+        // One pass converts and, per row, reduces the largest bf16 magnitude (exponent all
+        // ones = infinity or NaN); `validate`'s remaining row checks are scalar per row.
+        let mut worst = vec![0u16; mq];
+        match wire_isa() {
+            // SAFETY: the CPU has the features (checked once by `wire_isa`).
+            #[cfg(target_arch = "x86_64")]
+            WireIsa::Avx512 => unsafe { decode_avx512(bytes, &mut p, &mut worst) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            WireIsa::Avx2 => unsafe { decode_avx2(bytes, &mut p, &mut worst) },
+            WireIsa::Baseline => decode(bytes, &mut p, &mut worst),
         }
-        p.validate()?;
+        if let Some(row) = worst.iter().position(|&w| w >= 0x7f80) {
+            return Err(KernelError::InvalidPartial {
+                row,
+                why: "o must be finite",
+            });
+        }
+        p.validate_rows(false)?;
         Ok(p)
     }
+}
+
+/// Which compiled copy of the wire loops runs (the same loops, built for wider vectors).
+#[derive(Clone, Copy)]
+enum WireIsa {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Baseline,
+}
+
+fn wire_isa() -> WireIsa {
+    static ISA: std::sync::OnceLock<WireIsa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+            {
+                return WireIsa::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return WireIsa::Avx2;
+            }
+        }
+        WireIsa::Baseline
+    })
+}
+
+/// Rows of `(o, m, l)` into their wire bytes.
+#[inline(always)]
+fn encode(o: &[f32], m: &[f32], l: &[f32], out: &mut [u8]) {
+    for (((row, src), m), l) in out
+        .chunks_exact_mut(PARTIAL_ROW_BYTES)
+        .zip(o.chunks_exact(D_LATENT))
+        .zip(m)
+        .zip(l)
+    {
+        let (dst, ml) = row.split_at_mut(D_LATENT * 2);
+        for (d, &x) in dst.chunks_exact_mut(2).zip(src) {
+            d.copy_from_slice(&bf16::from_f32(x).to_le_bytes());
+        }
+        ml[..4].copy_from_slice(&m.to_le_bytes());
+        ml[4..8].copy_from_slice(&l.to_le_bytes());
+    }
+}
+
+/// Wire bytes into `p`, and per row the largest `bits & 0x7fff` of its o.
+#[inline(always)]
+fn decode(bytes: &[u8], p: &mut Partial, worst: &mut [u16]) {
+    for ((((row, o), m), l), w) in bytes
+        .chunks_exact(PARTIAL_ROW_BYTES)
+        .zip(p.o.chunks_exact_mut(D_LATENT))
+        .zip(p.m.iter_mut())
+        .zip(p.l.iter_mut())
+        .zip(worst.iter_mut())
+    {
+        let (src, ml) = row.split_at(D_LATENT * 2);
+        let mut big = 0u16;
+        for (x, b) in o.iter_mut().zip(src.chunks_exact(2)) {
+            let bits = u16::from_le_bytes([b[0], b[1]]);
+            big = big.max(bits & 0x7fff);
+            *x = bf16::to_f32(bits);
+        }
+        *w = big;
+        *m = f32::from_le_bytes([ml[0], ml[1], ml[2], ml[3]]);
+        *l = f32::from_le_bytes([ml[4], ml[5], ml[6], ml[7]]);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn encode_avx512(o: &[f32], m: &[f32], l: &[f32], out: &mut [u8]) {
+    encode(o, m, l, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn encode_avx2(o: &[f32], m: &[f32], l: &[f32], out: &mut [u8]) {
+    encode(o, m, l, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn decode_avx512(bytes: &[u8], p: &mut Partial, worst: &mut [u16]) {
+    decode(bytes, p, worst);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn decode_avx2(bytes: &[u8], p: &mut Partial, worst: &mut [u16]) {
+    decode(bytes, p, worst);
+}
+
+/// Whether every value is finite: an integer reduction with no early exit over the exponent
+/// bits, which the compiler turns into vector compares (the check runs on every partial a
+/// requester receives).
+fn all_finite(values: &[f32]) -> bool {
+    match wire_isa() {
+        // SAFETY: the CPU has the features (checked once by `wire_isa`).
+        #[cfg(target_arch = "x86_64")]
+        WireIsa::Avx512 => unsafe { all_finite_avx512(values) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        WireIsa::Avx2 => unsafe { all_finite_avx2(values) },
+        WireIsa::Baseline => all_finite_in(values),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn all_finite_avx512(values: &[f32]) -> bool {
+    all_finite_in(values)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn all_finite_avx2(values: &[f32]) -> bool {
+    all_finite_in(values)
+}
+
+#[inline(always)]
+fn all_finite_in(values: &[f32]) -> bool {
+    let mut worst = 0i32;
+    for &x in values {
+        // Non-negative as i32 after the mask; >= 0x7f80_0000 is infinity or NaN.
+        worst = worst.max((x.to_bits() & 0x7fff_ffff) as i32);
+    }
+    worst < 0x7f80_0000
 }
 
 /// Query rows on the wire: 576 bf16 little-endian per row, 1152 B.
@@ -137,4 +325,86 @@ pub fn queries_from_wire(bytes: &[u8]) -> Result<Vec<u16>, KernelError> {
         .chunks_exact(2)
         .map(|b| u16::from_le_bytes([b[0], b[1]]))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn sample(mq: usize) -> Partial {
+        let mut p = Partial::empty(mq);
+        for r in 0..mq {
+            for (d, o) in p.o[r * D_LATENT..(r + 1) * D_LATENT].iter_mut().enumerate() {
+                *o = ((r * 7919 + d * 104_729) % 2001) as f32 / 1000.0 - 1.0 + 1.0 / 3.0;
+            }
+            p.m[r] = r as f32 * 0.25 - 3.0;
+            p.l[r] = 1.0 + r as f32;
+        }
+        p
+    }
+
+    #[test]
+    fn wire_rows_are_slices_of_the_whole_encoding() {
+        let p = sample(5);
+        let whole = p.to_wire();
+        assert_eq!(whole.len(), 5 * PARTIAL_ROW_BYTES);
+        let mut part = vec![0u8; 2 * PARTIAL_ROW_BYTES];
+        p.write_wire_rows(1, &mut part).unwrap();
+        assert_eq!(part, whole[PARTIAL_ROW_BYTES..3 * PARTIAL_ROW_BYTES]);
+        // Out of range, ragged, and overflowing requests are refused.
+        assert!(p.write_wire_rows(4, &mut part).is_err());
+        assert!(p.write_wire_rows(usize::MAX, &mut part).is_err());
+        assert!(p.write_wire_rows(0, &mut [0u8; 1031]).is_err());
+        assert!(p.write_wire(&mut part).is_err());
+    }
+
+    #[test]
+    fn wire_decode_names_the_row_with_a_non_finite_or_stray_o() {
+        let p = sample(4);
+        for (bits, row, d) in [
+            (0x7f80u16, 2usize, 0usize),
+            (0xff80, 1, 511),
+            (0x7fc1, 3, 77),
+        ] {
+            let mut bytes = p.to_wire();
+            let at = row * PARTIAL_ROW_BYTES + d * 2;
+            bytes[at..at + 2].copy_from_slice(&bits.to_le_bytes());
+            assert_eq!(
+                Partial::from_wire(&bytes),
+                Err(KernelError::InvalidPartial {
+                    row,
+                    why: "o must be finite"
+                }),
+                "bits {bits:#x} at row {row}"
+            );
+        }
+        // The largest finite bf16 passes; an empty row with a nonzero o does not.
+        let mut bytes = p.to_wire();
+        bytes[5 * 2..5 * 2 + 2].copy_from_slice(&0x7f7fu16.to_le_bytes());
+        assert!(Partial::from_wire(&bytes).is_ok());
+        let mut empty = Partial::empty(2);
+        empty.o[D_LATENT + 3] = 0.5;
+        assert!(matches!(
+            Partial::from_wire(&empty.to_wire()),
+            Err(KernelError::InvalidPartial { row: 1, .. })
+        ));
+        // The dispatched finiteness check agrees with the scalar one.
+        let mut o = vec![1.0f32; 1000];
+        assert!(all_finite(&o) && all_finite_in(&o));
+        o[999] = f32::NEG_INFINITY;
+        assert!(!all_finite(&o) && !all_finite_in(&o));
+    }
+
+    #[test]
+    fn wire_round_trip_rounds_o_once_and_keeps_m_and_l() {
+        let p = sample(3);
+        let back = Partial::from_wire(&p.to_wire()).unwrap();
+        for (a, b) in p.o.iter().zip(&back.o) {
+            assert_eq!(*b, bf16::to_f32(bf16::from_f32(*a)));
+        }
+        assert_eq!(back.m, p.m);
+        assert_eq!(back.l, p.l);
+    }
 }
