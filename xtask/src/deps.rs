@@ -34,6 +34,10 @@ pub(crate) const SYSTEM_PACKAGES: &[SystemPackage] = &[
         apt: "iproute2",
         needed_for: "`ip netns`, the two-host fabric tests",
     },
+    SystemPackage {
+        apt: "fonts-dejavu-core",
+        needed_for: "the text of `kvroute sweep`'s PNG plots (plotters draws with a TrueType font)",
+    },
 ];
 
 /// What `deps` will do, decided from facts about the machine (kept pure so it is testable).

@@ -41,6 +41,9 @@ pub enum Command {
     Demo(DemoArgs),
     /// Serve chunks of a synthetic corpus to requesters (started by `demo`, or by hand).
     Holder(HolderArgs),
+    /// Measure route (against the raw write round trip) over Mq and fetch over ct between
+    /// processes, fit the cost model, write plots and the raw samples.
+    Sweep(SweepArgs),
 }
 
 /// `kvroute kernel ...`.
@@ -460,4 +463,72 @@ pub struct HolderArgs {
     /// Concurrent requesters served before pushing back (paper 000 section 6.3: 8).
     #[arg(long, default_value_t = 8)]
     pub max_requesters: usize,
+    /// Bytes of each requester's inbox slot and reply staging (the largest request).
+    #[arg(long, default_value_t = 4 << 20)]
+    pub slot_bytes: usize,
+    /// Who progresses the engine: `thread` (a worker that parks when idle, for machines with
+    /// more processes than cores) or `manual` (the serving thread polls: lowest latency, one
+    /// busy core).
+    #[arg(long, value_enum, default_value = "thread")]
+    pub progress: ProgressArg,
+}
+
+/// Who progresses an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProgressArg {
+    /// A worker thread per engine; idle workers poll every 50 us.
+    Thread,
+    /// The application's own thread polls (no worker thread).
+    Manual,
+}
+
+impl std::fmt::Display for ProgressArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Thread => "thread",
+            Self::Manual => "manual",
+        })
+    }
+}
+
+/// `kvroute sweep`.
+#[derive(Debug, Clone, Args)]
+pub struct SweepArgs {
+    /// libfabric provider: auto (shm if present, else tcp), shm or tcp.
+    #[arg(long, default_value = "auto")]
+    pub provider: String,
+    /// Query rows per route request, comma separated.
+    #[arg(long, default_value = "1,4,16,64,256,1024,4096", value_delimiter = ',')]
+    pub mq: Vec<u32>,
+    /// Chunk tokens the route sweep attends (one layer), and the decode point's ct.
+    #[arg(long, default_value_t = 2048)]
+    pub route_ct: u32,
+    /// Chunk sizes the fetch sweep pulls (every layer), comma separated.
+    #[arg(
+        long,
+        default_value = "64,128,256,512,1024,2048,4096,8192",
+        value_delimiter = ','
+    )]
+    pub ct: Vec<u32>,
+    /// Concurrent requesters for the holder-capacity sweep, comma separated (empty: skip).
+    #[arg(long, default_value = "1,2,4,8,16,32,64", value_delimiter = ',')]
+    pub concurrency: Vec<u32>,
+    /// Query rows each concurrent requester routes (one decode token of DeepSeek-V2-Lite).
+    #[arg(long, default_value_t = 16)]
+    pub concurrency_mq: u32,
+    /// Repetitions per point (medians are reported; every sample is in the JSON).
+    #[arg(long, default_value_t = 7)]
+    pub reps: u32,
+    /// Who progresses the engines (see `kvroute holder --progress`).
+    #[arg(long, value_enum, default_value = "manual")]
+    pub progress: ProgressArg,
+    /// Where the PNG plots and sweep.json go.
+    #[arg(long, default_value = "target/sweep")]
+    pub out: std::path::PathBuf,
+    /// No progress bar (it is also hidden when stderr is not a terminal).
+    #[arg(long)]
+    pub quiet: bool,
+    /// Seed of the corpus and queries.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
 }

@@ -27,10 +27,10 @@ use kvroute_kernels::{
 };
 use kvroute_kvstore::corpus::queries;
 use kvroute_kvstore::{ChunkId, CorpusSpec, FullBlock};
-use kvroute_transport::{EngineConfig, FabricConfig, ProviderChoice, TransferEngine};
+use kvroute_transport::{EngineConfig, FabricConfig, Progress, ProviderChoice, TransferEngine};
 use serde::Serialize;
 
-use crate::args::{DemoArgs, HolderArgs};
+use crate::args::{DemoArgs, HolderArgs, ProgressArg};
 use crate::route::{Call, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse};
 
 /// DeepSeek-V2-Lite's softmax scale (kernels' `deepseek_softmax_scale(192, 40, 0.707)`).
@@ -180,7 +180,7 @@ impl fmt::Display for DemoReport {
     }
 }
 
-fn provider_for(name: &str) -> Result<ProviderChoice> {
+pub(crate) fn provider_for(name: &str) -> Result<ProviderChoice> {
     if name != "auto" {
         return Ok(name.parse()?);
     }
@@ -192,7 +192,23 @@ fn provider_for(name: &str) -> Result<ProviderChoice> {
     })
 }
 
-fn fabric_engine(provider: &ProviderChoice) -> Result<(TransferEngine, String)> {
+pub(crate) fn fabric_engine(provider: &ProviderChoice) -> Result<(TransferEngine, String)> {
+    fabric_engine_with(provider, ProgressArg::Thread)
+}
+
+/// An engine on `provider`; with worker threads, idle workers poll every 50 us (several
+/// processes share two cores here), with manual progress the caller's thread polls.
+pub(crate) fn fabric_engine_with(
+    provider: &ProviderChoice,
+    progress: ProgressArg,
+) -> Result<(TransferEngine, String)> {
+    let engine_config = EngineConfig {
+        progress: match progress {
+            ProgressArg::Thread => Progress::Thread,
+            ProgressArg::Manual => Progress::Manual,
+        },
+        ..EngineConfig::default()
+    };
     let config = FabricConfig {
         provider: provider.clone(),
         required: true,
@@ -203,7 +219,7 @@ fn fabric_engine(provider: &ProviderChoice) -> Result<(TransferEngine, String)> 
         op_timeout: Duration::from_secs(3),
         ..FabricConfig::default()
     };
-    let (engine, report) = TransferEngine::fabric(&config, EngineConfig::default())?;
+    let (engine, report) = TransferEngine::fabric(&config, engine_config)?;
     Ok((engine, report.provider))
 }
 
@@ -233,9 +249,11 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
         .map(|c| c.trim().parse().map(ChunkId))
         .collect::<Result<Vec<_>, _>>()
         .context("--chunks: comma-separated ids")?;
-    let (engine, _) = fabric_engine(&args.provider.parse()?)?;
+    let (engine, _) = fabric_engine_with(&args.provider.parse()?, args.progress)?;
     let mut config = HolderConfig::new(spec, chunks);
     config.max_requesters = args.max_requesters;
+    config.slot_bytes = args.slot_bytes;
+    config.reply_bytes = args.slot_bytes;
     let holder = Holder::start(engine, TcpListener::bind(&args.listen)?, config)?;
     println!(
         "{}",
@@ -249,9 +267,9 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
     Ok(())
 }
 
-struct HolderProcess {
+pub(crate) struct HolderProcess {
     child: Child,
-    addr: SocketAddr,
+    pub(crate) addr: SocketAddr,
 }
 
 impl Drop for HolderProcess {
@@ -274,14 +292,30 @@ fn spawn_holders(
     spec: &CorpusSpec,
     provider: &ProviderChoice,
 ) -> Result<Vec<HolderProcess>> {
+    let n = args.holders;
+    (0..n)
+        .map(|h| {
+            let chunks: Vec<u32> = (0..args.replicas)
+                .map(|r| ((h + n - r) % n) as u32)
+                .collect();
+            spawn_holder(spec, provider, &chunks, &[])
+        })
+        .collect()
+}
+
+/// Starts one `kvroute holder` process serving `chunks` of `spec`, with `extra` arguments,
+/// and waits for its control address.
+pub(crate) fn spawn_holder(
+    spec: &CorpusSpec,
+    provider: &ProviderChoice,
+    chunks: &[u32],
+    extra: &[String],
+) -> Result<HolderProcess> {
     let exe = std::env::current_exe().context("finding the kvroute binary")?;
     let corpus = serde_json::to_string(spec)?;
-    let n = args.holders;
-    let mut out = Vec::new();
-    for h in 0..n {
-        let chunks: Vec<String> = (0..args.replicas)
-            .map(|r| ((h + n - r) % n).to_string())
-            .collect();
+    let chunks: Vec<String> = chunks.iter().map(u32::to_string).collect();
+    let h = chunks.join(",");
+    {
         let mut child = Command::new(&exe)
             .args([
                 "holder",
@@ -290,8 +324,9 @@ fn spawn_holders(
                 "--corpus",
                 &corpus,
                 "--chunks",
-                &chunks.join(","),
+                &h,
             ])
+            .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -309,9 +344,8 @@ fn spawn_holders(
             .as_str()
             .ok_or_else(|| anyhow!("holder {h} gave no address"))?
             .parse()?;
-        out.push(HolderProcess { child, addr });
+        Ok(HolderProcess { child, addr })
     }
-    Ok(out)
 }
 
 fn max_abs(a: &Partial, b: &Partial) -> f32 {
@@ -397,6 +431,8 @@ pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
         link_bytes: 4 << 20,
         pool_pages: spec.layout().pages() as u32 * spec.chunks,
         scale: SCALE,
+        tag: 0,
+        spin: Duration::from_millis(1),
     };
     let mut req = Requester::connect(
         engine,

@@ -3,9 +3,10 @@
 //! only parses, calls [`run`] and prints; tests call [`run`] directly.
 //!
 //! Commands: `predict` (route / fetch / local for one request), `plan prfaas`, `plan helix`,
-//! `presets`, `tour` (the papers' operating points; what `cargo xtask demo` runs until the
-//! end-to-end demo exists), `bench transport`, `bench fabric`, `bench kernels`, and
-//! `kernel partial | merge | splice | gpu-info` (the kernels on .npy files).
+//! `presets`, `tour` (the papers' operating points), `bench transport`, `bench fabric`,
+//! `bench kernels`, `kernel partial | merge | splice | gpu-info` (the kernels on .npy files),
+//! `demo` and `holder` (the main job end to end) and `sweep` (route and fetch measured between
+//! processes, fitted and plotted).
 
 // `route` borrows registered memory without copies (each `unsafe` states its protocol reason).
 #![deny(unsafe_code)]
@@ -22,6 +23,7 @@ mod predict;
 mod presets;
 #[allow(unsafe_code)]
 pub mod route;
+mod sweep;
 mod tour;
 mod units;
 
@@ -35,6 +37,7 @@ pub use kernel::{GpuReport, KernelReport};
 pub use plan::{HelixReport, PrfaasReport};
 pub use predict::PredictReport;
 pub use presets::PresetsReport;
+pub use sweep::SweepReport;
 pub use tour::{Figure, StopResult, TourReport, TourStop};
 
 /// Runs `cli` and returns what to print: pretty JSON with `--json`, text otherwise.
@@ -62,6 +65,7 @@ pub fn run(cli: &Cli) -> Result<String> {
             }
             Ok(text)
         }
+        Command::Sweep(args) => render(cli.json, &sweep::run(args)?),
         Command::Holder(args) => {
             demo::holder(args)?;
             Ok(String::new())

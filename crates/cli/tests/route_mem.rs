@@ -52,6 +52,8 @@ fn requester(fabric: &MemFabric, holders: &[&Holder]) -> Result<Requester> {
         link_bytes: 1 << 20,
         pool_pages: 64,
         scale: SCALE,
+        tag: 0,
+        spin: Duration::from_millis(1),
     };
     Requester::connect(
         TransferEngine::mem(fabric, 1)?,
@@ -330,14 +332,73 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
         OnDone::nothing(),
     )?;
     rogue.submit_imm(0x1234_5678, &welcome.inbox, OnDone::nothing())?;
+    // Forged pings: a reply longer than the holder's staging, and a ping immediate over a
+    // slot that holds no ping header. Both are refused without a write.
+    let before = req.holder_stats(0)?;
+    let mut ping = [0u8; wire::PING_HEADER];
+    wire::encode_ping(&mut ping, u32::MAX, 0);
+    buf.write_at(0, &ping)?;
+    let ping_imm = wire::ping_imm(welcome.session, 1);
+    rogue.submit_single_write(
+        16,
+        Some(ping_imm),
+        (buf.handle(), 0),
+        inbox,
+        OnDone::nothing(),
+    )?;
+    buf.fill(0xab);
+    rogue.submit_single_write(
+        64,
+        Some(ping_imm),
+        (buf.handle(), 0),
+        inbox,
+        OnDone::nothing(),
+    )?;
     std::thread::sleep(Duration::from_millis(50));
     assert!(
         req.route(&calls[2..])[0].is_ok(),
-        "still serving after a stray immediate"
+        "still serving after a stray immediate and forged pings"
     );
     let stats = req.holder_stats(0)?;
-    assert!(stats.refused >= 4, "{stats:?}");
+    assert_eq!(stats.pings, before.pings, "no forged ping answered");
+    assert!(stats.refused >= before.refused + 2, "{stats:?}");
+    assert!(stats.refused >= 6, "{stats:?}");
     assert!(stats.stray_imms >= 2, "{stats:?}");
+    Ok(())
+}
+
+#[test]
+fn ping_is_a_raw_round_trip_of_the_asked_sizes() -> Result<()> {
+    let fabric = MemFabric::new();
+    let a = holder(&fabric, &[0], 2)?;
+    let mut req = requester(&fabric, &[&a])?;
+    for (out, back) in [
+        (wire::PING_HEADER, 1),
+        (300_000, 264_000),
+        (1 << 20, 1 << 20),
+    ] {
+        let rtt = req.ping(0, out, back)?;
+        assert!(rtt > Duration::ZERO);
+    }
+    assert_eq!(req.holder_stats(0)?.pings, 3);
+    assert_eq!(req.holder_stats(0)?.requests, 0, "a ping is not a request");
+    // Sizes the link or the holder cannot take are refused before anything is sent.
+    assert!(matches!(req.ping(0, 8, 1), Err(RouteError::TooLarge(8))));
+    assert!(matches!(req.ping(0, 64, 0), Err(RouteError::TooLarge(0))));
+    assert!(matches!(
+        req.ping(0, 64, (1 << 20) + 1),
+        Err(RouteError::TooLarge(_))
+    ));
+    assert!(matches!(req.ping(7, 64, 64), Err(RouteError::NoHolder(_))));
+    // And routing still works on the same link afterwards.
+    let q = vec![0x3f80u16; D_QK];
+    let call = Call {
+        chunk: ChunkId(0),
+        layer: 0,
+        queries: &q,
+        sparse: None,
+    };
+    assert!(req.route(&[call])[0].is_ok());
     Ok(())
 }
 

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use crossbeam_channel::{Receiver, RecvTimeoutError, unbounded};
+use crossbeam_channel::{Receiver, RecvTimeoutError};
 use kvroute_kernels::{Backend, Cache, Partial, Queries, Selection, partial_dense, partial_sparse};
 use kvroute_kvstore::{ChunkEntry, ChunkId, CorpusSpec, FullBlock, PAGE_BYTES};
 use kvroute_transport::{MrDesc, OnDone, Pages, RegisteredBuffer, TransferEngine};
@@ -38,10 +38,15 @@ pub struct HolderConfig {
     pub reply_bytes: usize,
     /// Which kernels run the partials.
     pub backend: Backend,
+    /// How long the serving thread keeps polling for arrivals after its last batch before it
+    /// blocks (with worker threads; under manual progress it polls while any session is open,
+    /// as nobody else progresses the engine).
+    pub idle_spin: Duration,
 }
 
 impl HolderConfig {
-    /// Defaults for `corpus` and `chunks`: 8 requesters, 4 MiB slots and replies, CPU kernels.
+    /// Defaults for `corpus` and `chunks`: 8 requesters, 4 MiB slots and replies, CPU kernels,
+    /// 200 us of polling after each batch.
     pub fn new(corpus: CorpusSpec, chunks: Vec<ChunkId>) -> Self {
         Self {
             corpus,
@@ -50,6 +55,7 @@ impl HolderConfig {
             slot_bytes: 4 << 20,
             reply_bytes: 4 << 20,
             backend: Backend::Cpu,
+            idle_spin: Duration::from_micros(200),
         }
     }
 }
@@ -131,10 +137,9 @@ impl Holder {
         }
         let inbox = engine.alloc_mr(config.slot_bytes * config.max_requesters)?;
         let staging = engine.alloc_mr(config.reply_bytes * config.max_requesters)?;
-        let (tx, rx) = unbounded();
-        engine.on_unexpected_imm(move |imm, _count| {
-            let _ = tx.send(imm);
-        });
+        // Arrivals straight from the progress pass: no callback-thread hop on the way to the
+        // serving thread.
+        let rx = engine.unexpected_imms();
         let shared = Arc::new(Shared {
             engine,
             sessions: Mutex::new(vec![None; config.max_requesters]),
@@ -290,58 +295,156 @@ impl Shared {
         }
     }
 
-    /// The serving loop: wait for request immediates, then serve everything that is complete.
-    fn serve(&self, rx: &Receiver<u32>) {
-        // Arrivals counted per session, until a request's shards are all in.
+    /// The serving loop: take arrived immediates, answer pings, serve every complete request
+    /// as one batch; poll for `idle_spin` after a batch, then block (or, under manual
+    /// progress, keep progressing the engine).
+    fn serve(&self, rx: &Receiver<(u32, u64)>) {
+        let manual = self.engine.manual_progress();
+        // Arrivals counted per session, until a request's (or ping's) shards are all in.
         let mut arrived = vec![0u64; self.config.max_requesters];
+        let mut pinged = vec![0u64; self.config.max_requesters];
+        let mut idle_since: Option<Instant> = None;
+        let mut spins = 0u32;
+        let mut first = None;
         while !self.stop.load(Ordering::Acquire) {
-            let first = match rx.recv_timeout(Duration::from_millis(20)) {
-                Ok(imm) => imm,
-                Err(RecvTimeoutError::Timeout) => continue,
-                Err(RecvTimeoutError::Disconnected) => return,
-            };
-            let mut ready = Vec::new();
-            for imm in std::iter::once(first).chain(rx.try_iter()) {
-                let count = self.engine.take_imm(imm);
-                match wire::parse_request_imm(imm) {
-                    Some((session, shards)) if usize::from(session) < arrived.len() => {
-                        let n = &mut arrived[usize::from(session)];
-                        *n += count;
-                        if *n >= shards {
-                            *n -= shards;
-                            ready.push(usize::from(session));
-                        }
+            if manual {
+                // Until nothing moves (bounded): arrivals that need several passes (a
+                // rendezvous over tcp;ofi_rxm) complete now, so requests that came in during
+                // the last kernel call are batched together instead of one per call.
+                for _ in 0..64 {
+                    if !self.engine.progress() {
+                        break;
                     }
-                    _ => lock(&self.stats).stray_imms += count,
                 }
+            }
+            let mut ready = Vec::new();
+            let mut pings = Vec::new();
+            for (imm, _) in first.take().into_iter().chain(rx.try_iter()) {
+                // The counter has every arrival of `imm` so far; later queue entries of the
+                // same value then take 0.
+                let count = self.engine.take_imm(imm);
+                if count == 0 {
+                    continue;
+                }
+                let (session, shards, counts, out) =
+                    match (wire::parse_request_imm(imm), wire::parse_ping_imm(imm)) {
+                        (Some((s, n)), _) => (s, n, &mut arrived, &mut ready),
+                        (_, Some((s, n))) => (s, n, &mut pinged, &mut pings),
+                        _ => {
+                            lock(&self.stats).stray_imms += count;
+                            continue;
+                        }
+                    };
+                let Some(n) = counts.get_mut(usize::from(session)) else {
+                    lock(&self.stats).stray_imms += count;
+                    continue;
+                };
+                *n += count;
+                while *n >= shards {
+                    *n -= shards;
+                    out.push(usize::from(session));
+                }
+            }
+            for &slot in &pings {
+                self.pong(slot);
             }
             if !ready.is_empty() {
                 self.serve_batch(&ready);
             }
+            if !ready.is_empty() || !pings.is_empty() {
+                idle_since = None;
+                continue;
+            }
+            // Idle: poll (yielding the core now and then), then block.
+            spins = spins.wrapping_add(1);
+            if !spins.is_multiple_of(64) {
+                std::hint::spin_loop();
+                continue;
+            }
+            let since = *idle_since.get_or_insert_with(Instant::now);
+            if manual {
+                if lock(&self.sessions).iter().any(Option::is_some) {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                continue;
+            }
+            if since.elapsed() < self.config.idle_spin {
+                std::thread::yield_now();
+                continue;
+            }
+            match rx.recv_timeout(Duration::from_millis(20)) {
+                Ok(arrival) => first = Some(arrival),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+            idle_since = None;
+        }
+    }
+
+    /// Answers a ping: the requested number of bytes from the session's staging into its
+    /// reply region, with its reply immediate. No parsing beyond the 16-byte header, no kernel.
+    fn pong(&self, slot: usize) {
+        let Some(session) = lock(&self.sessions)[slot].clone() else {
+            lock(&self.stats).stray_imms += 1;
+            return;
+        };
+        let mut header = [0u8; wire::PING_HEADER];
+        let parsed = self
+            .inbox
+            .read_at(slot * self.config.slot_bytes, &mut header)
+            .ok()
+            .and_then(|()| wire::parse_ping(&header));
+        let Some((len, offset)) =
+            parsed.filter(|(len, _)| (1..=self.config.reply_bytes).contains(len))
+        else {
+            lock(&self.stats).refused += 1;
+            return;
+        };
+        let result = self.engine.submit_single_write(
+            len as u64,
+            Some(session.hello.reply_imm),
+            (
+                self.staging.handle(),
+                (slot * self.config.reply_bytes) as u64,
+            ),
+            (&session.hello.reply, offset),
+            OnDone::nothing(),
+        );
+        let mut stats = lock(&self.stats);
+        match result {
+            Ok(()) => stats.pings += 1,
+            Err(_) => stats.refused += 1,
         }
     }
 
     fn serve_batch(&self, ready: &[usize]) {
+        let started = Instant::now();
         let sessions: Vec<(usize, Option<Session>)> = {
             let all = lock(&self.sessions);
             ready.iter().map(|&s| (s, all[s].clone())).collect()
         };
-        // Copy each slot before parsing: the requester cannot change what is being checked.
-        let slots: Vec<(usize, Session, Vec<u8>)> = sessions
+        // Each slot is parsed in place: the requester writes it only after the reply to its
+        // previous request and before the immediate of this one (the protocol), so nothing
+        // writes it while this batch reads it. A requester that breaks the protocol changes
+        // only the values of its own request, never a bound: the parser reads every length,
+        // offset and count once and slices are bounds-checked.
+        let slots: Vec<(usize, Session, &[u8])> = sessions
             .into_iter()
             .filter_map(|(slot, session)| {
                 let Some(session) = session else {
                     lock(&self.stats).stray_imms += 1;
                     return None;
                 };
-                let mut bytes = vec![0u8; self.config.slot_bytes];
                 let mut header = [0u8; wire::REQUEST_HEADER];
                 let base = slot * self.config.slot_bytes;
                 self.inbox.read_at(base, &mut header).ok()?;
                 let total =
                     u32::from_le_bytes([header[24], header[25], header[26], header[27]]) as usize;
-                bytes.truncate(total.clamp(wire::REQUEST_HEADER, self.config.slot_bytes));
-                self.inbox.read_at(base, &mut bytes).ok()?;
+                let len = total.clamp(wire::REQUEST_HEADER, self.config.slot_bytes);
+                // SAFETY: see above; the range is inside this session's slot.
+                let bytes = unsafe { self.inbox.bytes(base, len) }.ok()?;
                 Some((slot, session, bytes))
             })
             .collect();
@@ -351,9 +454,11 @@ impl Shared {
             .map(|(_, _, bytes)| Request::parse(bytes))
             .collect();
         stats.requests += requests.len() as u64;
-        // Per request: its statuses and, per segment, its encoded partial rows.
+        // Per request: its statuses and, per segment, where its partial rows are: (index into
+        // `partials`, first row).
         let mut statuses: Vec<Vec<Status>> = Vec::new();
-        let mut rows: Vec<Vec<Vec<u8>>> = Vec::new();
+        let mut rows: Vec<Vec<Option<(usize, usize)>>> = Vec::new();
+        let mut partials: Vec<Partial> = Vec::new();
         // (chunk, layer, kind key, scale bits) -> the (request, segment) pairs of the group.
         let mut groups: BTreeMap<GroupKey, Vec<(usize, usize)>> = BTreeMap::new();
         for (r, req) in requests.iter().enumerate() {
@@ -363,7 +468,7 @@ impl Shared {
                 continue;
             };
             statuses.push(vec![Status::Ok; req.segments.len()]);
-            rows.push(vec![Vec::new(); req.segments.len()]);
+            rows.push(vec![None; req.segments.len()]);
             for (s, seg) in req.segments.iter().enumerate() {
                 let seg = match seg {
                     Ok(seg) => seg,
@@ -412,27 +517,45 @@ impl Shared {
                     Some((r, s, seg))
                 })
                 .collect();
-            let mut queries = Vec::new();
-            let mut indices = Vec::new();
-            for (_, _, seg) in &segs {
-                queries.extend(seg.queries());
-                indices.extend(seg.indices());
-            }
-            let started = Instant::now();
-            let result = self.attend(chunk, layer, key, f32::from_bits(scale), &queries, &indices);
-            stats.kernel_us += started.elapsed().as_secs_f64() * 1e6;
+            // One segment (the common case): attend straight from the slot. Several: the
+            // rows (and indices) are gathered into one batch.
+            let owned;
+            let (queries, indices): (&[u16], Vec<i32>) = match segs.as_slice() {
+                [(_, _, seg)] => match seg.query_words() {
+                    Some(words) => (words, seg.indices()),
+                    None => {
+                        owned = seg.queries();
+                        (&owned, seg.indices())
+                    }
+                },
+                _ => {
+                    let mut q = Vec::new();
+                    let mut idx = Vec::new();
+                    for (_, _, seg) in &segs {
+                        match seg.query_words() {
+                            Some(words) => q.extend_from_slice(words),
+                            None => q.extend(seg.queries()),
+                        }
+                        idx.extend(seg.indices());
+                    }
+                    owned = q;
+                    (&owned, idx)
+                }
+            };
+            let kernel_started = Instant::now();
+            let result = self.attend(chunk, layer, key, f32::from_bits(scale), queries, &indices);
+            stats.kernel_us += kernel_started.elapsed().as_secs_f64() * 1e6;
             stats.kernel_calls += 1;
             match result {
                 Ok(partial) => {
                     stats.rows += partial.rows() as u64;
-                    let wire = partial.to_wire();
                     let mut at = 0;
                     for (r, s, seg) in &segs {
-                        let n = seg.rows * kvroute_kernels::layout::PARTIAL_ROW_BYTES;
-                        rows[*r][*s] = wire[at..at + n].to_vec();
-                        at += n;
+                        rows[*r][*s] = Some((partials.len(), at));
+                        at += seg.rows;
                         stats.segments += 1;
                     }
+                    partials.push(partial);
                 }
                 Err(e) => {
                     // One bad segment (an index out of range) must not fail the others: redo
@@ -448,7 +571,8 @@ impl Shared {
                             &seg.indices(),
                         ) {
                             Ok(p) => {
-                                rows[*r][*s] = p.to_wire();
+                                rows[*r][*s] = Some((partials.len(), 0));
+                                partials.push(p);
                                 stats.segments += 1;
                             }
                             Err(_) => statuses[*r][*s] = Status::Kernel,
@@ -458,9 +582,17 @@ impl Shared {
             }
         }
         for (r, (slot, session, _)) in slots.iter().enumerate() {
-            let (status, seq, reply_offset) = match &requests[r] {
-                Ok(req) => (Status::Ok, req.seq, req.reply_offset),
-                Err((status, Some((seq, off)))) => (*status, *seq, *off),
+            let (status, seq, reply_offset, seg_rows) = match &requests[r] {
+                Ok(req) => (
+                    Status::Ok,
+                    req.seq,
+                    req.reply_offset,
+                    req.segments
+                        .iter()
+                        .map(|s| s.as_ref().map_or(0, wire::Segment::reply_rows))
+                        .collect(),
+                ),
+                Err((status, Some((seq, off)))) => (*status, *seq, *off, Vec::new()),
                 Err((_, None)) => {
                     // Nothing says where to answer: the requester times out.
                     stats.refused += 1;
@@ -469,22 +601,27 @@ impl Shared {
             };
             stats.refused += statuses[r].iter().filter(|s| **s != Status::Ok).count() as u64
                 + u64::from(status != Status::Ok);
-            self.reply(
-                *slot,
-                session,
+            let answer = ReplyPlan {
                 status,
                 seq,
                 reply_offset,
-                &statuses[r],
-                &rows[r],
-            );
+                statuses: &statuses[r],
+                rows: &rows[r],
+                seg_rows: &seg_rows,
+                partials: &partials,
+            };
+            self.reply(*slot, session, &answer);
         }
+        stats.serve_us = started.elapsed().as_secs_f64() * 1e6;
+        stats.batches = 1;
         let mut total = lock(&self.stats);
         total.requests += stats.requests;
         total.segments += stats.segments;
         total.kernel_calls += stats.kernel_calls;
         total.rows += stats.rows;
         total.kernel_us += stats.kernel_us;
+        total.serve_us += stats.serve_us;
+        total.batches += stats.batches;
         total.refused += stats.refused;
         total.fetches += stats.fetches;
     }
@@ -553,62 +690,76 @@ impl Shared {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn reply(
-        &self,
-        slot: usize,
-        session: &Session,
-        status: Status,
-        seq: u64,
-        reply_offset: u64,
-        statuses: &[Status],
-        rows: &[Vec<u8>],
-    ) {
-        let n_rows: usize = rows.iter().map(|r| r.len()).sum::<usize>()
-            / kvroute_kernels::layout::PARTIAL_ROW_BYTES;
-        let mut len = wire::reply_len(statuses.len(), n_rows);
-        let (mut status, mut statuses, mut n_rows) = (status, statuses.to_vec(), n_rows);
-        if len > self.config.reply_bytes {
+    /// Encodes one request's reply straight into the session's staging and writes it out.
+    fn reply(&self, slot: usize, session: &Session, answer: &ReplyPlan<'_>) {
+        // Rows only for segments served; a refused segment contributes none.
+        let served: Vec<(usize, usize, usize)> = answer
+            .statuses
+            .iter()
+            .zip(answer.rows)
+            .zip(answer.seg_rows)
+            .filter_map(|((status, at), &n)| match (status, at) {
+                (Status::Ok, Some((p, first))) if n > 0 => Some((*p, *first, n)),
+                _ => None,
+            })
+            .collect();
+        let n_rows: usize = served.iter().map(|&(_, _, n)| n).sum();
+        let mut status = answer.status;
+        let mut statuses = answer.statuses;
+        let mut n_rows = n_rows;
+        if status == Status::Ok && wire::reply_len(statuses.len(), n_rows) > self.config.reply_bytes
+        {
             status = Status::ReplyTooLarge;
-            statuses.clear();
-            n_rows = 0;
-            len = wire::reply_len(0, 0);
         }
         if status != Status::Ok {
-            statuses.clear();
+            statuses = &[];
             n_rows = 0;
-            len = wire::reply_len(0, 0);
         }
-        let mut out = vec![0u8; len];
-        wire::encode_reply_header(&mut out, status, seq, &statuses, n_rows);
-        if n_rows > 0 {
-            let mut at = wire::reply_rows_offset(statuses.len());
-            for r in rows {
-                out[at..at + r.len()].copy_from_slice(r);
-                at += r.len();
-            }
-        }
+        let len = wire::reply_len(statuses.len(), n_rows);
         let staging = slot * self.config.reply_bytes;
+        // SAFETY: the session's staging range is written only here, by the one serving
+        // thread, and the previous reply's write from it has completed: the requester sent
+        // this request after that reply arrived (and a reply is read by the NIC before it
+        // lands). No peer writes staging (its descriptor is never handed out).
+        let encoded = unsafe { self.staging.bytes_mut(staging, len) }.map(|out| {
+            wire::encode_reply_header(out, status, answer.seq, statuses, n_rows);
+            let mut at = wire::reply_rows_offset(statuses.len());
+            for &(p, first, n) in served.iter().take_while(|_| n_rows > 0) {
+                let end = at + n * kvroute_kernels::layout::PARTIAL_ROW_BYTES;
+                // Cannot fail: the rows were produced for this segment.
+                let _ = answer.partials[p].write_wire_rows(first, &mut out[at..end]);
+                at = end;
+            }
+        });
         let reply: &MrDesc = &session.hello.reply;
-        let result = self
-            .staging
-            .write_at(staging, &out)
-            .map_err(anyhow::Error::from)
-            .and_then(|()| {
-                Ok(self.engine.submit_single_write(
-                    len as u64,
-                    Some(session.hello.reply_imm),
-                    (self.staging.handle(), staging as u64),
-                    (reply, reply_offset),
-                    OnDone::nothing(),
-                )?)
-            });
+        let result = encoded.map_err(anyhow::Error::from).and_then(|()| {
+            Ok(self.engine.submit_single_write(
+                len as u64,
+                Some(session.hello.reply_imm),
+                (self.staging.handle(), staging as u64),
+                (reply, answer.reply_offset),
+                OnDone::nothing(),
+            )?)
+        });
         if let Err(e) = result {
             // A forged reply offset or region: refused before anything was posted.
             tracing::debug!(%e, "reply not sent");
             lock(&self.stats).refused += 1;
         }
     }
+}
+
+/// What one reply says: the request's status and, per segment, its status and rows.
+struct ReplyPlan<'a> {
+    status: Status,
+    seq: u64,
+    reply_offset: u64,
+    statuses: &'a [Status],
+    /// Per segment: (index into `partials`, first row), where it was served.
+    rows: &'a [Option<(usize, usize)>],
+    /// Per segment: partial rows it asks for.
+    seg_rows: &'a [usize],
+    partials: &'a [Partial],
 }
 
 /// Frees a session slot when its control connection ends, however it ends.

@@ -35,6 +35,27 @@ pub struct RequesterConfig {
     pub pool_pages: u32,
     /// The softmax scale sent with every request.
     pub scale: f32,
+    /// This requester's immediate namespace (0 to 4095): requesters that share one engine
+    /// need distinct tags, so each one's replies and fetch pages are counted apart.
+    pub tag: u16,
+    /// How long a wait for a reply polls (yielding the core) before it sleeps in 50 us
+    /// steps: latency against CPU left to others.
+    pub spin: Duration,
+}
+
+impl RequesterConfig {
+    /// Defaults for `scale`: 5 s timeout, 8 MiB per holder link, a 512-page pool, tag 0,
+    /// 1 ms of polling per wait.
+    pub fn new(scale: f32) -> Self {
+        Self {
+            timeout: Duration::from_secs(5),
+            link_bytes: 8 << 20,
+            pool_pages: 512,
+            scale,
+            tag: 0,
+            spin: Duration::from_millis(1),
+        }
+    }
 }
 
 /// One partial attention the requester wants from whoever holds `chunk`.
@@ -134,7 +155,6 @@ pub struct Requester {
     pool: PagedPool,
     links: Vec<Link>,
     registry: ChunkRegistry,
-    scratch: Vec<u8>,
 }
 
 impl std::fmt::Debug for Requester {
@@ -147,12 +167,14 @@ impl std::fmt::Debug for Requester {
 }
 
 /// Waits for every flag or the deadline; `Err(i)` names the first flag not set in time.
+/// Polls (yielding the core) for `spin`, then sleeps 50 us between looks.
 fn wait_all(
     engine: &TransferEngine,
     flags: &[&Arc<DoneFlag>],
     deadline: Instant,
+    spin: Duration,
 ) -> Result<(), usize> {
-    let mut spins = 0u32;
+    let started = Instant::now();
     loop {
         match flags.iter().position(|f| !f.is_done()) {
             None => return Ok(()),
@@ -162,8 +184,7 @@ fn wait_all(
         if engine.manual_progress() {
             engine.progress();
         }
-        spins += 1;
-        if spins < 2000 {
+        if started.elapsed() < spin {
             std::thread::yield_now();
         } else {
             std::thread::sleep(Duration::from_micros(50));
@@ -182,6 +203,9 @@ impl Requester {
         if holders.is_empty() || holders.len() > 1 << 12 {
             bail!("a requester needs 1 to 4096 holders");
         }
+        if config.tag >= 1 << 12 {
+            bail!("a requester tag is 0 to 4095");
+        }
         let n = holders.len();
         let send = engine.alloc_mr(config.link_bytes * n)?;
         let replies = engine.alloc_mr(config.link_bytes * n)?;
@@ -196,7 +220,9 @@ impl Requester {
             control.set_read_timeout(Some(config.timeout.max(Duration::from_secs(1))))?;
             let mut reader = BufReader::new(control.try_clone()?);
             let mut writer = control.try_clone()?;
-            let (reply_imm, fetch_imm) = (0x6100_0000 | i as u32, 0x6200_0000 | i as u32);
+            // 8 bits of kind, 12 of requester tag, 12 of link.
+            let id = (u32::from(config.tag) << 12) | i as u32;
+            let (reply_imm, fetch_imm) = (0x6100_0000 | id, 0x6200_0000 | id);
             let reply = replies.desc().clone();
             let hello = Hello {
                 addr: engine.main_address(),
@@ -236,7 +262,6 @@ impl Requester {
             pool,
             links,
             registry,
-            scratch: Vec::new(),
         })
     }
 
@@ -260,6 +285,97 @@ impl Requester {
         let link = self.links.get_mut(holder).context("no such holder")?;
         send_line(&mut link.control, &Control::Stats)?;
         recv_line(&mut link.reader, 1 << 20)
+    }
+
+    /// The transport's raw write round trip to holder `holder` (an index into the holders
+    /// given to [`Requester::connect`]): `request_len` bytes out into its inbox slot and
+    /// `reply_len` bytes back into the reply region, each one write with an immediate, through
+    /// the same engines, buffers and serving thread as [`Requester::route`] but with no
+    /// encoding, parsing or kernel. Route's round trip minus this, minus the holder's kernel
+    /// time, is the protocol's host overhead (what `kvroute sweep` reports).
+    pub fn ping(
+        &mut self,
+        holder: usize,
+        request_len: usize,
+        reply_len: usize,
+    ) -> Result<Duration, RouteError> {
+        let link_bytes = self.config.link_bytes;
+        let l = self
+            .links
+            .get(holder)
+            .ok_or(RouteError::NoHolder(ChunkId(u32::MAX)))?;
+        if !l.alive {
+            return Err(RouteError::HolderFailed {
+                holder: l.addr,
+                why: "marked dead earlier".into(),
+            });
+        }
+        let limit = link_bytes.min(l.welcome.slot_bytes as usize);
+        let reply_limit = link_bytes.min(l.welcome.reply_bytes as usize);
+        if !(wire::PING_HEADER..=limit).contains(&request_len) {
+            return Err(RouteError::TooLarge(request_len));
+        }
+        if !(1..=reply_limit).contains(&reply_len) {
+            return Err(RouteError::TooLarge(reply_len));
+        }
+        let (addr, reply_imm) = (l.addr, l.reply_imm);
+        let staged = holder * link_bytes;
+        let started = Instant::now();
+        let reply_flag = DoneFlag::new();
+        let token = CancellationToken::new();
+        let arrivals = self.engine.expected_arrivals(TransferShape::SingleWrite {
+            len: reply_len as u64,
+        });
+        self.engine.expect_imm_count(
+            reply_imm,
+            arrivals,
+            OnDone::flag(&reply_flag).cancellable(&token),
+        );
+        let shards = self.engine.expected_arrivals(TransferShape::SingleWrite {
+            len: request_len as u64,
+        });
+        let sent_flag = DoneFlag::new();
+        // SAFETY: as in `exchange`: this link's staging range, no write from it in flight.
+        let submitted = unsafe { self.send.bytes_mut(staged, wire::PING_HEADER) }
+            .map(|buf| wire::encode_ping(buf, reply_len as u32, staged as u64))
+            .map_err(|e| e.to_string())
+            .and_then(|()| {
+                self.engine
+                    .submit_single_write(
+                        request_len as u64,
+                        Some(wire::ping_imm(l.welcome.session, shards)),
+                        (self.send.handle(), staged as u64),
+                        (&l.welcome.inbox, l.welcome.slot_offset),
+                        OnDone::flag(&sent_flag),
+                    )
+                    .map_err(|e| e.to_string())
+            });
+        let failure = match submitted {
+            Err(why) => Some(why),
+            Ok(()) => match wait_all(
+                &self.engine,
+                &[&sent_flag, &reply_flag],
+                started + self.config.timeout,
+                self.config.spin,
+            ) {
+                Err(which) => Some(format!(
+                    "no {} within {:?}",
+                    ["ping completion", "pong"][which],
+                    self.config.timeout
+                )),
+                Ok(()) => match sent_flag.result() {
+                    Some(Err(e)) => Some(format!("ping write failed: {e}")),
+                    _ => None,
+                },
+            },
+        };
+        let elapsed = started.elapsed();
+        if let Some(why) = failure {
+            token.cancel();
+            self.kill(holder);
+            return Err(RouteError::HolderFailed { holder: addr, why });
+        }
+        Ok(elapsed)
     }
 
     /// The free pages of the pool (for leak checks).
@@ -297,14 +413,14 @@ impl Requester {
     }
 
     /// Sends one request of `segments` to `link` and waits for its reply (and, for a fetch, its
-    /// `pages` paged writes). Returns the reply bytes.
+    /// `pages` paged writes). Returns where each reply landed: (offset, length) in `replies`.
     fn exchange(
         &mut self,
         batches: Vec<(usize, Vec<SegmentSpec<'_>>, u64)>,
-    ) -> Vec<Result<Vec<u8>, RouteError>> {
+    ) -> Vec<Result<(usize, usize), RouteError>> {
         let deadline = Instant::now() + self.config.timeout;
         let mut waits = Vec::new();
-        let mut out: Vec<Result<Vec<u8>, RouteError>> = Vec::new();
+        let mut out: Vec<Result<(usize, usize), RouteError>> = Vec::new();
         for (link, segments, fetch_pages) in &batches {
             let link = *link;
             let l = &mut self.links[link];
@@ -319,14 +435,14 @@ impl Requester {
                 continue;
             }
             let reply_offset = (link * self.config.link_bytes) as u64;
-            wire::encode_request(
-                &mut self.scratch,
-                l.seq,
-                reply_offset,
-                self.config.scale,
-                segments,
-            );
             let staged = link * self.config.link_bytes;
+            // SAFETY: this link's staging range is read only by this link's request write,
+            // and the previous one has completed (its completion was waited for; a link whose
+            // wait failed is dead and never sends again). No peer writes it (its descriptor
+            // is never handed out). The range is in bounds: `len <= link_bytes` (checked).
+            let encoded = unsafe { self.send.bytes_mut(staged, len) }.map(|buf| {
+                wire::encode_request_into(buf, l.seq, reply_offset, self.config.scale, segments);
+            });
             let token = CancellationToken::new();
             let reply_flag = DoneFlag::new();
             let arrivals = self.engine.expected_arrivals(TransferShape::SingleWrite {
@@ -354,24 +470,20 @@ impl Requester {
                 .expected_arrivals(TransferShape::SingleWrite { len: len as u64 });
             let imm = wire::request_imm(l.welcome.session, shards);
             let sent_flag = DoneFlag::new();
-            let submitted = self
-                .send
-                .write_at(staged, &self.scratch)
-                .map_err(|e| e.to_string())
-                .and_then(|()| {
-                    self.engine
-                        .submit_single_write(
-                            len as u64,
-                            Some(imm),
-                            (self.send.handle(), staged as u64),
-                            (&l.welcome.inbox, l.welcome.slot_offset),
-                            OnDone::flag(&sent_flag),
-                        )
-                        .map_err(|e| e.to_string())
-                });
+            let submitted = encoded.map_err(|e| e.to_string()).and_then(|()| {
+                self.engine
+                    .submit_single_write(
+                        len as u64,
+                        Some(imm),
+                        (self.send.handle(), staged as u64),
+                        (&l.welcome.inbox, l.welcome.slot_offset),
+                        OnDone::flag(&sent_flag),
+                    )
+                    .map_err(|e| e.to_string())
+            });
             match submitted {
                 Ok(()) => {
-                    out.push(Ok(Vec::new()));
+                    out.push(Ok((reply_offset as usize, reply_len)));
                     waits.push(Some((sent_flag, reply_flag, fetch_flag, token, reply_len)));
                 }
                 Err(why) => {
@@ -393,7 +505,7 @@ impl Requester {
             if let Some(f) = &fetch {
                 flags.push(f);
             }
-            let failure = match wait_all(&self.engine, &flags, deadline) {
+            let failure = match wait_all(&self.engine, &flags, deadline, self.config.spin) {
                 Err(which) => Some(format!(
                     "no {} within {:?}",
                     ["send completion", "reply", "fetch pages"][which],
@@ -413,17 +525,24 @@ impl Requester {
                 self.kill(link);
                 continue;
             }
-            let mut bytes = vec![0u8; reply_len];
-            out[i] = self
-                .replies
-                .read_at(link * self.config.link_bytes, &mut bytes)
-                .map(|()| bytes)
-                .map_err(|e| RouteError::BadReply {
-                    holder: self.links[link].addr,
-                    why: e.to_string(),
-                });
+            debug_assert!(matches!(out[i], Ok((_, n)) if n == reply_len));
         }
         out
+    }
+
+    /// The bytes of a reply [`Requester::exchange`] reported, borrowed in place.
+    fn reply_bytes(
+        &self,
+        holder: SocketAddr,
+        (offset, len): (usize, usize),
+    ) -> Result<&[u8], RouteError> {
+        // SAFETY: the reply's immediate has been counted, so its write has landed, and the
+        // holder writes this link's range again only after the next request. A holder that
+        // writes anyway changes the values decoded (which are validated), never the bounds.
+        unsafe { self.replies.bytes(offset, len) }.map_err(|e| RouteError::BadReply {
+            holder,
+            why: e.to_string(),
+        })
     }
 
     /// Routes every call, one write per holder; one result per call, in order.
@@ -478,7 +597,9 @@ impl Requester {
         for ((link, members), reply) in by_link.iter().zip(replies) {
             let holder = self.links[*link].addr;
             let seq = self.links[*link].seq;
-            let decoded = reply.and_then(|bytes| decode_reply(holder, seq, &bytes, members.len()));
+            let decoded = reply
+                .and_then(|range| self.reply_bytes(holder, range))
+                .and_then(|bytes| decode_reply(holder, seq, bytes, members.len()));
             match decoded {
                 Err(e) => {
                     for &c in members {
@@ -549,10 +670,12 @@ impl Requester {
             .pop();
         let reply = reply.unwrap_or(Err(RouteError::NoHolder(chunk)));
         let seq = self.links[link].seq;
-        let status = reply.and_then(|bytes| decode_reply(holder, seq, &bytes, 1));
+        let status = reply
+            .and_then(|range| self.reply_bytes(holder, range))
+            .and_then(|bytes| decode_reply(holder, seq, bytes, 1).map(|(s, _)| s));
         match status {
-            Ok((s, _)) if s[0] == Status::Ok => {}
-            Ok((s, _)) => {
+            Ok(s) if s[0] == Status::Ok => {}
+            Ok(s) => {
                 let _ = self.pool.release(&pages);
                 return Err(RouteError::Refused {
                     holder,
@@ -633,7 +756,7 @@ fn decode_reply(
     seq: u64,
     bytes: &[u8],
     segments: usize,
-) -> Result<(Vec<Status>, Vec<u8>), RouteError> {
+) -> Result<(Vec<Status>, &[u8]), RouteError> {
     let bad = |why: &str| RouteError::BadReply {
         holder,
         why: why.to_owned(),
@@ -655,5 +778,5 @@ fn decode_reply(
     let rows = bytes
         .get(start..start + header.rows * PARTIAL_ROW_BYTES)
         .ok_or_else(|| bad("rows past the reply"))?;
-    Ok((header.statuses, rows.to_vec()))
+    Ok((header.statuses, rows))
 }

@@ -79,6 +79,16 @@ pub struct HolderStats {
     pub rows: u64,
     /// Time in kernels, microseconds.
     pub kernel_us: f64,
+    /// Time serving batches, from taking the arrivals to posting the last reply (kernels
+    /// included), microseconds: `serve_us - kernel_us` is the holder's own host overhead.
+    #[serde(default)]
+    pub serve_us: f64,
+    /// Batches served (each one or more requests).
+    #[serde(default)]
+    pub batches: u64,
+    /// Pings answered (raw write round trips, no kernel).
+    #[serde(default)]
+    pub pings: u64,
     /// Requests or segments refused as malformed.
     pub refused: u64,
     /// Immediates that named no session.

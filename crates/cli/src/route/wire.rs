@@ -45,6 +45,44 @@ pub fn parse_request_imm(imm: u32) -> Option<(u16, u64)> {
     Some(((imm & 0xffff) as u16, u64::from((imm >> 16) & 0x3) + 1))
 }
 
+/// "KVPG", little-endian: the header of a ping.
+pub const PING_MAGIC: u32 = u32::from_le_bytes(*b"KVPG");
+/// Bytes of a ping header: magic, reply length (u32), reply offset (u64).
+pub const PING_HEADER: usize = 16;
+
+/// The immediate of a ping write: the transport's raw write round trip through the same
+/// slot, reply region, engines and serving thread as a request, with no parsing and no
+/// kernel (the baseline `kvroute sweep` measures route against). Same layout as
+/// [`request_imm`] under another tag.
+pub fn ping_imm(session: u16, shards: u64) -> u32 {
+    let shards = shards.clamp(1, 4) as u32;
+    0x5000_0000 | ((shards - 1) << 16) | u32::from(session)
+}
+
+/// Decodes [`ping_imm`]: `(session, shards)`, or `None` for a value that is not a ping.
+pub fn parse_ping_imm(imm: u32) -> Option<(u16, u64)> {
+    if imm & 0xfffc_0000 != 0x5000_0000 {
+        return None;
+    }
+    Some(((imm & 0xffff) as u16, u64::from((imm >> 16) & 0x3) + 1))
+}
+
+/// Writes a ping header into the first [`PING_HEADER`] bytes of `out`: answer with
+/// `reply_len` bytes at `reply_offset` of the reply region.
+pub fn encode_ping(out: &mut [u8], reply_len: u32, reply_offset: u64) {
+    out[..4].copy_from_slice(&PING_MAGIC.to_le_bytes());
+    out[4..8].copy_from_slice(&reply_len.to_le_bytes());
+    out[8..16].copy_from_slice(&reply_offset.to_le_bytes());
+}
+
+/// Parses a ping header: `(reply_len, reply_offset)`, or `None` if it is not one.
+pub fn parse_ping(bytes: &[u8]) -> Option<(usize, u64)> {
+    if bytes.len() < PING_HEADER || u32_at(bytes, 0) != PING_MAGIC {
+        return None;
+    }
+    Some((u32_at(bytes, 4) as usize, u64_at(bytes, 8)))
+}
+
 /// What a segment asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SegmentKind {
@@ -110,19 +148,35 @@ pub fn encode_request(
     scale: f32,
     segments: &[SegmentSpec<'_>],
 ) {
-    let total = request_len(segments);
     out.clear();
-    out.reserve(total);
-    out.extend_from_slice(&REQUEST_MAGIC.to_le_bytes());
-    out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&(segments.len() as u16).to_le_bytes());
-    out.extend_from_slice(&seq.to_le_bytes());
-    out.extend_from_slice(&reply_offset.to_le_bytes());
-    out.extend_from_slice(&(total as u32).to_le_bytes());
-    out.extend_from_slice(&scale.to_le_bytes());
-    out.resize(REQUEST_HEADER, 0);
+    out.resize(request_len(segments), 0);
+    encode_request_into(out, seq, reply_offset, scale, segments);
+}
+
+/// Encodes a request into `out`, which must be exactly [`request_len`] bytes (a staging
+/// range of registered memory, so the request is written once, where the NIC reads it).
+///
+/// # Panics
+/// If `out` is not [`request_len`] bytes (a caller's bug, not a peer's input).
+pub fn encode_request_into(
+    out: &mut [u8],
+    seq: u64,
+    reply_offset: u64,
+    scale: f32,
+    segments: &[SegmentSpec<'_>],
+) {
+    let total = request_len(segments);
+    assert_eq!(out.len(), total, "a request buffer of request_len bytes");
+    out[..REQUEST_HEADER].fill(0);
+    out[0..4].copy_from_slice(&REQUEST_MAGIC.to_le_bytes());
+    out[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    out[6..8].copy_from_slice(&(segments.len() as u16).to_le_bytes());
+    out[8..16].copy_from_slice(&seq.to_le_bytes());
+    out[16..24].copy_from_slice(&reply_offset.to_le_bytes());
+    out[24..28].copy_from_slice(&(total as u32).to_le_bytes());
+    out[28..32].copy_from_slice(&scale.to_le_bytes());
     let mut payload = REQUEST_HEADER + segments.len() * SEGMENT_BYTES;
-    for s in segments {
+    for (i, s) in segments.iter().enumerate() {
         let (kind, k, rpt) = match s.kind {
             SegmentKind::Dense => (1u8, 0, 0),
             SegmentKind::Sparse { k, rows_per_token } => (2, k, rows_per_token),
@@ -133,23 +187,35 @@ pub fn encode_request(
             SegmentKind::Fetch => s.pages.len(),
             _ => s.queries.len() / D_QK,
         };
-        out.extend_from_slice(&[kind, 0]);
-        out.extend_from_slice(&s.layer.to_le_bytes());
-        out.extend_from_slice(&s.chunk.to_le_bytes());
-        out.extend_from_slice(&(rows as u32).to_le_bytes());
-        out.extend_from_slice(&k.to_le_bytes());
-        out.extend_from_slice(&rpt.to_le_bytes());
-        out.extend_from_slice(&(payload as u32).to_le_bytes());
-        out.extend_from_slice(&(len as u32).to_le_bytes());
-        out.extend_from_slice(&[0; 4]);
+        let d = &mut out[REQUEST_HEADER + i * SEGMENT_BYTES..][..SEGMENT_BYTES];
+        d[0..2].copy_from_slice(&[kind, 0]);
+        d[2..4].copy_from_slice(&s.layer.to_le_bytes());
+        d[4..8].copy_from_slice(&s.chunk.to_le_bytes());
+        d[8..12].copy_from_slice(&(rows as u32).to_le_bytes());
+        d[12..16].copy_from_slice(&k.to_le_bytes());
+        d[16..20].copy_from_slice(&rpt.to_le_bytes());
+        d[20..24].copy_from_slice(&(payload as u32).to_le_bytes());
+        d[24..28].copy_from_slice(&(len as u32).to_le_bytes());
+        d[28..32].fill(0);
         payload += len;
     }
+    let mut at = REQUEST_HEADER + segments.len() * SEGMENT_BYTES;
     for s in segments {
-        out.extend(s.queries.iter().flat_map(|x| x.to_le_bytes()));
-        out.extend(s.indices.iter().flat_map(|x| x.to_le_bytes()));
-        out.extend(s.pages.iter().flat_map(|x| x.to_le_bytes()));
+        // Fixed-size little-endian stores over slices: vectorised copies.
+        for (d, x) in out[at..].chunks_exact_mut(2).zip(s.queries) {
+            d.copy_from_slice(&x.to_le_bytes());
+        }
+        at += s.queries.len() * 2;
+        for (d, x) in out[at..].chunks_exact_mut(4).zip(s.indices) {
+            d.copy_from_slice(&x.to_le_bytes());
+        }
+        at += s.indices.len() * 4;
+        for (d, x) in out[at..].chunks_exact_mut(4).zip(s.pages) {
+            d.copy_from_slice(&x.to_le_bytes());
+        }
+        at += s.pages.len() * 4;
     }
-    debug_assert_eq!(out.len(), total);
+    debug_assert_eq!(at, total);
 }
 
 /// Why a request or one of its segments was refused (the status words of a reply).
@@ -228,6 +294,23 @@ impl Segment<'_> {
             .chunks_exact(2)
             .map(|b| u16::from_le_bytes([b[0], b[1]]))
             .collect()
+    }
+
+    /// Query rows as bf16 bits borrowed from the request without a copy, where the payload
+    /// is 2-byte aligned (it is when the slot is and the requester packed it as
+    /// [`encode_request`] does) on a little-endian host; `None` otherwise (use
+    /// [`Segment::queries`]).
+    pub fn query_words(&self) -> Option<&[u16]> {
+        let n = match self.kind {
+            SegmentKind::Fetch => return None,
+            _ => self.rows * QUERY_ROW_BYTES,
+        };
+        if cfg!(target_endian = "big") {
+            return None;
+        }
+        // SAFETY: every bit pattern is a valid u16; `align_to` only returns the aligned middle.
+        let (head, words, tail) = unsafe { self.payload[..n].align_to::<u16>() };
+        (head.is_empty() && tail.is_empty()).then_some(words)
     }
 
     /// Sparse indices (empty otherwise).
@@ -573,6 +656,50 @@ mod tests {
             assert_eq!(parse_request_imm(request_imm(s, n)), Some((s, n)));
         }
         assert_eq!(parse_request_imm(0x1234), None);
+        for (s, n) in [(0u16, 1u64), (9, 3), (65535, 4)] {
+            assert_eq!(parse_ping_imm(ping_imm(s, n)), Some((s, n)));
+            // A ping is never taken for a request, nor the other way round.
+            assert_eq!(parse_request_imm(ping_imm(s, n)), None);
+            assert_eq!(parse_ping_imm(request_imm(s, n)), None);
+        }
+    }
+
+    #[test]
+    fn pings_round_trip_and_other_bytes_are_not_pings() {
+        let mut b = [0u8; PING_HEADER];
+        encode_ping(&mut b, 123_456, 1 << 40);
+        assert_eq!(parse_ping(&b), Some((123_456, 1 << 40)));
+        assert_eq!(parse_ping(&b[..PING_HEADER - 1]), None);
+        assert_eq!(parse_ping(&sample()), None, "a request is not a ping");
+    }
+
+    #[test]
+    fn query_words_borrow_what_queries_copy() {
+        // The payload of the sample's first segment starts at an even offset of an aligned
+        // buffer (u64 storage), as in an inbox slot.
+        let bytes = sample();
+        let mut aligned = vec![0u64; bytes.len().div_ceil(8)];
+        // SAFETY: plain bytes into plain integers of the same total size or more.
+        let view = unsafe {
+            std::slice::from_raw_parts_mut(aligned.as_mut_ptr().cast::<u8>(), bytes.len())
+        };
+        view.copy_from_slice(&bytes);
+        let req = Request::parse(view).unwrap();
+        for seg in req.segments.iter().flatten() {
+            match seg.kind {
+                SegmentKind::Fetch => assert_eq!(seg.query_words(), None),
+                _ => assert_eq!(seg.query_words().map(<[u16]>::to_vec), Some(seg.queries())),
+            }
+        }
+        // Shifted by one byte the payloads are misaligned: no view, `queries` still works.
+        let mut odd = vec![0u8; bytes.len() + 1];
+        odd[1..].copy_from_slice(&bytes);
+        let req = Request::parse(&odd[1..]).unwrap();
+        let seg = req.segments[0].as_ref().unwrap();
+        if (seg.payload.as_ptr() as usize) % 2 == 1 {
+            assert_eq!(seg.query_words(), None);
+        }
+        assert_eq!(seg.queries().len(), D_QK);
     }
 
     proptest! {
