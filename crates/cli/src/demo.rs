@@ -34,7 +34,7 @@ use crate::args::{DemoArgs, HolderArgs, ProgressArg};
 use crate::route::{Call, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse};
 
 /// DeepSeek-V2-Lite's softmax scale (kernels' `deepseek_softmax_scale(192, 40, 0.707)`).
-const SCALE: f32 = 0.1147;
+pub(crate) const SCALE: f32 = 0.1147;
 /// Query heads of DeepSeek-V2-Lite: query rows per decode token.
 const HEADS: usize = 16;
 /// Top-k of the sparse step (DeepSeek-V3.2's `index_topk`).
@@ -48,7 +48,7 @@ const TOPK: usize = 2048;
 const F32_TOL: f32 = 1e-5;
 /// Through the wire: o in bf16 (relative 2^-9) on values below ~2 in magnitude; paper 000
 /// section 3.3 measured 0.0012 for a two-instance route-merge.
-const BF16_TOL: f32 = 8e-3;
+pub(crate) const BF16_TOL: f32 = 8e-3;
 
 /// One check: an output against its single-instance reference.
 #[derive(Debug, Clone, Serialize)]
@@ -225,12 +225,18 @@ pub(crate) fn fabric_engine_with(
 
 /// The corpus: DeepSeek-V2-Lite's 27 layers, RoPE theta 10000 with its YaRN scaling.
 fn corpus(args: &DemoArgs) -> Result<CorpusSpec> {
+    v2_lite_corpus(args.tokens, args.holders as u32, args.seed)
+}
+
+/// `chunks` chunks of `tokens` tokens with DeepSeek-V2-Lite's 27 layers, RoPE theta 10000 and
+/// its YaRN scaling, interleaved RoPE pairs.
+pub(crate) fn v2_lite_corpus(tokens: u32, chunks: u32, seed: u64) -> Result<CorpusSpec> {
     let layers = model_preset("deepseek-v2-lite")?.dims.layers;
     let spec = CorpusSpec {
         layers,
-        chunk_tokens: args.tokens,
-        chunks: args.holders as u32,
-        seed: args.seed,
+        chunk_tokens: tokens,
+        chunks,
+        seed,
         rope_theta: 10_000.0,
         yarn: Some(kvroute_kernels::Yarn::DEEPSEEK),
         rope_layout: kvroute_kernels::RopeLayout::Interleaved,
@@ -348,7 +354,11 @@ pub(crate) fn spawn_holder(
     }
 }
 
-fn max_abs(a: &Partial, b: &Partial) -> f32 {
+/// Max abs difference of two partials' `o` (infinite when their shapes differ).
+pub(crate) fn max_abs(a: &Partial, b: &Partial) -> f32 {
+    if a.o.len() != b.o.len() {
+        return f32::INFINITY;
+    }
     a.o.iter()
         .zip(&b.o)
         .map(|(x, y)| (x - y).abs())

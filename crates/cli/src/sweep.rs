@@ -34,22 +34,21 @@ use kvroute_costmodel::fit::{
 };
 use kvroute_costmodel::{CostModel, CostParams, Fabric, Request, model_preset};
 use kvroute_kernels::layout::{PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
-use kvroute_kernels::{Backend, Partial, Queries, partial_dense};
+use kvroute_kernels::{Backend, Queries, partial_dense};
 use kvroute_kvstore::corpus::queries;
 use kvroute_kvstore::{ChunkId, CorpusSpec, FullBlock};
 use kvroute_transport::ProviderChoice;
 use serde::Serialize;
 
 use crate::args::SweepArgs;
-use crate::demo::{HolderProcess, fabric_engine_with, provider_for, spawn_holder};
+use crate::demo::{
+    BF16_TOL, HolderProcess, SCALE, fabric_engine_with, max_abs, provider_for, spawn_holder,
+    v2_lite_corpus,
+};
 use crate::route::{Call, Requester, RequesterConfig, wire};
 
-/// DeepSeek-V2-Lite's softmax scale.
-const SCALE: f32 = 0.1147;
 /// Routed bytes per query row: q + p (paper 000 section 3.2: 1152 + 1032).
 const ROW_BYTES: u64 = (QUERY_ROW_BYTES + PARTIAL_ROW_BYTES) as u64;
-/// Through the wire, against the same kernel run here (o in bf16; as the demo's check).
-const BF16_TOL: f32 = 8e-3;
 
 /// One route sample.
 #[derive(Debug, Clone, Serialize)]
@@ -224,17 +223,7 @@ fn median(v: &[f64]) -> f64 {
 }
 
 fn corpus(tokens: u32, seed: u64) -> Result<CorpusSpec> {
-    let spec = CorpusSpec {
-        layers: model_preset("deepseek-v2-lite")?.dims.layers,
-        chunk_tokens: tokens,
-        chunks: 1,
-        seed,
-        rope_theta: 10_000.0,
-        yarn: Some(kvroute_kernels::Yarn::DEEPSEEK),
-        rope_layout: kvroute_kernels::RopeLayout::Interleaved,
-    };
-    spec.validate()?;
-    Ok(spec)
+    v2_lite_corpus(tokens, 1, seed)
 }
 
 /// What one holder process and the requester talking to it are for.
@@ -572,16 +561,6 @@ fn route_sweep(
     Ok((samples, worst))
 }
 
-fn max_abs(a: &Partial, b: &Partial) -> f32 {
-    if a.o.len() != b.o.len() {
-        return f32::INFINITY;
-    }
-    a.o.iter()
-        .zip(&b.o)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 fn fetch_sweep(
     args: &SweepArgs,
     provider: &ProviderChoice,
@@ -880,12 +859,13 @@ impl fmt::Display for SweepReport {
 
 /// The PNGs, drawn with plotters' bitmap backend and a TrueType font from the system.
 mod plots {
+    use plotters::coord::Shift;
     use plotters::prelude::*;
     use plotters::style::{FontStyle, register_font};
 
     use super::{
-        Context, OnceLock, Path, PathBuf, ROW_BYTES, Result, SweepReport, anyhow, bail,
-        byte_crossover_rows, model_preset,
+        OnceLock, Path, PathBuf, ROW_BYTES, Result, SweepReport, anyhow, bail, byte_crossover_rows,
+        model_preset,
     };
 
     /// Where the font may be (Debian's fonts-dejavu-core first, which `cargo xtask deps`
@@ -944,6 +924,57 @@ mod plots {
         Ok(out)
     }
 
+    /// A log-log chart on a white `root`: the caption, ((range, description)) of each axis,
+    /// and whether to draw the grid.
+    fn log_chart<'a, 'b>(
+        root: &'a DrawingArea<BitMapBackend<'b>, Shift>,
+        caption: impl AsRef<str>,
+        ((x0, x1), x_desc): ((f64, f64), &str),
+        ((y0, y1), y_desc): ((f64, f64), &str),
+        grid: bool,
+    ) -> Result<Chart<'a, 'b>> {
+        root.fill(&WHITE).map_err(err)?;
+        let mut chart = ChartBuilder::on(root)
+            .caption(caption.as_ref(), ("sans-serif", 24))
+            .margin(18)
+            .x_label_area_size(50)
+            .y_label_area_size(80)
+            .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())
+            .map_err(err)?;
+        let mut mesh = chart.configure_mesh();
+        if !grid {
+            mesh.disable_mesh();
+        }
+        mesh.x_desc(x_desc)
+            .y_desc(y_desc)
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .draw()
+            .map_err(err)?;
+        Ok(chart)
+    }
+
+    /// Draws the legend at `at` and writes the PNG.
+    fn finish<'a, 'b: 'a>(
+        chart: &mut Chart<'a, 'b>,
+        root: &DrawingArea<BitMapBackend<'b>, Shift>,
+        at: SeriesLabelPosition,
+    ) -> Result<()> {
+        chart
+            .configure_series_labels()
+            .position(at)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 15))
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)
+    }
+
+    /// The charts here: log-scaled f64 on both axes, over a bitmap of lifetime `'b`.
+    type Chart<'a, 'b> =
+        ChartContext<'a, BitMapBackend<'b>, Cartesian2d<LogCoord<f64>, LogCoord<f64>>>;
+
     fn range(values: impl Iterator<Item = f64>) -> Result<(f64, f64)> {
         let (lo, hi) = values
             .filter(|v| v.is_finite() && *v > 0.0)
@@ -972,28 +1003,16 @@ mod plots {
                 .chain([local]),
         )?;
         let root = BitMapBackend::new(path, (1100, 720)).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(
-                format!(
-                    "route round trip vs Mq ({}, ct = {}, one layer)",
-                    r.provider, r.route_ct
-                ),
-                ("sans-serif", 24),
-            )
-            .margin(18)
-            .x_label_area_size(50)
-            .y_label_area_size(80)
-            .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())
-            .map_err(err)?;
-        chart
-            .configure_mesh()
-            .x_desc("Mq (query rows)")
-            .y_desc("microseconds")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .draw()
-            .map_err(err)?;
+        let mut chart = log_chart(
+            &root,
+            format!(
+                "route round trip vs Mq ({}, ct = {}, one layer)",
+                r.provider, r.route_ct
+            ),
+            ((x0, x1), "Mq (query rows)"),
+            ((y0, y1), "microseconds"),
+            true,
+        )?;
         let series: [Series<super::RouteSample>; 3] = [
             (
                 "route (measured, kernel included)",
@@ -1074,15 +1093,7 @@ mod plots {
             ),
             RGBColor(128, 0, 128),
         )?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 15))
-            .draw()
-            .map_err(err)?;
-        root.present().map_err(err)?;
+        finish(&mut chart, &root, SeriesLabelPosition::UpperLeft)?;
         Ok(path.to_path_buf())
     }
 
@@ -1095,28 +1106,16 @@ mod plots {
                 .flat_map(|s| [s.transfer_us, s.splice_us, s.transfer_us + s.splice_us]),
         )?;
         let root = BitMapBackend::new(path, (1100, 720)).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(
-                format!(
-                    "fetch vs ct ({}, 27 layers, paged writes + splice)",
-                    r.provider
-                ),
-                ("sans-serif", 24),
-            )
-            .margin(18)
-            .x_label_area_size(50)
-            .y_label_area_size(80)
-            .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())
-            .map_err(err)?;
-        chart
-            .configure_mesh()
-            .x_desc("ct (chunk tokens)")
-            .y_desc("microseconds")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .draw()
-            .map_err(err)?;
+        let mut chart = log_chart(
+            &root,
+            format!(
+                "fetch vs ct ({}, 27 layers, paged writes + splice)",
+                r.provider
+            ),
+            ((x0, x1), "ct (chunk tokens)"),
+            ((y0, y1), "microseconds"),
+            true,
+        )?;
         let series: [Series<super::FetchSample>; 3] = [
             ("transfer (measured)", RGBColor(200, 0, 0), |s| {
                 s.transfer_us
@@ -1168,15 +1167,7 @@ mod plots {
                 .label(format!("route at Mq = {} (measured)", r.decode.mq))
                 .legend(legend(color));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 15))
-            .draw()
-            .map_err(err)?;
-        root.present().map_err(err)?;
+        finish(&mut chart, &root, SeriesLabelPosition::UpperLeft)?;
         Ok(path.to_path_buf())
     }
 
@@ -1187,26 +1178,13 @@ mod plots {
         let (x0, x1) = (1.0f64, 8192.0f64);
         let (y0, y1) = (64.0f64, 65536.0f64);
         let root = BitMapBackend::new(path, (1000, 760)).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(
-                "wire-byte winner: route (green) vs fetch of one layer (red)",
-                ("sans-serif", 24),
-            )
-            .margin(18)
-            .x_label_area_size(50)
-            .y_label_area_size(80)
-            .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())
-            .map_err(err)?;
-        chart
-            .configure_mesh()
-            .disable_mesh()
-            .x_desc("Mq (query rows)")
-            .y_desc("ct (chunk tokens)")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .draw()
-            .map_err(err)?;
+        let mut chart = log_chart(
+            &root,
+            "wire-byte winner: route (green) vs fetch of one layer (red)",
+            ((x0, x1), "Mq (query rows)"),
+            ((y0, y1), "ct (chunk tokens)"),
+            false,
+        )?;
         let (nx, ny) = (52, 40);
         let mut cells = Vec::new();
         for i in 0..nx {
@@ -1255,15 +1233,7 @@ mod plots {
                 r.decode.route_bytes_saved * 100.0
             ))
             .legend(|(x, y)| Circle::new((x + 10, y), 5, BLACK.filled()));
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 15))
-            .draw()
-            .map_err(err)?;
-        root.present().map_err(err)?;
+        finish(&mut chart, &root, SeriesLabelPosition::LowerRight)?;
         Ok(path.to_path_buf())
     }
 
@@ -1279,29 +1249,16 @@ mod plots {
             ]
         }))?;
         let root = BitMapBackend::new(path, (1100, 720)).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(
-                format!(
-                    "holder partial attention vs concurrent requesters ({}, ct = {})",
-                    r.provider, r.route_ct
-                ),
-                ("sans-serif", 24),
-            )
-            .margin(18)
-            .x_label_area_size(50)
-            .y_label_area_size(80)
-            .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())
-            .context("building the capacity chart")
-            .map_err(err)?;
-        chart
-            .configure_mesh()
-            .x_desc("N concurrent requesters")
-            .y_desc("microseconds")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .draw()
-            .map_err(err)?;
+        let mut chart = log_chart(
+            &root,
+            format!(
+                "holder partial attention vs concurrent requesters ({}, ct = {})",
+                r.provider, r.route_ct
+            ),
+            ((x0, x1), "N concurrent requesters"),
+            ((y0, y1), "microseconds"),
+            true,
+        )?;
         let series: [Series<super::ConcurrencyPoint>; 4] = [
             ("holder kernel per call", RGBColor(0, 128, 0), |p| {
                 p.kernel_us_per_call
@@ -1333,15 +1290,7 @@ mod plots {
                 .draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled())))
                 .map_err(err)?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 15))
-            .draw()
-            .map_err(err)?;
-        root.present().map_err(err)?;
+        finish(&mut chart, &root, SeriesLabelPosition::UpperLeft)?;
         Ok(path.to_path_buf())
     }
 }

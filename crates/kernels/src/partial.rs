@@ -7,6 +7,7 @@
 //! A partial over nothing is `(o = 0, m = -inf, l = 0)`: the identity of [`crate::merge`].
 
 use crate::bf16;
+use crate::cpu::Isa;
 use crate::error::{KernelError, check_len};
 use crate::layout::{D_LATENT, D_QK, PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
 
@@ -130,14 +131,14 @@ impl Partial {
             &self.m[rows.clone()],
             &self.l[rows],
         );
-        match wire_isa() {
-            // SAFETY: the CPU has the features (checked once by `wire_isa`).
+        match Isa::detect() {
+            // SAFETY: `Isa::detect` found the CPU has the features.
             #[cfg(target_arch = "x86_64")]
-            WireIsa::Avx512 => unsafe { encode_avx512(o, m, l, out) },
+            Isa::Avx512 | Isa::Avx512Bf16 => unsafe { encode_avx512(o, m, l, out) },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            WireIsa::Avx2 => unsafe { encode_avx2(o, m, l, out) },
-            WireIsa::Baseline => encode(o, m, l, out),
+            Isa::Avx2 => unsafe { encode_avx2(o, m, l, out) },
+            _ => encode(o, m, l, out),
         }
         Ok(())
     }
@@ -156,14 +157,14 @@ impl Partial {
         // One pass converts and, per row, reduces the largest bf16 magnitude (exponent all
         // ones = infinity or NaN); `validate`'s remaining row checks are scalar per row.
         let mut worst = vec![0u16; mq];
-        match wire_isa() {
-            // SAFETY: the CPU has the features (checked once by `wire_isa`).
+        match Isa::detect() {
+            // SAFETY: `Isa::detect` found the CPU has the features.
             #[cfg(target_arch = "x86_64")]
-            WireIsa::Avx512 => unsafe { decode_avx512(bytes, &mut p, &mut worst) },
+            Isa::Avx512 | Isa::Avx512Bf16 => unsafe { decode_avx512(bytes, &mut p, &mut worst) },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            WireIsa::Avx2 => unsafe { decode_avx2(bytes, &mut p, &mut worst) },
-            WireIsa::Baseline => decode(bytes, &mut p, &mut worst),
+            Isa::Avx2 => unsafe { decode_avx2(bytes, &mut p, &mut worst) },
+            _ => decode(bytes, &mut p, &mut worst),
         }
         if let Some(row) = worst.iter().position(|&w| w >= 0x7f80) {
             return Err(KernelError::InvalidPartial {
@@ -174,34 +175,6 @@ impl Partial {
         p.validate_rows(false)?;
         Ok(p)
     }
-}
-
-/// Which compiled copy of the wire loops runs (the same loops, built for wider vectors).
-#[derive(Clone, Copy)]
-enum WireIsa {
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    Baseline,
-}
-
-fn wire_isa() -> WireIsa {
-    static ISA: std::sync::OnceLock<WireIsa> = std::sync::OnceLock::new();
-    *ISA.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512bw")
-                && std::arch::is_x86_feature_detected!("avx512vl")
-            {
-                return WireIsa::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2") {
-                return WireIsa::Avx2;
-            }
-        }
-        WireIsa::Baseline
-    })
 }
 
 /// Rows of `(o, m, l)` into their wire bytes.
@@ -273,14 +246,14 @@ fn decode_avx2(bytes: &[u8], p: &mut Partial, worst: &mut [u16]) {
 /// bits, which the compiler turns into vector compares (the check runs on every partial a
 /// requester receives).
 fn all_finite(values: &[f32]) -> bool {
-    match wire_isa() {
-        // SAFETY: the CPU has the features (checked once by `wire_isa`).
+    match Isa::detect() {
+        // SAFETY: `Isa::detect` found the CPU has the features.
         #[cfg(target_arch = "x86_64")]
-        WireIsa::Avx512 => unsafe { all_finite_avx512(values) },
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { all_finite_avx512(values) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        WireIsa::Avx2 => unsafe { all_finite_avx2(values) },
-        WireIsa::Baseline => all_finite_in(values),
+        Isa::Avx2 => unsafe { all_finite_avx2(values) },
+        _ => all_finite_in(values),
     }
 }
 

@@ -33,13 +33,28 @@ pub const MAX_SEGMENTS: usize = 256;
 /// one per NIC shard) and the session. The holder counts arrivals per value and starts on the
 /// request when all shards are in.
 pub fn request_imm(session: u16, shards: u64) -> u32 {
-    let shards = shards.clamp(1, 4) as u32;
-    0x5200_0000 | ((shards - 1) << 16) | u32::from(session)
+    tagged_imm(REQUEST_TAG, session, shards)
 }
 
 /// Decodes [`request_imm`]: `(session, shards)`, or `None` for a value that is not a request.
 pub fn parse_request_imm(imm: u32) -> Option<(u16, u64)> {
-    if imm & 0xfffc_0000 != 0x5200_0000 {
+    parse_tagged_imm(REQUEST_TAG, imm)
+}
+
+/// The top byte of a request's immediate.
+const REQUEST_TAG: u32 = 0x52;
+/// The top byte of a ping's immediate.
+const PING_TAG: u32 = 0x50;
+
+/// `tag` in the top byte, `shards - 1` (shards 1 to 4) in bits 16-17, the session below.
+fn tagged_imm(tag: u32, session: u16, shards: u64) -> u32 {
+    let shards = shards.clamp(1, 4) as u32;
+    (tag << 24) | ((shards - 1) << 16) | u32::from(session)
+}
+
+/// Decodes [`tagged_imm`] for `tag`: `(session, shards)`, or `None` for another value.
+fn parse_tagged_imm(tag: u32, imm: u32) -> Option<(u16, u64)> {
+    if imm & 0xfffc_0000 != tag << 24 {
         return None;
     }
     Some(((imm & 0xffff) as u16, u64::from((imm >> 16) & 0x3) + 1))
@@ -55,16 +70,12 @@ pub const PING_HEADER: usize = 16;
 /// kernel (the baseline `kvroute sweep` measures route against). Same layout as
 /// [`request_imm`] under another tag.
 pub fn ping_imm(session: u16, shards: u64) -> u32 {
-    let shards = shards.clamp(1, 4) as u32;
-    0x5000_0000 | ((shards - 1) << 16) | u32::from(session)
+    tagged_imm(PING_TAG, session, shards)
 }
 
 /// Decodes [`ping_imm`]: `(session, shards)`, or `None` for a value that is not a ping.
 pub fn parse_ping_imm(imm: u32) -> Option<(u16, u64)> {
-    if imm & 0xfffc_0000 != 0x5000_0000 {
-        return None;
-    }
-    Some(((imm & 0xffff) as u16, u64::from((imm >> 16) & 0x3) + 1))
+    parse_tagged_imm(PING_TAG, imm)
 }
 
 /// Writes a ping header into the first [`PING_HEADER`] bytes of `out`: answer with
