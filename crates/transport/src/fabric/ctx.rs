@@ -147,6 +147,32 @@ impl ContextPool {
         expired
     }
 
+    /// Abandons every live operation to `peer` (its process is gone), returning them for
+    /// failure reports. As with [`ContextPool::expire`], their slots stay taken until the
+    /// provider hands them back.
+    pub(crate) fn abandon_peer(&mut self, peer: u32) -> Vec<OpContext> {
+        let mut gone = Vec::new();
+        for chunk in &mut self.chunks {
+            for slot in chunk.iter_mut() {
+                if slot.live && !slot.abandoned && slot.kind != OpKind::Recv && slot.peer == peer {
+                    slot.abandoned = true;
+                    gone.push(OpContext {
+                        provider: fi_context2::default(),
+                        wr_id: slot.wr_id,
+                        kind: slot.kind,
+                        bounce: slot.bounce,
+                        peer: slot.peer,
+                        posted_at: slot.posted_at,
+                        index: slot.index,
+                        live: false,
+                        abandoned: true,
+                    });
+                }
+            }
+        }
+        gone
+    }
+
     /// Operations posted and not yet completed.
     pub(crate) fn live(&self) -> usize {
         self.chunks.len() * CHUNK - self.free.len()

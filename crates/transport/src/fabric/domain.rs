@@ -48,6 +48,41 @@ struct Peer {
     fi_addr: fi::fi_addr_t,
     /// Since when the provider has refused new operations to it (`-FI_EAGAIN`).
     refusing_since: Option<Instant>,
+    /// The endpoint its writes and sends are posted on: its own (see
+    /// [`super::FabricConfig::tx_endpoint_per_peer`]) or null for the published one.
+    ep: *mut fi::fid_ep,
+    /// The process behind an `shm` address, checked before posting (see [`shm_peer_pid`]).
+    pid: Option<libc::pid_t>,
+    /// When `pid` was last found alive.
+    alive_at: Option<Instant>,
+    /// `pid` was found gone: posts to it fail.
+    gone: bool,
+    /// Its outstanding operations have been failed since.
+    ops_failed: bool,
+}
+
+/// How long a liveness check of an `shm` peer's process holds.
+const ALIVE_FOR: Duration = Duration::from_micros(200);
+
+/// The process id in an `shm` address (`fi_shm://<pid>:<uid>:<n>`, NUL-terminated; the
+/// scheme may be absent). libfabric 1.17's `shm` guards each process's shared region with a
+/// spinlock its senders take inside `fi_writemsg`; a process killed while its progress held
+/// that lock leaves it held, and every later post to it spins forever inside libfabric, out of
+/// reach of any timeout (docs/fabric.md). Checking that the process exists before posting
+/// turns that hang into an error, except for a death in the last [`ALIVE_FOR`]. `shm` itself
+/// addresses peers by pid (its cross-memory copies), so the pid is meaningful here.
+fn shm_peer_pid(bytes: &[u8]) -> Option<libc::pid_t> {
+    let text = std::str::from_utf8(bytes.strip_suffix(&[0])?).ok()?;
+    let name = text.split_once("://").map_or(text, |(_, rest)| rest);
+    let pid = name.split(':').next()?.parse::<libc::pid_t>().ok()?;
+    (pid > 0).then_some(pid)
+}
+
+/// Whether process `pid` exists (a zombie does; a process of another user does).
+fn process_exists(pid: libc::pid_t) -> bool {
+    // SAFETY: signal 0 sends nothing; it only checks that the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
 /// Registered buffers that sends are copied into, for providers that need registered sources.
@@ -91,6 +126,8 @@ pub struct FabricDomain {
     /// Polls since the clock was last read for the sweep (reading it every poll costs more
     /// than the poll itself on the fast providers).
     polls_since_sweep: u32,
+    /// Whether each peer gets a transmit endpoint of its own.
+    tx_per_peer: bool,
 }
 
 // SAFETY: the raw pointers are libfabric objects this value alone owns; libfabric objects
@@ -162,6 +199,24 @@ impl FabricDomain {
         if candidate.provider == "shm" {
             clear_stale_shm_regions();
         }
+        let mr_mode = if config.force_mr_local {
+            MrMode(candidate.mr_mode.0 | fi::FI_MR_LOCAL)
+        } else {
+            candidate.mr_mode
+        };
+        // A registration bound to one endpoint (FI_MR_ENDPOINT) would have to be bound to
+        // every peer's too; no provider that needs per-peer endpoints asks for that.
+        let tx_per_peer = match config.tx_endpoint_per_peer {
+            Some(true) if mr_mode.has(fi::FI_MR_ENDPOINT) => {
+                // SAFETY: our own copy, not used after.
+                unsafe { lib.freeinfo(info) };
+                return Err(TransportError::InvalidArgument(
+                    "per-peer transmit endpoints need a provider without FI_MR_ENDPOINT",
+                ));
+            }
+            Some(on) => on,
+            None => candidate.provider == "shm" && !mr_mode.has(fi::FI_MR_ENDPOINT),
+        };
         let mut d = Self {
             lib,
             info,
@@ -179,11 +234,7 @@ impl FabricDomain {
             },
             // SAFETY: as above.
             addr_is_string: unsafe { (*info).addr_format } == fi::FI_ADDR_STR,
-            mr_mode: if config.force_mr_local {
-                MrMode(candidate.mr_mode.0 | fi::FI_MR_LOCAL)
-            } else {
-                candidate.mr_mode
-            },
+            mr_mode,
             max_msg_size: candidate.max_msg_size,
             regions: Vec::new(),
             generations: Vec::new(),
@@ -198,6 +249,7 @@ impl FabricDomain {
             op_timeout: config.op_timeout,
             next_sweep: Instant::now(),
             polls_since_sweep: 0,
+            tx_per_peer,
         };
         // Everything opened so far is closed by Drop if a later step fails.
         d.open_objects(config.cq_size)?;
@@ -252,28 +304,51 @@ impl FabricDomain {
                 "fi_av_open",
                 fi::fi_av_open(self.domain, &raw mut av_attr, &raw mut self.av, null_mut()),
             )?;
+        }
+        self.ep = self.open_endpoint()?;
+        Ok(())
+    }
+
+    /// Opens and enables an endpoint bound to this NIC's CQ (both directions) and AV.
+    fn open_endpoint(&mut self) -> Result<*mut fi::fid_ep, TransportError> {
+        let lib = self.lib;
+        let mut ep: *mut fi::fid_ep = null_mut();
+        // SAFETY: domain, CQ and AV are live; `ep` is a fresh out-pointer; a failure after it
+        // was opened closes it before returning.
+        unsafe {
             check(
                 lib,
                 "fi_endpoint",
-                fi::fi_endpoint(self.domain, self.info, &raw mut self.ep, null_mut()),
+                fi::fi_endpoint(self.domain, self.info, &raw mut ep, null_mut()),
             )?;
-            check(
+            let bound = check(
                 lib,
                 "fi_ep_bind (cq)",
-                fi::fi_ep_bind(
-                    self.ep,
-                    &raw mut (*self.cq).fid,
-                    fi::FI_TRANSMIT | fi::FI_RECV,
-                ),
-            )?;
-            check(
-                lib,
-                "fi_ep_bind (av)",
-                fi::fi_ep_bind(self.ep, &raw mut (*self.av).fid, 0),
-            )?;
-            check(lib, "fi_enable", fi::fi_enable(self.ep))?;
+                fi::fi_ep_bind(ep, &raw mut (*self.cq).fid, fi::FI_TRANSMIT | fi::FI_RECV),
+            )
+            .and_then(|()| {
+                check(
+                    lib,
+                    "fi_ep_bind (av)",
+                    fi::fi_ep_bind(ep, &raw mut (*self.av).fid, 0),
+                )
+            })
+            .and_then(|()| check(lib, "fi_enable", fi::fi_enable(ep)));
+            if let Err(e) = bound {
+                fi::fi_close(ep.cast());
+                return Err(e);
+            }
         }
-        Ok(())
+        Ok(ep)
+    }
+
+    /// The endpoint `peer`'s operations are posted on.
+    fn tx_ep(&self, peer: PeerId) -> *mut fi::fid_ep {
+        self.peers
+            .get(peer as usize)
+            .map(|p| p.ep)
+            .filter(|ep| !ep.is_null())
+            .unwrap_or(self.ep)
     }
 
     fn local_name(&mut self) -> Result<Vec<u8>, TransportError> {
@@ -395,10 +470,37 @@ impl FabricDomain {
         Ok(())
     }
 
+    /// Fails when `peer` is an `shm` process that no longer exists (see [`shm_peer_pid`]).
+    fn check_alive(&mut self, peer: PeerId, now: Instant) -> Result<(), TransportError> {
+        let Some(p) = self.peers.get_mut(peer as usize) else {
+            return Ok(());
+        };
+        let Some(pid) = p.pid else {
+            return Ok(());
+        };
+        if !p.gone
+            && p.alive_at
+                .is_some_and(|at| now.saturating_duration_since(at) < ALIVE_FOR)
+        {
+            return Ok(());
+        }
+        if !p.gone && process_exists(pid) {
+            p.alive_at = Some(now);
+            Ok(())
+        } else {
+            p.gone = true;
+            Err(TransportError::Domain(format!(
+                "peer {peer}'s process {pid} has exited"
+            )))
+        }
+    }
+
     /// Posts one write; `Ok(false)` is `-FI_EAGAIN`.
     fn post_write(&mut self, wr: &WriteWr) -> Result<bool, TransportError> {
         let desc = self.local_desc(wr.lkey, wr.src_addr, wr.len)?;
         let dest = self.peer_addr(wr.peer)?;
+        let now = Instant::now();
+        self.check_alive(wr.peer, now)?;
         let len = usize::try_from(wr.len)
             .ok()
             .filter(|&l| l <= self.max_msg_size)
@@ -410,7 +512,7 @@ impl FabricDomain {
             })?;
         let context = self
             .contexts
-            .acquire(wr.wr_id, OpKind::Write, wr.peer, None, Instant::now());
+            .acquire(wr.wr_id, OpKind::Write, wr.peer, None, now);
         let iov = fi::iovec {
             iov_base: wr.src_addr as *mut c_void,
             iov_len: len,
@@ -446,7 +548,7 @@ impl FabricDomain {
         // SAFETY: the endpoint is live; `msg` and what it points to live across the call (the
         // provider copies the iovecs); the source stays registered until the completion, which
         // the engine's transfer tracking guarantees; `context` is a pool slot.
-        let rc = unsafe { fi::fi_writemsg(self.ep, &raw const msg, flags) };
+        let rc = unsafe { fi::fi_writemsg(self.tx_ep(wr.peer), &raw const msg, flags) };
         let accepted = self.posted(rc, context, "fi_writemsg")?;
         self.note_post(wr.peer, accepted)?;
         Ok(accepted)
@@ -524,6 +626,32 @@ impl FabricDomain {
             return;
         }
         self.next_sweep = now + (self.op_timeout / 4).min(Duration::from_millis(100));
+        // An shm peer whose process has exited will never answer: fail what it holds now
+        // rather than at the deadline.
+        for id in 0..self.peers.len() {
+            let p = &mut self.peers[id];
+            let Some(pid) = p.pid.filter(|_| !p.ops_failed) else {
+                continue;
+            };
+            if !p.gone && process_exists(pid) {
+                continue;
+            }
+            p.gone = true;
+            p.ops_failed = true;
+            for ctx in self.contexts.abandon_peer(id as PeerId) {
+                out.push(Completion {
+                    wr_id: ctx.wr_id,
+                    count: 1,
+                    kind: completion_kind(ctx.kind, 0),
+                    result: Err(TransferError::PeerUnreachable),
+                });
+            }
+            tracing::warn!(
+                peer = id,
+                pid,
+                "an shm peer's process has exited; failed its operations"
+            );
+        }
         for ctx in self.contexts.expire(now, self.op_timeout) {
             tracing::warn!(wr_id = ctx.wr_id, peer = ctx.peer, timeout = ?self.op_timeout, "an operation was not completed in time; failing it");
             out.push(Completion {
@@ -723,10 +851,23 @@ impl Domain for FabricDomain {
             )));
         }
         let fi_addr = self.insert(&peer.bytes)?;
+        let ep = if self.tx_per_peer {
+            self.open_endpoint()?
+        } else {
+            null_mut()
+        };
         let id = self.peers.len() as PeerId;
+        let pid = (self.provider == "fabric:shm")
+            .then(|| shm_peer_pid(&peer.bytes))
+            .flatten();
         self.peers.push(Peer {
             fi_addr,
             refusing_since: None,
+            ep,
+            pid,
+            alive_at: None,
+            gone: false,
+            ops_failed: false,
         });
         self.peer_ids.insert(peer.bytes.clone(), id);
         Ok(id)
@@ -748,6 +889,7 @@ impl Domain for FabricDomain {
 
     unsafe fn post_send(&mut self, wr: &SendWr) -> Result<bool, TransportError> {
         let dest = self.peer_addr(wr.peer)?;
+        self.check_alive(wr.peer, Instant::now())?;
         let len = wr.len as usize;
         let (buf, desc, bounce) = match self.bounce.as_mut() {
             Some(b) => {
@@ -775,7 +917,8 @@ impl Domain for FabricDomain {
                 .acquire(wr.wr_id, OpKind::Send, wr.peer, bounce, Instant::now());
         // SAFETY: the endpoint is live; the buffer (bounce slot or the caller's payload, which
         // it keeps until the completion) outlives the send; `context` is a pool slot.
-        let rc = unsafe { fi::fi_send(self.ep, buf as *const c_void, len, desc, dest, context) };
+        let ep = self.tx_ep(wr.peer);
+        let rc = unsafe { fi::fi_send(ep, buf as *const c_void, len, desc, dest, context) };
         let posted = self
             .posted(rc, context, "fi_send")
             .and_then(|accepted| self.note_post(wr.peer, accepted).map(|()| accepted));
@@ -892,13 +1035,14 @@ impl Drop for FabricDomain {
         // to; the info copy is ours. The context pool and bounce memory are dropped after
         // this, so nothing the provider still references is freed before the endpoint closes.
         unsafe {
-            for fid in [
+            let peer_eps = self.peers.iter().map(|p| p.ep.cast::<fi::fid>());
+            for fid in peer_eps.chain([
                 self.ep.cast::<fi::fid>(),
                 self.av.cast(),
                 self.cq.cast(),
                 self.domain.cast(),
                 self.fabric.cast(),
-            ] {
+            ]) {
                 if !fid.is_null() {
                     let rc = fi::fi_close(fid);
                     if rc != 0 {
@@ -908,5 +1052,39 @@ impl Drop for FabricDomain {
             }
             self.lib.freeinfo(self.info);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shm_addresses_name_their_process() {
+        assert_eq!(shm_peer_pid(b"fi_shm://4242:0:1\0"), Some(4242));
+        assert_eq!(shm_peer_pid(b"4242:1000:0\0"), Some(4242));
+        // Not NUL-terminated, not a pid, not positive, not text: no check, never a panic.
+        for bad in [
+            &b"fi_shm://4242:0:1"[..],
+            b"fi_shm://abc:0:1\0",
+            b"fi_shm://0:0:1\0",
+            b"fi_shm://-1:0:1\0",
+            b"\xff\xfe:0\0",
+            b"\0",
+            b"",
+        ] {
+            assert_eq!(shm_peer_pid(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn this_process_exists_and_a_reaped_child_does_not() {
+        assert!(process_exists(std::process::id() as libc::pid_t));
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning true: {e}"));
+        let pid = child.id() as libc::pid_t;
+        let _ = child.wait();
+        assert!(!process_exists(pid));
     }
 }

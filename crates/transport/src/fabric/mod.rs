@@ -119,6 +119,14 @@ pub struct FabricConfig {
     /// Treat the provider as needing `FI_MR_LOCAL` (descriptors on every local buffer, sends
     /// copied into registered buffers) even if it does not: runs EFA's path on tcp or shm.
     pub force_mr_local: bool,
+    /// Post each peer's writes and sends on an endpoint of their own (receives and peers'
+    /// writes still arrive on the one published endpoint). `None`: only where the provider
+    /// needs it, `shm`. libfabric 1.17's `shm` reports a sender's completions in post order
+    /// from one response queue per endpoint, and a write to a dead peer never gets its
+    /// response: with one endpoint, every later completion (to live peers too) waits behind
+    /// it forever. With an endpoint per peer a dead peer stalls only its own. Costs one more
+    /// shared-memory region per peer, polled through the same completion queue.
+    pub tx_endpoint_per_peer: Option<bool>,
 }
 
 impl Default for FabricConfig {
@@ -135,6 +143,7 @@ impl Default for FabricConfig {
             idle_poll: None,
             op_timeout: Duration::from_secs(10),
             force_mr_local: false,
+            tx_endpoint_per_peer: None,
         }
     }
 }
