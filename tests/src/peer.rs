@@ -337,6 +337,8 @@ impl PeerProcess {
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // Reaped: the shm regions SIGKILL left behind are garbage.
+        let _ = kvroute_transport::fabric::remove_shm_regions_of_dead_process(self.child.id());
     }
 
     /// Asks the peer to exit and waits for it.

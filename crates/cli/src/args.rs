@@ -41,6 +41,9 @@ pub enum Command {
     Demo(DemoArgs),
     /// Serve chunks of a synthetic corpus to requesters (started by `demo`, or by hand).
     Holder(HolderArgs),
+    /// Run the demo's decode steps against running holders (`kvroute holder`), found by
+    /// address or in a peer file, every output checked against a full copy of the corpus.
+    Requester(RequesterArgs),
     /// Measure route (against the raw write round trip) over Mq and fetch over ct between
     /// processes, fit the cost model, write plots and the raw samples.
     Sweep(SweepArgs),
@@ -410,6 +413,38 @@ pub struct HelixArgs {
     pub hopb_comm: Option<f64>,
 }
 
+/// `kvroute requester`: decode steps against holders that are already running.
+#[derive(Debug, Clone, Args)]
+pub struct RequesterArgs {
+    /// Holders' control addresses, comma separated.
+    #[arg(long, value_delimiter = ',', required_unless_present = "peers")]
+    pub holders: Vec<String>,
+    /// A static peer file instead: one holder control address per line (`#` comments).
+    #[arg(long, conflicts_with = "holders")]
+    pub peers: Option<std::path::PathBuf>,
+    /// libfabric provider the holders run (shm, tcp, ...).
+    #[arg(long, default_value = "tcp")]
+    pub provider: String,
+    /// The corpus the holders serve (the same arguments they were given).
+    #[command(flatten)]
+    pub corpus: CorpusArgs,
+    /// Seed of the queries and the sparse selection.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Decode steps.
+    #[arg(long, default_value_t = 2)]
+    pub steps: u32,
+    /// Decode tokens per step (each routes 16 query rows per layer, DeepSeek-V2-Lite's heads).
+    #[arg(long, default_value_t = 4)]
+    pub batch: u32,
+    /// Force one primitive for every (chunk, request): route, fetch or local.
+    #[arg(long)]
+    pub force: Option<String>,
+    /// How long to wait for a holder before declaring it failed, milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    pub timeout_ms: u64,
+}
+
 /// `kvroute demo`.
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
@@ -445,18 +480,36 @@ pub struct DemoArgs {
     pub kill_holder_at_step: Option<u32>,
 }
 
+/// Which synthetic corpus: a `CorpusSpec` as JSON, or DeepSeek-V2-Lite's of the sizes given.
+#[derive(Debug, Clone, Args)]
+pub struct CorpusArgs {
+    /// The corpus as the JSON of `CorpusSpec` (what `kvroute demo` passes its holders);
+    /// overrides --tokens, --doc-chunks and --corpus-seed.
+    #[arg(long)]
+    pub corpus: Option<String>,
+    /// Tokens per chunk of the DeepSeek-V2-Lite corpus.
+    #[arg(long, default_value_t = 2048)]
+    pub tokens: u32,
+    /// Chunks in the document.
+    #[arg(long, default_value_t = 3)]
+    pub doc_chunks: u32,
+    /// Seed the corpus is generated from.
+    #[arg(long, default_value_t = 1)]
+    pub corpus_seed: u64,
+}
+
 /// `kvroute holder`: serve chunks of a synthetic corpus until stdin closes.
 #[derive(Debug, Clone, Args)]
 pub struct HolderArgs {
     /// libfabric provider (shm, tcp, efa, ...).
     #[arg(long, default_value = "tcp")]
     pub provider: String,
-    /// Control listener address.
+    /// Control listener address (a fixed port for a static peer file).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: String,
-    /// The corpus, as the JSON of `CorpusSpec`.
-    #[arg(long)]
-    pub corpus: String,
+    /// The corpus.
+    #[command(flatten)]
+    pub corpus: CorpusArgs,
     /// Chunk ids to serve, comma separated.
     #[arg(long)]
     pub chunks: String,
@@ -471,6 +524,18 @@ pub struct HolderArgs {
     /// busy core).
     #[arg(long, value_enum, default_value = "thread")]
     pub progress: ProgressArg,
+    /// Serve until a stop signal (by hand) or until stdin closes (a parent's child).
+    #[arg(long, value_enum, default_value = "signal")]
+    pub lifeline: Lifeline,
+}
+
+/// What keeps a holder serving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Lifeline {
+    /// Until SIGINT, SIGTERM or SIGHUP, then a clean shutdown (started by hand).
+    Signal,
+    /// Until its stdin closes: the parent (`kvroute demo`, `kvroute sweep`) exited or let go.
+    Stdin,
 }
 
 /// Who progresses an engine.

@@ -28,9 +28,10 @@ use kvroute_kernels::{
 use kvroute_kvstore::corpus::queries;
 use kvroute_kvstore::{ChunkId, CorpusSpec, FullBlock};
 use kvroute_transport::{EngineConfig, FabricConfig, Progress, ProviderChoice, TransferEngine};
+use nix::sys::signal::{SigSet, Signal};
 use serde::Serialize;
 
-use crate::args::{DemoArgs, HolderArgs, ProgressArg};
+use crate::args::{CorpusArgs, DemoArgs, HolderArgs, Lifeline, ProgressArg, RequesterArgs};
 use crate::route::{Call, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse};
 
 /// DeepSeek-V2-Lite's softmax scale (kernels' `deepseek_softmax_scale(192, 40, 0.707)`).
@@ -81,6 +82,8 @@ pub struct Decided {
 /// What the demo did and found.
 #[derive(Debug, Clone, Serialize)]
 pub struct DemoReport {
+    /// `demo` (holders started here) or `requester` (holders already running).
+    pub command: String,
     /// The provider the transport opened.
     pub provider: String,
     /// Holder processes.
@@ -113,8 +116,8 @@ impl fmt::Display for DemoReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "kvroute demo: {} holder processes over libfabric {}, DeepSeek-V2-Lite corpus of {} chunks x {} tokens x {} layers",
-            self.holders, self.provider, self.chunks, self.chunk_tokens, self.layers
+            "kvroute {}: {} holder processes over libfabric {}, DeepSeek-V2-Lite corpus of {} chunks x {} tokens x {} layers",
+            self.command, self.holders, self.provider, self.chunks, self.chunk_tokens, self.layers
         )?;
         let sweep: Vec<String> = self
             .probe_sweep
@@ -228,6 +231,19 @@ fn corpus(args: &DemoArgs) -> Result<CorpusSpec> {
     v2_lite_corpus(args.tokens, args.holders as u32, args.seed)
 }
 
+/// The corpus `--corpus` gives, or DeepSeek-V2-Lite's of the sizes given.
+fn corpus_of(args: &CorpusArgs) -> Result<CorpusSpec> {
+    match &args.corpus {
+        Some(json) => {
+            let spec: CorpusSpec =
+                serde_json::from_str(json).context("--corpus is not a CorpusSpec")?;
+            spec.validate()?;
+            Ok(spec)
+        }
+        None => v2_lite_corpus(args.tokens, args.doc_chunks, args.corpus_seed),
+    }
+}
+
 /// `chunks` chunks of `tokens` tokens with DeepSeek-V2-Lite's 27 layers, RoPE theta 10000 and
 /// its YaRN scaling, interleaved RoPE pairs.
 pub(crate) fn v2_lite_corpus(tokens: u32, chunks: u32, seed: u64) -> Result<CorpusSpec> {
@@ -247,14 +263,27 @@ pub(crate) fn v2_lite_corpus(tokens: u32, chunks: u32, seed: u64) -> Result<Corp
 
 /// `kvroute holder`.
 pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
-    let spec: CorpusSpec =
-        serde_json::from_str(&args.corpus).context("--corpus is not a CorpusSpec")?;
+    let spec = corpus_of(&args.corpus)?;
     let chunks = args
         .chunks
         .split(',')
         .map(|c| c.trim().parse().map(ChunkId))
         .collect::<Result<Vec<_>, _>>()
         .context("--chunks: comma-separated ids")?;
+    // Blocked (not handled) before the engine starts its threads, which inherit the mask:
+    // no handler runs, in particular not the one libfabric's shm installs (it unlinks the
+    // regions and re-raises), and this thread takes the signal with sigwait below.
+    let stop = match args.lifeline {
+        Lifeline::Signal => {
+            let mut set = SigSet::empty();
+            for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+                set.add(s);
+            }
+            set.thread_block().context("blocking the stop signals")?;
+            Some(set)
+        }
+        Lifeline::Stdin => None,
+    };
     let (engine, _) = fabric_engine_with(&args.provider.parse()?, args.progress)?;
     let mut config = HolderConfig::new(spec, chunks);
     config.max_requesters = args.max_requesters;
@@ -266,9 +295,18 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
         serde_json::json!({ "listen": holder.addr().to_string() })
     );
     std::io::stdout().flush()?;
-    // Serve until the parent closes stdin (or dies).
-    let mut sink = Vec::new();
-    let _ = std::io::stdin().read_to_end(&mut sink);
+    match stop {
+        // Until the parent closes stdin (or dies).
+        None => {
+            let mut sink = Vec::new();
+            let _ = std::io::stdin().read_to_end(&mut sink);
+        }
+        Some(set) => {
+            let signal = set.wait().context("waiting for a stop signal")?;
+            tracing::info!(%signal, "stopping");
+        }
+    }
+    // Dropped, not killed: the engine closes its endpoints (shm unlinks its region).
     drop(holder);
     Ok(())
 }
@@ -331,6 +369,8 @@ pub(crate) fn spawn_holder(
                 &corpus,
                 "--chunks",
                 &h,
+                "--lifeline",
+                "stdin",
             ])
             .args(extra)
             .stdin(Stdio::piped())
@@ -417,38 +457,129 @@ fn route_with_fallback(
         .collect()
 }
 
-/// `kvroute demo`.
-pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
-    if !(2..=8).contains(&args.holders) || args.replicas == 0 || args.replicas > args.holders {
-        bail!("--holders must be 2 to 8 and --replicas 1 to --holders");
-    }
-    let force = args
-        .force
-        .as_deref()
+/// What a run of decode steps does (`kvroute demo` and `kvroute requester`).
+struct StepPlan {
+    /// Seed of the queries and the sparse selection.
+    seed: u64,
+    steps: u32,
+    /// Decode tokens per step.
+    batch: u32,
+    force: Option<Primitive>,
+    timeout: Duration,
+}
+
+fn parse_force(force: Option<&str>) -> Result<Option<Primitive>> {
+    force
         .map(|f| match f {
             "route" => Ok(Primitive::Route),
             "fetch" => Ok(Primitive::Fetch),
             "local" => Ok(Primitive::Local),
             other => Err(anyhow!("--force takes route, fetch or local, not {other}")),
         })
-        .transpose()?;
+        .transpose()
+}
+
+/// `kvroute demo`.
+pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
+    if !(2..=8).contains(&args.holders) || args.replicas == 0 || args.replicas > args.holders {
+        bail!("--holders must be 2 to 8 and --replicas 1 to --holders");
+    }
+    let plan = StepPlan {
+        seed: args.seed,
+        steps: args.steps,
+        batch: args.batch,
+        force: parse_force(args.force.as_deref())?,
+        timeout: Duration::from_millis(args.timeout_ms),
+    };
     let spec = corpus(args)?;
     let provider = provider_for(&args.provider)?;
-    let procs = spawn_holders(args, &spec, &provider)?;
-    let (engine, provider_name) = fabric_engine(&provider)?;
-    let config = RequesterConfig {
+    let mut procs = spawn_holders(args, &spec, &provider)?;
+    let addrs: Vec<SocketAddr> = procs.iter().map(|p| p.addr).collect();
+    let report = decode_steps("demo", &spec, &provider, &addrs, &plan, &mut |step| {
+        if args.kill_holder_at_step != Some(step) {
+            return Ok(None);
+        }
+        let p = &mut procs[0];
+        p.child.kill().context("killing holder 0")?;
+        let _ = p.child.wait();
+        // SIGKILL leaves its shm regions behind; it is reaped, so they are garbage.
+        let _ = kvroute_transport::fabric::remove_shm_regions_of_dead_process(p.child.id());
+        Ok(Some(format!(
+            "holder 0 ({}) killed before step {step}",
+            p.addr
+        )))
+    });
+    drop(procs);
+    report
+}
+
+/// The holder addresses of `kvroute requester`: `--holders`, or the lines of `--peers`.
+fn holder_addrs(args: &RequesterArgs) -> Result<Vec<SocketAddr>> {
+    let text;
+    let listed: Vec<&str> = match &args.peers {
+        Some(path) => {
+            text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the peer file {}", path.display()))?;
+            text.lines()
+                .map(|l| l.split('#').next().unwrap_or_default().trim())
+                .filter(|l| !l.is_empty())
+                .collect()
+        }
+        None => args.holders.iter().map(|h| h.trim()).collect(),
+    };
+    let addrs = listed
+        .iter()
+        .map(|a| {
+            std::net::ToSocketAddrs::to_socket_addrs(a)
+                .with_context(|| format!("holder address {a:?}"))?
+                .next()
+                .ok_or_else(|| anyhow!("holder address {a:?} resolves to nothing"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if addrs.is_empty() {
+        bail!("no holder addresses given");
+    }
+    Ok(addrs)
+}
+
+/// `kvroute requester`.
+pub(crate) fn requester(args: &RequesterArgs) -> Result<DemoReport> {
+    let plan = StepPlan {
+        seed: args.seed,
+        steps: args.steps,
+        batch: args.batch,
+        force: parse_force(args.force.as_deref())?,
         timeout: Duration::from_millis(args.timeout_ms),
+    };
+    let spec = corpus_of(&args.corpus)?;
+    let addrs = holder_addrs(args)?;
+    let provider = provider_for(&args.provider)?;
+    decode_steps("requester", &spec, &provider, &addrs, &plan, &mut |_| {
+        Ok(None)
+    })
+}
+
+/// Connects a requester to `holders`, measures the start-up probe sweep, and runs the decode
+/// steps; `before_step` may act before each step (the demo's kill) and report what it did.
+fn decode_steps(
+    command: &str,
+    spec: &CorpusSpec,
+    provider: &ProviderChoice,
+    holders: &[SocketAddr],
+    plan: &StepPlan,
+    before_step: &mut dyn FnMut(u32) -> Result<Option<String>>,
+) -> Result<DemoReport> {
+    let force = plan.force;
+    let (engine, provider_name) = fabric_engine(provider)?;
+    let config = RequesterConfig {
+        timeout: plan.timeout,
         link_bytes: 4 << 20,
         pool_pages: spec.layout().pages() as u32 * spec.chunks,
         scale: SCALE,
         tag: 0,
         spin: Duration::from_millis(1),
     };
-    let mut req = Requester::connect(
-        engine,
-        &procs.iter().map(|p| p.addr).collect::<Vec<_>>(),
-        config,
-    )?;
+    let mut req = Requester::connect(engine, holders, config)?;
     // The full copy the checks are computed against.
     let blocks: Vec<Vec<u16>> = (0..spec.chunks)
         .map(|c| spec.chunk(ChunkId(c)))
@@ -492,8 +623,9 @@ pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
     let costs = CostModel::new(CostParams::paper_defaults(model, fabric))?;
 
     let mut report = DemoReport {
+        command: command.to_owned(),
         provider: provider_name,
-        holders: args.holders,
+        holders: holders.len(),
         chunks: spec.chunks,
         chunk_tokens: ct,
         layers: spec.layers,
@@ -506,26 +638,20 @@ pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
         checks: Vec::new(),
         passed: false,
     };
-    let mut procs = procs;
     let layers = [0, spec.layers / 2, spec.layers - 1];
     // The requester's own prompt precedes the document: a fetched chunk is re-homed past it.
     let prefix = 4096i64;
-    let mq = args.batch as usize * HEADS;
-    for step in 0..args.steps {
-        if args.kill_holder_at_step == Some(step) {
-            let p = &mut procs[0];
-            p.child.kill().context("killing holder 0")?;
-            let _ = p.child.wait();
-            report
-                .failures
-                .push(format!("holder 0 ({}) killed before step {step}", p.addr));
+    let mq = plan.batch as usize * HEADS;
+    for step in 0..plan.steps {
+        if let Some(what) = before_step(step)? {
+            report.failures.push(what);
         }
         // Decode queries at the end of the document (as the requester sees it: after its prefix).
         let q = queries(
             mq,
             prefix + doc_tokens + i64::from(step),
             &rope,
-            args.seed ^ u64::from(step),
+            plan.seed ^ u64::from(step),
         );
         let mut choice = Vec::new();
         for c in 0..spec.chunks {
@@ -668,7 +794,7 @@ pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
     // Sparse: one decode token's 16 heads select top-2048 of the whole document, scattered
     // over every holder; each holder attends its subset in place (no splice), we merge.
     let sel_k = TOPK.min(spec.tokens());
-    let mut s = args.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut s = plan.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let mut picked = std::collections::BTreeSet::new();
     while picked.len() < sel_k {
         s ^= s << 13;
@@ -677,7 +803,7 @@ pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
         picked.insert((s % spec.tokens() as u64) as i32);
     }
     let global: Vec<i32> = picked.into_iter().collect();
-    let q = queries(HEADS, doc_tokens, &rope, args.seed ^ 0x5a5a);
+    let q = queries(HEADS, doc_tokens, &rope, plan.seed ^ 0x5a5a);
     let per_chunk: Vec<Vec<i32>> = (0..spec.chunks as i32)
         .map(|c| {
             global
@@ -757,6 +883,5 @@ pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
     }
     report.passed = report.checks.iter().all(|c| c.passed) && !report.checks.is_empty();
     drop(req);
-    drop(procs);
     Ok(report)
 }

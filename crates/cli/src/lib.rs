@@ -55,16 +55,8 @@ pub fn run(cli: &Cli) -> Result<String> {
         Command::Kernel(KernelCommand::Merge(args)) => render(cli.json, &kernel::merge(args)?),
         Command::Kernel(KernelCommand::Splice(args)) => render(cli.json, &kernel::splice(args)?),
         Command::Kernel(KernelCommand::GpuInfo) => render(cli.json, &kernel::gpu_info()?),
-        Command::Demo(args) => {
-            let report = demo::run(args)?;
-            let text = render(cli.json, &report)?;
-            if !report.passed {
-                // Printed before failing, so the numbers of a failed run are not lost.
-                print!("{text}");
-                anyhow::bail!("the demo's checks failed");
-            }
-            Ok(text)
-        }
+        Command::Demo(args) => checked(cli.json, &demo::run(args)?, "the demo"),
+        Command::Requester(args) => checked(cli.json, &demo::requester(args)?, "the requester"),
         Command::Sweep(args) => render(cli.json, &sweep::run(args)?),
         Command::Holder(args) => {
             demo::holder(args)?;
@@ -75,6 +67,17 @@ pub fn run(cli: &Cli) -> Result<String> {
             Ok(String::new())
         }
     }
+}
+
+/// A run's report, or (printed first, so a failed run's numbers are not lost) an error when
+/// one of its checks failed.
+fn checked(json: bool, report: &demo::DemoReport, what: &str) -> Result<String> {
+    let text = render(json, report)?;
+    if !report.passed {
+        print!("{text}");
+        anyhow::bail!("{what}'s checks failed");
+    }
+    Ok(text)
 }
 
 fn render<R: serde::Serialize + std::fmt::Display>(json: bool, report: &R) -> Result<String> {

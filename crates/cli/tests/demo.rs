@@ -166,3 +166,146 @@ fn killed_holder_without_replica_fails_cleanly_over_tcp() {
 fn killed_holder_without_replica_fails_cleanly_over_shm() {
     killed_holder_without_replica_fails_cleanly("shm");
 }
+
+/// A `kvroute holder` process started by hand (it serves until SIGINT/SIGTERM/SIGHUP).
+struct HolderProc {
+    child: std::process::Child,
+    addr: String,
+}
+
+impl HolderProc {
+    fn start(provider: &str, chunk: u32) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["holder", "--provider", provider, "--tokens", "512"])
+            .args(["--doc-chunks", "2", "--chunks", &chunk.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting kvroute holder");
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().expect("piped stdout")),
+            &mut line,
+        )
+        .expect("reading the holder's address");
+        let v: serde_json::Value = serde_json::from_str(&line).expect("the holder's JSON line");
+        let addr = v["listen"].as_str().expect("a listen address").to_owned();
+        Self { child, addr }
+    }
+}
+
+impl HolderProc {
+    /// Stops the holder as an operator would (SIGTERM) and returns whether it exited cleanly
+    /// within 10 s.
+    fn stop(&mut self) -> bool {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status();
+        if !sent.is_ok_and(|s| s.success()) {
+            return false;
+        }
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.success();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+}
+
+impl Drop for HolderProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Three processes: two holders started on their own, and `kvroute requester` finding them
+/// through a static peer file; every check passes. Bad peer lists are errors, not hangs.
+#[test]
+fn a_requester_process_runs_against_holder_processes_from_a_peer_file() {
+    let holders = [HolderProc::start("shm", 0), HolderProc::start("shm", 1)];
+    let dir = std::env::temp_dir().join(format!("kvroute-peers-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temp dir");
+    let peers = dir.join("peers.txt");
+    std::fs::write(
+        &peers,
+        format!(
+            "# holders of a two-chunk document\n{}\n{}  # chunk 1\n",
+            holders[0].addr, holders[1].addr
+        ),
+    )
+    .expect("writing the peer file");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args([
+                "requester",
+                "--json",
+                "--provider",
+                "shm",
+                "--tokens",
+                "512",
+            ])
+            .args(["--doc-chunks", "2", "--steps", "1"])
+            .args(args)
+            .output()
+            .expect("running kvroute requester")
+    };
+    let out = run(&["--peers", peers.to_str().expect("a UTF-8 path")]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_str(&text).expect("one JSON report");
+    assert_eq!(json["command"], "requester");
+    assert_eq!(json["passed"], true);
+    assert_eq!(json["holders"], 2);
+    assert!(json["checks"].as_array().map_or(0, Vec::len) >= 8, "{text}");
+
+    // A holder list that names nothing, a missing file, an address that is not one.
+    let empty = dir.join("empty.txt");
+    std::fs::write(&empty, "# nobody\n\n").expect("writing a peer file");
+    for (args, says) in [
+        (
+            vec!["--peers", empty.to_str().unwrap_or_default()],
+            "no holder addresses",
+        ),
+        (
+            vec!["--peers", "/nonexistent/peers.txt"],
+            "reading the peer file",
+        ),
+        (vec!["--holders", "not-an-address"], "holder address"),
+    ] {
+        let out = run(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(says),
+            "{args:?}: {err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // SIGTERM shuts a holder down cleanly: it exits 0 and its endpoints are closed, so shm
+    // unlinked its regions (/dev/shm/<pid>:<uid>:<n>; a killed one leaves them behind).
+    for mut h in holders {
+        let pid = h.child.id();
+        assert!(
+            h.stop(),
+            "holder {} did not stop cleanly on SIGTERM",
+            h.addr
+        );
+        let left: Vec<String> = std::fs::read_dir("/dev/shm")
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with(&format!("{pid}:")))
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert!(left.is_empty(), "holder {pid} left shm regions {left:?}");
+    }
+}

@@ -147,6 +147,41 @@ fn check(lib: &fi::Library, what: &str, rc: i32) -> Result<(), TransportError> {
     }
 }
 
+/// Removes the `shm` regions (`/dev/shm/<pid>:<uid>:<n>`) a process of this user left when it
+/// was killed (a clean exit unlinks them; SIGKILL cannot), so a supervisor that killed and
+/// reaped a peer frees its shared memory (16 MiB per endpoint). Refuses, removing nothing,
+/// while a process `pid` exists. Returns how many regions were removed.
+pub fn remove_shm_regions_of_dead_process(pid: u32) -> std::io::Result<usize> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(raw) = libc::pid_t::try_from(pid) else {
+        return Ok(0);
+    };
+    if process_exists(raw) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::ResourceBusy,
+            format!("process {pid} still exists"),
+        ));
+    }
+    let uid = std::fs::metadata("/proc/self")?.uid();
+    remove_shm_regions(&format!("{pid}:{uid}:"))
+}
+
+/// Removes `/dev/shm/<prefix><digits>`; returns how many.
+fn remove_shm_regions(prefix: &str) -> std::io::Result<usize> {
+    let mut removed = 0;
+    for entry in std::fs::read_dir("/dev/shm")?.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+            continue;
+        };
+        if !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()) {
+            std::fs::remove_file(entry.path())?;
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
 /// libfabric 1.17's `shm` provider names an endpoint's shared region `/dev/shm/<pid>:<uid>:<n>`
 /// (`n` counts the process's endpoints) and unlinks it when the endpoint closes. A process that
 /// is killed leaves its regions behind, and a later process that is given the same pid then
@@ -160,24 +195,13 @@ fn clear_stale_shm_regions() {
         let Ok(uid) = std::fs::metadata("/proc/self").map(|m| m.uid()) else {
             return;
         };
-        let prefix = format!("{}:{uid}:", std::process::id());
-        let Ok(entries) = std::fs::read_dir("/dev/shm") else {
-            return;
-        };
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
-                continue;
-            };
-            if !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()) {
-                match std::fs::remove_file(entry.path()) {
-                    Ok(()) => tracing::warn!(
-                        region = %entry.path().display(),
-                        "removed a stale shm region a killed process with this pid left"
-                    ),
-                    Err(e) => tracing::debug!(%e, "could not remove a stale shm region"),
-                }
-            }
+        match remove_shm_regions(&format!("{}:{uid}:", std::process::id())) {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(
+                regions = n,
+                "removed stale shm regions a killed process with this pid left"
+            ),
+            Err(e) => tracing::debug!(%e, "could not remove stale shm regions"),
         }
     });
 }
@@ -1086,5 +1110,30 @@ mod tests {
         let pid = child.id() as libc::pid_t;
         let _ = child.wait();
         assert!(!process_exists(pid));
+    }
+
+    #[test]
+    fn regions_of_a_dead_process_are_removed_and_of_a_live_one_refused() {
+        use std::os::unix::fs::MetadataExt;
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning true: {e}"));
+        let pid = child.id();
+        let _ = child.wait();
+        let uid = std::fs::metadata("/proc/self").map_or(0, |m| m.uid());
+        let region = format!("/dev/shm/{pid}:{uid}:0");
+        let unrelated = format!("/dev/shm/{pid}:{uid}:x");
+        for f in [&region, &unrelated] {
+            std::fs::write(f, b"left behind").unwrap_or_else(|e| panic!("{f}: {e}"));
+        }
+        assert_eq!(remove_shm_regions_of_dead_process(pid).ok(), Some(1));
+        assert!(!std::path::Path::new(&region).exists());
+        assert!(
+            std::path::Path::new(&unrelated).exists(),
+            "not a region name"
+        );
+        let _ = std::fs::remove_file(&unrelated);
+        let me = std::process::id();
+        assert!(remove_shm_regions_of_dead_process(me).is_err());
     }
 }

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use domain::FabricDomain;
+pub use domain::{FabricDomain, remove_shm_regions_of_dead_process};
 pub use info::{MrMode, available_providers};
 
 use crate::error::TransportError;
