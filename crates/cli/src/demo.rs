@@ -32,7 +32,9 @@ use nix::sys::signal::{SigSet, Signal};
 use serde::Serialize;
 
 use crate::args::{CorpusArgs, DemoArgs, HolderArgs, Lifeline, ProgressArg, RequesterArgs};
-use crate::route::{Call, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse};
+use crate::route::{
+    Call, GatherPart, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse,
+};
 
 /// DeepSeek-V2-Lite's softmax scale (kernels' `deepseek_softmax_scale(192, 40, 0.707)`).
 pub(crate) const SCALE: f32 = 0.1147;
@@ -69,7 +71,7 @@ pub struct Check {
 pub struct Decided {
     /// Decode step.
     pub step: u32,
-    /// The chunk.
+    /// The chunk (`u32::MAX`: the sparse step's selection, over every holder).
     pub chunk: u32,
     /// Query rows.
     pub mq: u32,
@@ -104,6 +106,9 @@ pub struct DemoReport {
     pub route_us: Vec<f64>,
     /// Fetch transfer and splice times, microseconds.
     pub fetch_us: Vec<(f64, f64)>,
+    /// Sparse fetches: gather transfer times (every checked layer's selected rows from every
+    /// holder), microseconds.
+    pub gather_us: Vec<f64>,
     /// Holder failures seen and what was done about them.
     pub failures: Vec<String>,
     /// The checks.
@@ -135,10 +140,15 @@ impl fmt::Display for DemoReport {
             self.fitted.0, self.fitted.1
         )?;
         for d in &self.decisions {
+            let what = if d.chunk == u32::MAX {
+                "sparse".to_owned()
+            } else {
+                format!("chunk {}", d.chunk)
+            };
             writeln!(
                 f,
-                "  step {} chunk {} Mq={}: {} ({})",
-                d.step, d.chunk, d.mq, d.choice, d.reason
+                "  step {} {what} Mq={}: {} ({})",
+                d.step, d.mq, d.choice, d.reason
             )?;
         }
         if !self.route_us.is_empty() {
@@ -153,6 +163,9 @@ impl fmt::Display for DemoReport {
         }
         for (t, s) in &self.fetch_us {
             writeln!(f, "fetch: transfer {t:.0} us, splice {s:.0} us")?;
+        }
+        for t in &self.gather_us {
+            writeln!(f, "sparse fetch (gather): transfer {t:.0} us")?;
         }
         for e in &self.failures {
             writeln!(f, "failure: {e}")?;
@@ -634,6 +647,7 @@ fn decode_steps(
         decisions: Vec::new(),
         route_us: Vec::new(),
         fetch_us: Vec::new(),
+        gather_us: Vec::new(),
         failures: Vec::new(),
         checks: Vec::new(),
         passed: false,
@@ -792,7 +806,9 @@ fn decode_steps(
         }
     }
     // Sparse: one decode token's 16 heads select top-2048 of the whole document, scattered
-    // over every holder; each holder attends its subset in place (no splice), we merge.
+    // over every holder. Route: each holder attends its subset in place (no splice), we
+    // merge. Fetch: every holder that has some sends its selected rows (a gather, no splice)
+    // and we attend them here.
     let sel_k = TOPK.min(spec.tokens());
     let mut s = plan.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let mut picked = std::collections::BTreeSet::new();
@@ -813,7 +829,73 @@ fn decode_steps(
                 .collect()
         })
         .collect();
+    let spanned = per_chunk.iter().filter(|idx| !idx.is_empty()).count() as u32;
+    let (sparse_choice, reason) = match force {
+        Some(p) => (p, "forced".to_owned()),
+        None => {
+            let d = costs.decide(&Request::sparse(
+                HEADS as u32,
+                spec.tokens() as u32,
+                sel_k as u32,
+                spanned,
+            ))?;
+            (
+                d.choice,
+                d.to_string().lines().next().unwrap_or_default().to_owned(),
+            )
+        }
+    };
+    report.decisions.push(Decided {
+        step: plan.steps,
+        chunk: u32::MAX,
+        mq: HEADS as u32,
+        choice: format!("{sparse_choice:?}"),
+        reason: format!("sparse top-{sel_k} over {spanned} holders: {reason}"),
+    });
+    if sparse_choice == Primitive::Fetch {
+        let parts: Vec<GatherPart<'_>> = per_chunk
+            .iter()
+            .enumerate()
+            .filter(|(_, idx)| !idx.is_empty())
+            .map(|(c, idx)| GatherPart {
+                chunk: ChunkId(c as u32),
+                tokens: idx,
+            })
+            .collect();
+        let wanted: Vec<u16> = layers.iter().map(|&l| l as u16).collect();
+        let gathered = req
+            .gather(&parts, &wanted)
+            .map_err(|e| anyhow!("gathering the sparse selection: {e}"))?;
+        report.gather_us.push(gathered.transfer_us);
+        let qq = Queries::new(&q)?;
+        for (i, &layer) in layers.iter().enumerate() {
+            let doc = spec.document_layer(&blocks, layer)?;
+            let cache = Cache::contiguous(&doc)?;
+            let whole = partial_sparse(
+                Backend::Cpu,
+                &qq,
+                &cache,
+                &Selection::new(&global, sel_k, HEADS, HEADS, cache.tokens())?,
+                SCALE,
+            )?;
+            // The gathered rows are the selection, in order: attend all of them.
+            let got = partial_dense(Backend::Cpu, &qq, &req.gathered_cache(&gathered, i)?, SCALE)?;
+            check(
+                &mut report.checks,
+                format!(
+                    "sparse top-{sel_k} gathered from {spanned} holders, layer {layer}, attended here"
+                ),
+                &got,
+                &whole,
+                F32_TOL,
+            );
+        }
+        req.release_gathered(gathered)?;
+    }
     for &layer in &layers {
+        if sparse_choice == Primitive::Fetch {
+            break;
+        }
         let calls: Vec<Call<'_>> = per_chunk
             .iter()
             .enumerate()

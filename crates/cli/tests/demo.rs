@@ -89,6 +89,18 @@ fn demo_fetch_splices_and_checks() {
         !json["fetch_us"].as_array().is_some_and(Vec::is_empty),
         "fetches ran"
     );
+    // Under sparse selection, fetch gathers the selected rows from every holder.
+    assert!(
+        !json["gather_us"].as_array().is_some_and(Vec::is_empty),
+        "sparse fetches ran"
+    );
+    let gathered = json["checks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| c["name"].as_str().is_some_and(|n| n.contains("gathered")))
+        .count();
+    assert_eq!(gathered, 3, "one gathered check per checked layer");
 }
 
 /// A holder killed mid-run: the requester reports the failed chunks, falls back to their

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use kvroute_cli::route::{
-    Call, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse, wire,
+    Call, GatherPart, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse, wire,
 };
 use kvroute_kernels::layout::D_QK;
 use kvroute_kernels::{
@@ -206,6 +206,73 @@ fn fetch_splices_to_the_requesters_positions() -> Result<()> {
     }
     req.release(fetched)?;
     assert_eq!(req.free_pool_pages(), free, "no pages leak");
+    Ok(())
+}
+
+/// Sparse fetch: the selected rows of two chunks on two holders land back to back (across a
+/// page boundary shared by both holders' writes), bit-exact, for each layer asked; a gather
+/// naming a token outside its chunk is refused; nothing leaks from the pool.
+#[test]
+fn gather_lands_the_selected_rows_of_every_holder_bit_exact() -> Result<()> {
+    let fabric = MemFabric::new();
+    let (a, b) = (holder(&fabric, &[0], 8)?, holder(&fabric, &[1], 8)?);
+    let mut req = requester(&fabric, &[&a, &b])?;
+    let s = spec();
+    let free = req.free_pool_pages();
+    // 70 tokens of chunk 0 (so chunk 1's rows start mid-page), 5 of chunk 1 with a repeat.
+    let t0: Vec<i32> = (0..70).map(|i| (i * 37) % 200).collect();
+    let t1 = [199i32, 0, 5, 5, 17];
+    let parts = [
+        GatherPart {
+            chunk: ChunkId(0),
+            tokens: &t0,
+        },
+        GatherPart {
+            chunk: ChunkId(1),
+            tokens: &t1,
+        },
+    ];
+    let layers = [2u16, 0];
+    let gathered = req.gather(&parts, &layers)?;
+    assert_eq!(gathered.rows, 75);
+    let blocks = [s.chunk(ChunkId(0))?, s.chunk(ChunkId(1))?];
+    for (i, &layer) in layers.iter().enumerate() {
+        let cache = req.gathered_cache(&gathered, i)?;
+        let mut j = 0;
+        for (c, tokens) in [(0usize, &t0[..]), (1, &t1[..])] {
+            let full = kvroute_kvstore::FullBlock::new(&blocks[c], s.layout())?;
+            let rows = full.layer(u32::from(layer))?.rows();
+            for &t in tokens {
+                let want = &rows[t as usize * D_QK..(t as usize + 1) * D_QK];
+                assert_eq!(cache.row(j), want, "layer {layer}, gathered row {j}");
+                j += 1;
+            }
+        }
+    }
+    req.release_gathered(gathered)?;
+    assert_eq!(req.free_pool_pages(), free, "no pages leak");
+    // A token outside the chunk (200 tokens) is refused before anything is written. The
+    // requester cannot tell which of a batch's row writes will still come, so it waits out its
+    // deadline for them and gives the link up (a later count on its fetch immediate could
+    // otherwise include stale rows): the refusal reaches it as the holder's failure.
+    let bad = [3i32, 200];
+    let refused = req.gather(
+        &[GatherPart {
+            chunk: ChunkId(0),
+            tokens: &bad,
+        }],
+        &[0],
+    );
+    assert!(
+        matches!(
+            refused,
+            Err(RouteError::Refused {
+                status: wire::Status::BadIndex,
+                ..
+            }) | Err(RouteError::HolderFailed { .. })
+        ),
+        "{refused:?}"
+    );
     Ok(())
 }
 

@@ -16,12 +16,17 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
+use kvroute_kernels::layout::PAGE_TOKENS;
 use kvroute_kernels::{Backend, Cache, Partial, Queries, Selection, partial_dense, partial_sparse};
-use kvroute_kvstore::{ChunkEntry, ChunkId, CorpusSpec, FullBlock, PAGE_BYTES};
+use kvroute_kvstore::{ChunkEntry, ChunkId, CorpusSpec, FullBlock, PAGE_BYTES, ROW_BYTES};
 use kvroute_transport::{MrDesc, OnDone, Pages, RegisteredBuffer, TransferEngine};
 
 use super::session::{Answer, Control, Hello, HolderStats, Welcome};
 use super::wire::{self, Request, SegmentKind, Status};
+
+/// The batching key of segments that move bytes (fetch, gather) rather than attend: each is
+/// served on its own.
+const TRANSFER_KEY: (u32, u32) = (u32::MAX, u32::MAX);
 
 /// How a holder is set up.
 #[derive(Debug, Clone)]
@@ -485,7 +490,7 @@ impl Shared {
                     let key = match seg.kind {
                         SegmentKind::Dense => (0, 0),
                         SegmentKind::Sparse { k, rows_per_token } => (k, rows_per_token),
-                        SegmentKind::Fetch => (u32::MAX, u32::MAX),
+                        SegmentKind::Fetch | SegmentKind::Gather { .. } => TRANSFER_KEY,
                     };
                     groups
                         .entry((seg.chunk, seg.layer, key, req.scale.to_bits()))
@@ -495,16 +500,23 @@ impl Shared {
             }
         }
         for (&(chunk, layer, key, scale), members) in &groups {
-            if key == (u32::MAX, u32::MAX) {
+            if key == TRANSFER_KEY {
                 for &(r, s) in members {
                     let (_, session, _) = &slots[r];
                     let ok = requests[r]
                         .as_ref()
                         .ok()
                         .and_then(|req| req.segments[s].as_ref().ok());
-                    statuses[r][s] = match ok {
-                        Some(seg) => self.fetch(session, chunk, &seg.pages()),
-                        None => Status::BadSegment,
+                    statuses[r][s] = match ok.map(|seg| (seg, seg.kind)) {
+                        Some((seg, SegmentKind::Fetch)) => self.fetch(session, chunk, &seg.pages()),
+                        Some((seg, SegmentKind::Gather { first })) => self.gather(
+                            session,
+                            (chunk, layer),
+                            first,
+                            &seg.indices(),
+                            &seg.pages(),
+                        ),
+                        _ => Status::BadSegment,
                     };
                     stats.fetches += u64::from(statuses[r][s] == Status::Ok);
                 }
@@ -685,6 +697,62 @@ impl Shared {
             Ok(()) => Status::Ok,
             Err(e) => {
                 tracing::debug!(%e, "fetch refused");
+                Status::FetchRefused
+            }
+        }
+    }
+
+    /// Sparse fetch: writes the rows of `tokens` (layer `layer` of `chunk`) into the
+    /// requester's pool, row `j` at row `first + j` of `pages`, one row-sized write each, all
+    /// carrying the session's fetch immediate.
+    fn gather(
+        &self,
+        session: &Session,
+        (chunk, layer): (u32, u16),
+        first: u32,
+        tokens: &[i32],
+        pages: &[u32],
+    ) -> Status {
+        let layout = self.config.corpus.layout();
+        let Some(pool) = &session.hello.pool else {
+            return Status::FetchRefused;
+        };
+        if tokens
+            .iter()
+            .any(|&t| u32::try_from(t).map_or(true, |t| t >= layout.tokens))
+        {
+            return Status::BadIndex;
+        }
+        let Ok(layer_at) = layout.layer_offset(u32::from(layer)) else {
+            return Status::BadLayer;
+        };
+        // Rows of ROW_BYTES from the start of the store, and of the pool.
+        let base = (self.chunk_index[&chunk] * layout.full_bytes() + layer_at) / ROW_BYTES;
+        let src: Option<Vec<u32>> = tokens
+            .iter()
+            .map(|&t| u32::try_from(base + t as usize).ok())
+            .collect();
+        let dst: Option<Vec<u32>> = (0..tokens.len())
+            .map(|j| {
+                let r = first as usize + j;
+                pages[r / PAGE_TOKENS]
+                    .checked_mul(PAGE_TOKENS as u32)
+                    .and_then(|p| p.checked_add((r % PAGE_TOKENS) as u32))
+            })
+            .collect();
+        let (Some(src), Some(dst)) = (src, dst) else {
+            return Status::FetchRefused;
+        };
+        match self.engine.submit_paged_writes(
+            ROW_BYTES as u64,
+            Some(session.hello.fetch_imm),
+            (self.store.handle(), &Pages::new(src, ROW_BYTES as u64, 0)),
+            (pool, &Pages::new(dst, ROW_BYTES as u64, 0)),
+            OnDone::nothing(),
+        ) {
+            Ok(()) => Status::Ok,
+            Err(e) => {
+                tracing::debug!(%e, "gather refused");
                 Status::FetchRefused
             }
         }

@@ -7,4 +7,6 @@ pub mod session;
 pub mod wire;
 
 pub use holder::{Holder, HolderConfig};
-pub use requester::{Call, Fetched, Requester, RequesterConfig, RouteError, Sparse};
+pub use requester::{
+    Call, Fetched, GatherPart, Gathered, Requester, RequesterConfig, RouteError, Sparse,
+};

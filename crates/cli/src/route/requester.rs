@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use kvroute_kernels::layout::{D_QK, PARTIAL_ROW_BYTES};
+use kvroute_kernels::layout::{D_QK, PAGE_TOKENS, PARTIAL_ROW_BYTES};
 use kvroute_kernels::{Backend, Cache, Partial, Rope, SpliceJob, splice};
 use kvroute_kvstore::{ChunkEntry, ChunkId, ChunkRegistry, PAGE_BYTES, PagedPool};
 use kvroute_transport::{
@@ -143,6 +143,29 @@ pub struct Fetched {
     pub transfer_us: f64,
     /// Time of the in-place splice, microseconds.
     pub splice_us: f64,
+}
+
+/// The selected tokens of one chunk, for [`Requester::gather`].
+#[derive(Debug, Clone, Copy)]
+pub struct GatherPart<'a> {
+    /// The chunk.
+    pub chunk: ChunkId,
+    /// Chunk-local token indices (duplicates are sent twice, as a gather would).
+    pub tokens: &'a [i32],
+}
+
+/// Rows gathered by [`Requester::gather`]: for each layer asked, the selected rows of every
+/// part back to back (part order, token order), in pool pages.
+#[derive(Debug)]
+pub struct Gathered {
+    /// Pool pages, layer-major (`layers.len() * ceil(rows / 64)`).
+    pub pages: Vec<u32>,
+    /// Rows per layer.
+    pub rows: usize,
+    /// The layers, in the order asked.
+    pub layers: Vec<u16>,
+    /// Time from submitting the requests to the last row landing, microseconds.
+    pub transfer_us: f64,
 }
 
 /// The requester side of route and fetch.
@@ -724,11 +747,132 @@ impl Requester {
         })
     }
 
+    /// Sparse fetch: the rows of `parts` (each chunk's selected tokens) for each of `layers`,
+    /// gathered from every holder that has some into pool pages: one request per holder
+    /// (a gather segment per (part, layer)), one row-sized write per row from the holder, one
+    /// immediate expectation per holder. No splice: the rows keep their stored positions, as
+    /// sparse attention reads them. Attend with [`Requester::gathered_cache`].
+    pub fn gather(
+        &mut self,
+        parts: &[GatherPart<'_>],
+        layers: &[u16],
+    ) -> Result<Gathered, RouteError> {
+        let rows: usize = parts.iter().map(|p| p.tokens.len()).sum();
+        if rows == 0 || layers.is_empty() {
+            return Err(RouteError::TooLarge(0));
+        }
+        let ppl = rows.div_ceil(PAGE_TOKENS);
+        let no_pool = |e: &dyn std::fmt::Display| RouteError::HolderFailed {
+            holder: self.links[0].addr,
+            why: format!("pool: {e}"),
+        };
+        let pages = self
+            .pool
+            .alloc(ppl * layers.len())
+            .map_err(|e| no_pool(&e))?;
+        let mut links = Vec::with_capacity(parts.len());
+        for p in parts {
+            match self.link_for(p.chunk) {
+                Ok(l) => links.push(l),
+                Err(e) => {
+                    let _ = self.pool.release(&pages);
+                    return Err(e);
+                }
+            }
+        }
+        let started = Instant::now();
+        // link -> (segments, rows it will write)
+        let mut batches: Vec<(usize, Vec<SegmentSpec<'_>>, u64)> = Vec::new();
+        let mut at = 0;
+        for (p, &link) in parts.iter().zip(&links) {
+            let n = p.tokens.len();
+            if n > 0 {
+                let (first_page, end_page) = (at / PAGE_TOKENS, (at + n).div_ceil(PAGE_TOKENS));
+                for (l, &layer) in layers.iter().enumerate() {
+                    let table = &pages[l * ppl..(l + 1) * ppl];
+                    let seg = SegmentSpec {
+                        kind: SegmentKind::Gather {
+                            first: (at % PAGE_TOKENS) as u32,
+                        },
+                        chunk: p.chunk.0,
+                        layer,
+                        queries: &[],
+                        indices: p.tokens,
+                        pages: &table[first_page..end_page],
+                    };
+                    match batches.iter_mut().find(|(b, _, _)| *b == link) {
+                        Some((_, segs, count)) => {
+                            segs.push(seg);
+                            *count += n as u64;
+                        }
+                        None => batches.push((link, vec![seg], n as u64)),
+                    }
+                }
+            }
+            at += n;
+        }
+        let asked: Vec<(usize, usize)> = batches.iter().map(|(l, s, _)| (*l, s.len())).collect();
+        let replies = self.exchange(batches);
+        let mut failure = None;
+        let mut late_writes_possible = false;
+        for ((link, segments), reply) in asked.into_iter().zip(replies) {
+            let holder = self.links[link].addr;
+            let seq = self.links[link].seq;
+            let statuses = reply
+                .and_then(|range| self.reply_bytes(holder, range))
+                .and_then(|bytes| decode_reply(holder, seq, bytes, segments).map(|(s, _)| s));
+            match statuses {
+                Ok(s) => {
+                    if let Some(&status) = s.iter().find(|&&st| st != Status::Ok) {
+                        failure.get_or_insert(RouteError::Refused { holder, status });
+                    }
+                }
+                Err(e) => {
+                    late_writes_possible = true;
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = failure {
+            // Pages a late write may still land in are quarantined, not reused.
+            if !late_writes_possible {
+                let _ = self.pool.release(&pages);
+            }
+            return Err(e);
+        }
+        Ok(Gathered {
+            pages,
+            rows,
+            layers: layers.to_vec(),
+            transfer_us: started.elapsed().as_secs_f64() * 1e6,
+        })
+    }
+
+    /// The rows gathered for `layers[layer_index]` as a paged cache (`rows` tokens).
+    pub fn gathered_cache<'a>(
+        &'a self,
+        gathered: &'a Gathered,
+        layer_index: usize,
+    ) -> Result<Cache<'a>> {
+        let ppl = gathered.rows.div_ceil(PAGE_TOKENS);
+        let table = gathered
+            .pages
+            .get(layer_index * ppl..(layer_index + 1) * ppl)
+            .context("layer out of range")?;
+        // SAFETY: as in `fetch`: every row write of the gather has been counted and no
+        // transfer into these pages is in flight while `self` is borrowed.
+        let pool = unsafe { self.pool_mem.u16s(0, self.pool.bytes() / 2)? };
+        Ok(Cache::paged(pool, table, gathered.rows)?)
+    }
+
+    /// Returns gathered rows' pages to the pool.
+    pub fn release_gathered(&mut self, gathered: Gathered) -> Result<()> {
+        Ok(self.pool.release(&gathered.pages)?)
+    }
+
     /// Layer `layer` of a fetched chunk as a paged cache the kernels read.
     pub fn fetched_cache<'a>(&'a self, fetched: &'a Fetched, layer: usize) -> Result<Cache<'a>> {
-        let ppl = fetched
-            .tokens
-            .div_ceil(kvroute_kernels::layout::PAGE_TOKENS);
+        let ppl = fetched.tokens.div_ceil(PAGE_TOKENS);
         let table = fetched
             .pages
             .get(layer * ppl..(layer + 1) * ppl)

@@ -7,12 +7,13 @@
 //! batching). The **reply** is one write into the requester's reply region, also with an
 //! immediate: a 24-byte header, one status word per segment, then every partial row of every
 //! dense or sparse segment in order (1032 B each: o as bf16, m and l as f32). A fetch segment
-//! answers with its status only; its bytes arrive as paged writes with their own immediate.
+//! answers with its status only; its bytes arrive as paged writes with their own immediate,
+//! and so does a gather segment (sparse fetch: selected rows, one write each).
 //!
 //! Everything a holder reads comes from a peer: [`Request::parse`] checks every length, offset
 //! and count before anything is used, and a malformed request gets a status, never a panic.
 
-use kvroute_kernels::layout::{D_QK, PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
+use kvroute_kernels::layout::{D_QK, PAGE_TOKENS, PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
 
 /// "KVRQ", little-endian.
 pub const REQUEST_MAGIC: u32 = u32::from_le_bytes(*b"KVRQ");
@@ -108,6 +109,18 @@ pub enum SegmentKind {
     },
     /// Paged writes of the whole chunk (every layer) into the requester's pool pages.
     Fetch,
+    /// Sparse fetch: the selected rows of one layer, one 1152-byte write each, into the
+    /// requester's pool pages, row `j` at row `first + j` of the listed pages (so the rows of
+    /// several holders can follow each other in one page table).
+    Gather {
+        /// Where in the first listed page the first row goes (0 to 63).
+        first: u32,
+    },
+}
+
+/// Pool pages a gather of `rows` rows starting at row `first` of its first page spans.
+pub fn gather_pages(first: u32, rows: usize) -> usize {
+    (first as usize + rows).div_ceil(PAGE_TOKENS)
 }
 
 /// One segment of a request, as the requester builds it.
@@ -121,9 +134,10 @@ pub struct SegmentSpec<'a> {
     pub layer: u16,
     /// Query rows, `[rows, 576]` bf16 bits (empty for a fetch).
     pub queries: &'a [u16],
-    /// Sparse: `rows / rows_per_token * k` chunk-local indices.
+    /// Sparse: `rows / rows_per_token * k` chunk-local indices; gather: the tokens to send.
     pub indices: &'a [i32],
-    /// Fetch: the requester's pool pages, layer-major (`layers * ceil(tokens / 64)`).
+    /// Fetch: the requester's pool pages, layer-major (`layers * ceil(tokens / 64)`);
+    /// gather: [`gather_pages`] pages.
     pub pages: &'a [u32],
 }
 
@@ -192,10 +206,12 @@ pub fn encode_request_into(
             SegmentKind::Dense => (1u8, 0, 0),
             SegmentKind::Sparse { k, rows_per_token } => (2, k, rows_per_token),
             SegmentKind::Fetch => (3, 0, 0),
+            SegmentKind::Gather { first } => (4, first, 0),
         };
         let len = s.queries.len() * 2 + s.indices.len() * 4 + s.pages.len() * 4;
         let rows = match s.kind {
             SegmentKind::Fetch => s.pages.len(),
+            SegmentKind::Gather { .. } => s.indices.len(),
             _ => s.queries.len() / D_QK,
         };
         let d = &mut out[REQUEST_HEADER + i * SEGMENT_BYTES..][..SEGMENT_BYTES];
@@ -251,6 +267,8 @@ pub enum Status {
     ReplyTooLarge = 7,
     /// The fetch's pages do not fit the requester's pool, or the paged writes failed to start.
     FetchRefused = 8,
+    /// A gathered token index is outside the chunk.
+    BadIndex = 9,
     /// A status this build does not know (from a newer peer).
     Unknown = 0xffff_ffff,
 }
@@ -268,6 +286,7 @@ impl Status {
             6 => Self::Kernel,
             7 => Self::ReplyTooLarge,
             8 => Self::FetchRefused,
+            9 => Self::BadIndex,
             _ => Self::Unknown,
         }
     }
@@ -288,9 +307,9 @@ pub struct Segment<'a> {
     pub chunk: u32,
     /// The layer.
     pub layer: u16,
-    /// Query rows (dense, sparse) or pages (fetch).
+    /// Query rows (dense, sparse), pages (fetch) or tokens (gather).
     pub rows: usize,
-    /// The payload bytes: query rows then indices, or pages.
+    /// The payload bytes: query rows then indices, pages, or indices then pages.
     pub payload: &'a [u8],
 }
 
@@ -298,7 +317,7 @@ impl Segment<'_> {
     /// Query rows as bf16 bits.
     pub fn queries(&self) -> Vec<u16> {
         let n = match self.kind {
-            SegmentKind::Fetch => 0,
+            SegmentKind::Fetch | SegmentKind::Gather { .. } => 0,
             _ => self.rows * QUERY_ROW_BYTES,
         };
         self.payload[..n]
@@ -313,7 +332,7 @@ impl Segment<'_> {
     /// [`Segment::queries`]).
     pub fn query_words(&self) -> Option<&[u16]> {
         let n = match self.kind {
-            SegmentKind::Fetch => return None,
+            SegmentKind::Fetch | SegmentKind::Gather { .. } => return None,
             _ => self.rows * QUERY_ROW_BYTES,
         };
         if cfg!(target_endian = "big") {
@@ -324,33 +343,36 @@ impl Segment<'_> {
         (head.is_empty() && tail.is_empty()).then_some(words)
     }
 
-    /// Sparse indices (empty otherwise).
+    /// Sparse indices or gathered tokens (empty otherwise).
     pub fn indices(&self) -> Vec<i32> {
-        match self.kind {
-            SegmentKind::Sparse { .. } => self.payload[self.rows * QUERY_ROW_BYTES..]
-                .chunks_exact(4)
-                .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            _ => Vec::new(),
-        }
+        let bytes = match self.kind {
+            SegmentKind::Sparse { .. } => &self.payload[self.rows * QUERY_ROW_BYTES..],
+            SegmentKind::Gather { .. } => &self.payload[..self.rows * 4],
+            _ => &[],
+        };
+        bytes
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
     }
 
-    /// Fetch pages (empty otherwise).
+    /// Fetch or gather pages (empty otherwise).
     pub fn pages(&self) -> Vec<u32> {
-        match self.kind {
-            SegmentKind::Fetch => self
-                .payload
-                .chunks_exact(4)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            _ => Vec::new(),
-        }
+        let bytes = match self.kind {
+            SegmentKind::Fetch => self.payload,
+            SegmentKind::Gather { .. } => &self.payload[self.rows * 4..],
+            _ => &[],
+        };
+        bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
     }
 
     /// Partial rows this segment contributes to the reply.
     pub fn reply_rows(&self) -> usize {
         match self.kind {
-            SegmentKind::Fetch => 0,
+            SegmentKind::Fetch | SegmentKind::Gather { .. } => 0,
             _ => self.rows,
         }
     }
@@ -443,6 +465,7 @@ fn parse_segment(body: &[u8], at: usize, table_end: usize) -> Result<Segment<'_>
             rows_per_token: rpt,
         },
         3 => SegmentKind::Fetch,
+        4 => SegmentKind::Gather { first: k },
         _ => return Err(Status::BadSegment),
     };
     let expected = match kind {
@@ -461,6 +484,13 @@ fn parse_segment(body: &[u8], at: usize, table_end: usize) -> Result<Segment<'_>
                 .and_then(|n| n.checked_add(rows * QUERY_ROW_BYTES))
         }
         SegmentKind::Fetch => rows.checked_mul(4),
+        SegmentKind::Gather { first } => {
+            if first as usize >= PAGE_TOKENS {
+                return Err(Status::BadSegment);
+            }
+            rows.checked_add(gather_pages(first, rows))
+                .and_then(|n| n.checked_mul(4))
+        }
     };
     if rows == 0 || expected != Some(len) {
         return Err(Status::BadSegment);
@@ -542,6 +572,7 @@ mod tests {
         let q = vec![0x3f80u16; 3 * D_QK];
         let idx = vec![0i32, 5, -1, 2, 2, 9];
         let pages = vec![4u32, 5, 6];
+        let gathered = [3i32, 0, 3];
         let segs = [
             SegmentSpec {
                 kind: SegmentKind::Dense,
@@ -569,6 +600,15 @@ mod tests {
                 queries: &[],
                 indices: &[],
                 pages: &pages,
+            },
+            // Rows 62, 63 of page 4 and row 0 of page 5.
+            SegmentSpec {
+                kind: SegmentKind::Gather { first: 62 },
+                chunk: 9,
+                layer: 2,
+                queries: &[],
+                indices: &gathered,
+                pages: &pages[..2],
             },
         ];
         let mut out = Vec::new();
@@ -599,6 +639,67 @@ mod tests {
         assert_eq!(segs[1].indices(), [0, 5, -1, 2, 2, 9]);
         assert_eq!(segs[1].queries().len(), 2 * D_QK);
         assert_eq!(segs[2].pages(), [4, 5, 6]);
+        assert_eq!(
+            (
+                segs[3].kind,
+                segs[3].layer,
+                segs[3].rows,
+                segs[3].reply_rows()
+            ),
+            (SegmentKind::Gather { first: 62 }, 2, 3, 0)
+        );
+        assert_eq!(
+            (segs[3].indices(), segs[3].pages()),
+            (vec![3, 0, 3], vec![4, 5])
+        );
+        assert!(segs[3].queries().is_empty() && segs[3].query_words().is_none());
+    }
+
+    /// A gather whose first row is past a page, or whose page list is not the span its rows
+    /// need, is a bad segment (its neighbours still parse).
+    #[test]
+    fn forged_gathers_are_bad_segments() {
+        let tokens = [1i32, 2, 3];
+        let pages = [7u32, 8, 9];
+        for (first, n_pages) in [(64u32, 1usize), (62, 1), (0, 2), (63, 3)] {
+            let segs = [
+                SegmentSpec {
+                    kind: SegmentKind::Gather { first },
+                    chunk: 0,
+                    layer: 0,
+                    queries: &[],
+                    indices: &tokens,
+                    pages: &pages[..n_pages],
+                },
+                SegmentSpec {
+                    kind: SegmentKind::Gather { first: 0 },
+                    chunk: 0,
+                    layer: 0,
+                    queries: &[],
+                    indices: &tokens,
+                    pages: &pages[..1],
+                },
+            ];
+            let mut out = Vec::new();
+            encode_request(&mut out, 1, 0, 0.1, &segs);
+            let r = Request::parse(&out)
+                .map_err(|e| e.0)
+                .unwrap_or_else(|s| panic!("{s}"));
+            assert!(
+                matches!(r.segments[0], Err(Status::BadSegment)),
+                "first {first}, {n_pages} pages: {:?}",
+                r.segments[0]
+            );
+            assert!(r.segments[1].is_ok());
+        }
+        assert_eq!(
+            (
+                gather_pages(0, 64),
+                gather_pages(1, 64),
+                gather_pages(63, 1)
+            ),
+            (1, 2, 1)
+        );
     }
 
     #[test]
@@ -652,7 +753,7 @@ mod tests {
                 .map(|s| s.as_ref().err().copied())
                 .collect::<Vec<_>>()
         });
-        assert_eq!(segs, Ok(vec![None, Some(Status::BadSegment), None]));
+        assert_eq!(segs, Ok(vec![None, Some(Status::BadSegment), None, None]));
         // Payload offset pointing into the header.
         let mut b = good;
         let at = REQUEST_HEADER + 20;
@@ -698,7 +799,9 @@ mod tests {
         let req = Request::parse(view).unwrap();
         for seg in req.segments.iter().flatten() {
             match seg.kind {
-                SegmentKind::Fetch => assert_eq!(seg.query_words(), None),
+                SegmentKind::Fetch | SegmentKind::Gather { .. } => {
+                    assert_eq!(seg.query_words(), None);
+                }
                 _ => assert_eq!(seg.query_words().map(<[u16]>::to_vec), Some(seg.queries())),
             }
         }
