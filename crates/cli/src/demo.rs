@@ -830,6 +830,20 @@ fn decode_steps(
         })
         .collect();
     let spanned = per_chunk.iter().filter(|idx| !idx.is_empty()).count() as u32;
+    let qq = Queries::new(&q)?;
+    // Single-instance sparse attention over the whole document: what every path must give.
+    let sparse_whole = |layer: u32| -> Result<Partial> {
+        let doc = spec.document_layer(&blocks, layer)?;
+        let cache = Cache::contiguous(&doc)?;
+        let selection = Selection::new(&global, sel_k, HEADS, HEADS, cache.tokens())?;
+        Ok(partial_sparse(
+            Backend::Cpu,
+            &qq,
+            &cache,
+            &selection,
+            SCALE,
+        )?)
+    };
     let (sparse_choice, reason) = match force {
         Some(p) => (p, "forced".to_owned()),
         None => {
@@ -867,17 +881,8 @@ fn decode_steps(
             .gather(&parts, &wanted)
             .map_err(|e| anyhow!("gathering the sparse selection: {e}"))?;
         report.gather_us.push(gathered.transfer_us);
-        let qq = Queries::new(&q)?;
         for (i, &layer) in layers.iter().enumerate() {
-            let doc = spec.document_layer(&blocks, layer)?;
-            let cache = Cache::contiguous(&doc)?;
-            let whole = partial_sparse(
-                Backend::Cpu,
-                &qq,
-                &cache,
-                &Selection::new(&global, sel_k, HEADS, HEADS, cache.tokens())?,
-                SCALE,
-            )?;
+            let whole = sparse_whole(layer)?;
             // The gathered rows are the selection, in order: attend all of them.
             let got = partial_dense(Backend::Cpu, &qq, &req.gathered_cache(&gathered, i)?, SCALE)?;
             check(
@@ -912,16 +917,7 @@ fn decode_steps(
             })
             .collect();
         let parts = route_with_fallback(&mut req, &calls, &mut report.failures)?;
-        let doc = spec.document_layer(&blocks, layer)?;
-        let cache = Cache::contiguous(&doc)?;
-        let qq = Queries::new(&q)?;
-        let whole = partial_sparse(
-            Backend::Cpu,
-            &qq,
-            &cache,
-            &Selection::new(&global, sel_k, HEADS, HEADS, cache.tokens())?,
-            SCALE,
-        )?;
+        let whole = sparse_whole(layer)?;
         let mut before = Vec::new();
         for call in &calls {
             let full = FullBlock::new(&blocks[call.chunk.0 as usize], spec.layout())?;

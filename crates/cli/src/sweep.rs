@@ -186,6 +186,8 @@ pub struct SweepReport {
     pub route_samples: Vec<RouteSample>,
     /// The paper's affine model fitted to route minus kernel.
     pub fit: Option<FabricFit>,
+    /// Why [`SweepReport::fit`] is missing, when it is.
+    pub fit_error: Option<String>,
     /// The same model fitted to the raw write round trips.
     pub raw_fit: Option<FabricFit>,
     /// Worst `max |o - o_local|` of the routed partials against the same kernel run here.
@@ -338,11 +340,14 @@ pub(crate) fn run(args: &SweepArgs) -> Result<SweepReport> {
         .iter()
         .collect::<std::collections::BTreeSet<_>>()
         .len();
-    let fit = (distinct >= 2)
-        .then(|| fit_round_trips(&transport, ROW_BYTES, Weighting::Relative))
-        .transpose()
-        .ok()
-        .flatten();
+    // Why there is no fit, when there is none (too few Mq, or noise gave no positive slope).
+    let fitted = if distinct >= 2 {
+        fit_round_trips(&transport, ROW_BYTES, Weighting::Relative).map_err(|e| e.to_string())
+    } else {
+        Err("fewer than two distinct Mq".to_owned())
+    };
+    let fit_error = fitted.as_ref().err().cloned();
+    let fit = fitted.ok();
     let raw_fit = (distinct >= 2)
         .then(|| fit_round_trips(&raw, ROW_BYTES, Weighting::Relative))
         .transpose()
@@ -460,6 +465,7 @@ pub(crate) fn run(args: &SweepArgs) -> Result<SweepReport> {
         route,
         route_samples,
         fit,
+        fit_error,
         raw_fit,
         route_max_abs,
         fetch,

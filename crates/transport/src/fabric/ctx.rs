@@ -122,41 +122,23 @@ impl ContextPool {
     /// Abandons every live operation posted more than `timeout` before `now`, returning them
     /// for failure reports. Their slots stay taken until the provider hands them back.
     pub(crate) fn expire(&mut self, now: Instant, timeout: Duration) -> Vec<OpContext> {
-        let mut expired = Vec::new();
-        for chunk in &mut self.chunks {
-            for slot in chunk.iter_mut() {
-                // Posted receive buffers wait for messages as long as it takes.
-                let overdue = slot.kind != OpKind::Recv
-                    && now.saturating_duration_since(slot.posted_at) > timeout;
-                if slot.live && !slot.abandoned && overdue {
-                    slot.abandoned = true;
-                    expired.push(OpContext {
-                        provider: fi_context2::default(),
-                        wr_id: slot.wr_id,
-                        kind: slot.kind,
-                        bounce: slot.bounce,
-                        peer: slot.peer,
-                        posted_at: slot.posted_at,
-                        index: slot.index,
-                        live: false,
-                        abandoned: true,
-                    });
-                }
-            }
-        }
-        expired
+        self.abandon_where(|slot| now.saturating_duration_since(slot.posted_at) > timeout)
     }
 
-    /// Abandons every live operation to `peer` (its process is gone), returning them for
-    /// failure reports. As with [`ContextPool::expire`], their slots stay taken until the
-    /// provider hands them back.
+    /// Abandons every live operation to `peer` (its process is gone), as [`ContextPool::expire`].
     pub(crate) fn abandon_peer(&mut self, peer: u32) -> Vec<OpContext> {
-        let mut gone = Vec::new();
+        self.abandon_where(|slot| slot.peer == peer)
+    }
+
+    /// Abandons the live writes and sends `pick` selects (posted receive buffers wait for
+    /// messages as long as it takes), returning copies for failure reports.
+    fn abandon_where(&mut self, pick: impl Fn(&OpContext) -> bool) -> Vec<OpContext> {
+        let mut abandoned = Vec::new();
         for chunk in &mut self.chunks {
             for slot in chunk.iter_mut() {
-                if slot.live && !slot.abandoned && slot.kind != OpKind::Recv && slot.peer == peer {
+                if slot.live && !slot.abandoned && slot.kind != OpKind::Recv && pick(slot) {
                     slot.abandoned = true;
-                    gone.push(OpContext {
+                    abandoned.push(OpContext {
                         provider: fi_context2::default(),
                         wr_id: slot.wr_id,
                         kind: slot.kind,
@@ -170,7 +152,7 @@ impl ContextPool {
                 }
             }
         }
-        gone
+        abandoned
     }
 
     /// Operations posted and not yet completed.
