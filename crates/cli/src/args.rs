@@ -431,6 +431,14 @@ pub struct RequesterArgs {
     /// Seed of the queries and the sparse selection.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// The decode steps.
+    #[command(flatten)]
+    pub run: StepArgs,
+}
+
+/// The decode steps a requester runs (`kvroute demo` and `kvroute requester`).
+#[derive(Debug, Clone, Args)]
+pub struct StepArgs {
     /// Decode steps.
     #[arg(long, default_value_t = 2)]
     pub steps: u32,
@@ -440,7 +448,7 @@ pub struct RequesterArgs {
     /// Force one primitive for every (chunk, request): route, fetch or local.
     #[arg(long)]
     pub force: Option<String>,
-    /// How long to wait for a holder before declaring it failed, milliseconds.
+    /// How long the requester waits for a holder before declaring it failed, milliseconds.
     #[arg(long, default_value_t = 5000)]
     pub timeout_ms: u64,
 }
@@ -457,24 +465,15 @@ pub struct DemoArgs {
     /// Seed of the corpus and the queries.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Decode steps.
-    #[arg(long, default_value_t = 2)]
-    pub steps: u32,
+    /// The decode steps.
+    #[command(flatten)]
+    pub run: StepArgs,
     /// Tokens per chunk (one chunk per holder).
     #[arg(long, default_value_t = 2048)]
     pub tokens: u32,
     /// Copies of each chunk (chunk c also on holders c+1, ..., c+replicas-1).
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
-    /// Decode tokens per step (each routes 16 query rows per layer, DeepSeek-V2-Lite's heads).
-    #[arg(long, default_value_t = 4)]
-    pub batch: u32,
-    /// Force one primitive for every (chunk, request): route, fetch or local.
-    #[arg(long)]
-    pub force: Option<String>,
-    /// How long the requester waits for a holder before declaring it failed, milliseconds.
-    #[arg(long, default_value_t = 5000)]
-    pub timeout_ms: u64,
     /// Kill holder process 0 before this step (tests the fallback to a replica).
     #[arg(long)]
     pub kill_holder_at_step: Option<u32>,

@@ -31,7 +31,9 @@ use kvroute_transport::{EngineConfig, FabricConfig, Progress, ProviderChoice, Tr
 use nix::sys::signal::{SigSet, Signal};
 use serde::Serialize;
 
-use crate::args::{CorpusArgs, DemoArgs, HolderArgs, Lifeline, ProgressArg, RequesterArgs};
+use crate::args::{
+    CorpusArgs, DemoArgs, HolderArgs, Lifeline, ProgressArg, RequesterArgs, StepArgs,
+};
 use crate::route::{
     Call, GatherPart, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse,
 };
@@ -481,15 +483,26 @@ struct StepPlan {
     timeout: Duration,
 }
 
-fn parse_force(force: Option<&str>) -> Result<Option<Primitive>> {
-    force
-        .map(|f| match f {
-            "route" => Ok(Primitive::Route),
-            "fetch" => Ok(Primitive::Fetch),
-            "local" => Ok(Primitive::Local),
-            other => Err(anyhow!("--force takes route, fetch or local, not {other}")),
+impl StepPlan {
+    fn new(args: &StepArgs, seed: u64) -> Result<Self> {
+        let force = args
+            .force
+            .as_deref()
+            .map(|f| match f {
+                "route" => Ok(Primitive::Route),
+                "fetch" => Ok(Primitive::Fetch),
+                "local" => Ok(Primitive::Local),
+                other => Err(anyhow!("--force takes route, fetch or local, not {other}")),
+            })
+            .transpose()?;
+        Ok(Self {
+            seed,
+            steps: args.steps,
+            batch: args.batch,
+            force,
+            timeout: Duration::from_millis(args.timeout_ms),
         })
-        .transpose()
+    }
 }
 
 /// `kvroute demo`.
@@ -497,13 +510,7 @@ pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
     if !(2..=8).contains(&args.holders) || args.replicas == 0 || args.replicas > args.holders {
         bail!("--holders must be 2 to 8 and --replicas 1 to --holders");
     }
-    let plan = StepPlan {
-        seed: args.seed,
-        steps: args.steps,
-        batch: args.batch,
-        force: parse_force(args.force.as_deref())?,
-        timeout: Duration::from_millis(args.timeout_ms),
-    };
+    let plan = StepPlan::new(&args.run, args.seed)?;
     let spec = corpus(args)?;
     let provider = provider_for(&args.provider)?;
     let mut procs = spawn_holders(args, &spec, &provider)?;
@@ -557,13 +564,7 @@ fn holder_addrs(args: &RequesterArgs) -> Result<Vec<SocketAddr>> {
 
 /// `kvroute requester`.
 pub(crate) fn requester(args: &RequesterArgs) -> Result<DemoReport> {
-    let plan = StepPlan {
-        seed: args.seed,
-        steps: args.steps,
-        batch: args.batch,
-        force: parse_force(args.force.as_deref())?,
-        timeout: Duration::from_millis(args.timeout_ms),
-    };
+    let plan = StepPlan::new(&args.run, args.seed)?;
     let spec = corpus_of(&args.corpus)?;
     let addrs = holder_addrs(args)?;
     let provider = provider_for(&args.provider)?;
