@@ -445,9 +445,9 @@ pub struct StepArgs {
     /// Decode tokens per step (each routes 16 query rows per layer, DeepSeek-V2-Lite's heads).
     #[arg(long, default_value_t = 4)]
     pub batch: u32,
-    /// Force one primitive for every (chunk, request): route, fetch or local.
-    #[arg(long)]
-    pub force: Option<String>,
+    /// Force one primitive for every (chunk, request).
+    #[arg(long, value_enum)]
+    pub force: Option<PrimitiveArg>,
     /// How long the requester waits for a holder before declaring it failed, milliseconds.
     #[arg(long, default_value_t = 5000)]
     pub timeout_ms: u64,

@@ -32,7 +32,7 @@ use nix::sys::signal::{SigSet, Signal};
 use serde::Serialize;
 
 use crate::args::{
-    CorpusArgs, DemoArgs, HolderArgs, Lifeline, ProgressArg, RequesterArgs, StepArgs,
+    CorpusArgs, DemoArgs, HolderArgs, Lifeline, PrimitiveArg, ProgressArg, RequesterArgs, StepArgs,
 };
 use crate::route::{
     Call, GatherPart, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse,
@@ -472,36 +472,12 @@ fn route_with_fallback(
         .collect()
 }
 
-/// What a run of decode steps does (`kvroute demo` and `kvroute requester`).
-struct StepPlan {
-    /// Seed of the queries and the sparse selection.
-    seed: u64,
-    steps: u32,
-    /// Decode tokens per step.
-    batch: u32,
-    force: Option<Primitive>,
-    timeout: Duration,
-}
-
-impl StepPlan {
-    fn new(args: &StepArgs, seed: u64) -> Result<Self> {
-        let force = args
-            .force
-            .as_deref()
-            .map(|f| match f {
-                "route" => Ok(Primitive::Route),
-                "fetch" => Ok(Primitive::Fetch),
-                "local" => Ok(Primitive::Local),
-                other => Err(anyhow!("--force takes route, fetch or local, not {other}")),
-            })
-            .transpose()?;
-        Ok(Self {
-            seed,
-            steps: args.steps,
-            batch: args.batch,
-            force,
-            timeout: Duration::from_millis(args.timeout_ms),
-        })
+/// The primitive `--force` names.
+fn forced(arg: PrimitiveArg) -> Primitive {
+    match arg {
+        PrimitiveArg::Route => Primitive::Route,
+        PrimitiveArg::Fetch => Primitive::Fetch,
+        PrimitiveArg::Local => Primitive::Local,
     }
 }
 
@@ -510,12 +486,12 @@ pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
     if !(2..=8).contains(&args.holders) || args.replicas == 0 || args.replicas > args.holders {
         bail!("--holders must be 2 to 8 and --replicas 1 to --holders");
     }
-    let plan = StepPlan::new(&args.run, args.seed)?;
     let spec = corpus(args)?;
     let provider = provider_for(&args.provider)?;
     let mut procs = spawn_holders(args, &spec, &provider)?;
     let addrs: Vec<SocketAddr> = procs.iter().map(|p| p.addr).collect();
-    let report = decode_steps("demo", &spec, &provider, &addrs, &plan, &mut |step| {
+    let steps = (&args.run, args.seed);
+    let report = decode_steps("demo", &spec, &provider, &addrs, steps, &mut |step| {
         if args.kill_holder_at_step != Some(step) {
             return Ok(None);
         }
@@ -564,29 +540,30 @@ fn holder_addrs(args: &RequesterArgs) -> Result<Vec<SocketAddr>> {
 
 /// `kvroute requester`.
 pub(crate) fn requester(args: &RequesterArgs) -> Result<DemoReport> {
-    let plan = StepPlan::new(&args.run, args.seed)?;
     let spec = corpus_of(&args.corpus)?;
     let addrs = holder_addrs(args)?;
     let provider = provider_for(&args.provider)?;
-    decode_steps("requester", &spec, &provider, &addrs, &plan, &mut |_| {
+    let steps = (&args.run, args.seed);
+    decode_steps("requester", &spec, &provider, &addrs, steps, &mut |_| {
         Ok(None)
     })
 }
 
 /// Connects a requester to `holders`, measures the start-up probe sweep, and runs the decode
-/// steps; `before_step` may act before each step (the demo's kill) and report what it did.
+/// steps `plan` asks for, with queries and the sparse selection drawn from `seed`;
+/// `before_step` may act before each step (the demo's kill) and report what it did.
 fn decode_steps(
     command: &str,
     spec: &CorpusSpec,
     provider: &ProviderChoice,
     holders: &[SocketAddr],
-    plan: &StepPlan,
+    (plan, seed): (&StepArgs, u64),
     before_step: &mut dyn FnMut(u32) -> Result<Option<String>>,
 ) -> Result<DemoReport> {
-    let force = plan.force;
+    let force = plan.force.map(forced);
     let (engine, provider_name) = fabric_engine(provider)?;
     let config = RequesterConfig {
-        timeout: plan.timeout,
+        timeout: Duration::from_millis(plan.timeout_ms),
         link_bytes: 4 << 20,
         pool_pages: spec.layout().pages() as u32 * spec.chunks,
         scale: SCALE,
@@ -666,7 +643,7 @@ fn decode_steps(
             mq,
             prefix + doc_tokens + i64::from(step),
             &rope,
-            plan.seed ^ u64::from(step),
+            seed ^ u64::from(step),
         );
         let mut choice = Vec::new();
         for c in 0..spec.chunks {
@@ -811,7 +788,7 @@ fn decode_steps(
     // merge. Fetch: every holder that has some sends its selected rows (a gather, no splice)
     // and we attend them here.
     let sel_k = TOPK.min(spec.tokens());
-    let mut s = plan.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let mut picked = std::collections::BTreeSet::new();
     while picked.len() < sel_k {
         s ^= s << 13;
@@ -820,7 +797,7 @@ fn decode_steps(
         picked.insert((s % spec.tokens() as u64) as i32);
     }
     let global: Vec<i32> = picked.into_iter().collect();
-    let q = queries(HEADS, doc_tokens, &rope, plan.seed ^ 0x5a5a);
+    let q = queries(HEADS, doc_tokens, &rope, seed ^ 0x5a5a);
     let per_chunk: Vec<Vec<i32>> = (0..spec.chunks as i32)
         .map(|c| {
             global

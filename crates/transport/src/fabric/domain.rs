@@ -53,12 +53,19 @@ struct Peer {
     ep: *mut fi::fid_ep,
     /// The process behind an `shm` address, checked before posting (see [`shm_peer_pid`]).
     pid: Option<libc::pid_t>,
-    /// When `pid` was last found alive.
-    alive_at: Option<Instant>,
-    /// `pid` was found gone: posts to it fail.
-    gone: bool,
-    /// Its outstanding operations have been failed since.
-    ops_failed: bool,
+    /// What is known of that process.
+    process: Process,
+}
+
+/// What a [`Peer`]'s `shm` process was last found to be.
+#[derive(Debug, Clone, Copy)]
+enum Process {
+    /// Alive when last checked (never, for `None`).
+    Alive(Option<Instant>),
+    /// Gone: posts to it fail; its outstanding operations are still to be failed.
+    Exited,
+    /// Gone, and its outstanding operations have been failed.
+    Settled,
 }
 
 /// How long a liveness check of an `shm` peer's process holds.
@@ -502,21 +509,19 @@ impl FabricDomain {
         let Some(pid) = p.pid else {
             return Ok(());
         };
-        if !p.gone
-            && p.alive_at
-                .is_some_and(|at| now.saturating_duration_since(at) < ALIVE_FOR)
-        {
-            return Ok(());
+        if let Process::Alive(checked) = p.process {
+            if checked.is_some_and(|at| now.saturating_duration_since(at) < ALIVE_FOR) {
+                return Ok(());
+            }
+            if process_exists(pid) {
+                p.process = Process::Alive(Some(now));
+                return Ok(());
+            }
+            p.process = Process::Exited;
         }
-        if !p.gone && process_exists(pid) {
-            p.alive_at = Some(now);
-            Ok(())
-        } else {
-            p.gone = true;
-            Err(TransportError::Domain(format!(
-                "peer {peer}'s process {pid} has exited"
-            )))
-        }
+        Err(TransportError::Domain(format!(
+            "peer {peer}'s process {pid} has exited"
+        )))
     }
 
     /// Posts one write; `Ok(false)` is `-FI_EAGAIN`.
@@ -654,14 +659,14 @@ impl FabricDomain {
         // rather than at the deadline.
         for id in 0..self.peers.len() {
             let p = &mut self.peers[id];
-            let Some(pid) = p.pid.filter(|_| !p.ops_failed) else {
+            let Some(pid) = p.pid else {
                 continue;
             };
-            if !p.gone && process_exists(pid) {
-                continue;
+            match p.process {
+                Process::Settled => continue,
+                Process::Alive(_) if process_exists(pid) => continue,
+                Process::Alive(_) | Process::Exited => p.process = Process::Settled,
             }
-            p.gone = true;
-            p.ops_failed = true;
             for ctx in self.contexts.abandon_peer(id as PeerId) {
                 out.push(Completion {
                     wr_id: ctx.wr_id,
@@ -889,9 +894,7 @@ impl Domain for FabricDomain {
             refusing_since: None,
             ep,
             pid,
-            alive_at: None,
-            gone: false,
-            ops_failed: false,
+            process: Process::Alive(None),
         });
         self.peer_ids.insert(peer.bytes.clone(), id);
         Ok(id)
