@@ -145,6 +145,17 @@ impl Partial {
 
     /// Decodes [`Partial::to_wire`]'s bytes, validating them (they come from a peer).
     pub fn from_wire(bytes: &[u8]) -> Result<Self, KernelError> {
+        let mut p = Self::empty(0);
+        p.read_wire(bytes)?;
+        Ok(p)
+    }
+
+    /// [`Partial::from_wire`] into `self`, reusing its allocations: what a requester that
+    /// receives replies of one shape every decode step calls, so that no step allocates or
+    /// faults in fresh pages (on the 2-core VM of docs/perf.md a fresh 512 KiB `o` cost about
+    /// as much as decoding into it). On an error `self` holds that many empty rows (the
+    /// merge's identity), never a half-decoded reply.
+    pub fn read_wire(&mut self, bytes: &[u8]) -> Result<(), KernelError> {
         if !bytes.len().is_multiple_of(PARTIAL_ROW_BYTES) {
             return Err(KernelError::Shape {
                 what: "partial wire bytes (1032 per row)",
@@ -153,27 +164,35 @@ impl Partial {
             });
         }
         let mq = bytes.len() / PARTIAL_ROW_BYTES;
-        let mut p = Self::empty(mq);
+        // Same shape as last time: nothing is written twice (decoding overwrites every value).
+        self.o.resize(mq * D_LATENT, 0.0);
+        self.m.resize(mq, f32::NEG_INFINITY);
+        self.l.resize(mq, 0.0);
         // One pass converts and, per row, reduces the largest bf16 magnitude (exponent all
         // ones = infinity or NaN); `validate`'s remaining row checks are scalar per row.
         let mut worst = vec![0u16; mq];
         match Isa::detect() {
             // SAFETY: `Isa::detect` found the CPU has the features.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Bf16 => unsafe { decode_avx512(bytes, &mut p, &mut worst) },
+            Isa::Avx512 | Isa::Avx512Bf16 => unsafe { decode_avx512(bytes, self, &mut worst) },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { decode_avx2(bytes, &mut p, &mut worst) },
-            _ => decode(bytes, &mut p, &mut worst),
+            Isa::Avx2 => unsafe { decode_avx2(bytes, self, &mut worst) },
+            _ => decode(bytes, self, &mut worst),
         }
-        if let Some(row) = worst.iter().position(|&w| w >= 0x7f80) {
-            return Err(KernelError::InvalidPartial {
+        let checked = match worst.iter().position(|&w| w >= 0x7f80) {
+            Some(row) => Err(KernelError::InvalidPartial {
                 row,
                 why: "o must be finite",
-            });
+            }),
+            None => self.validate_rows(false),
+        };
+        if checked.is_err() {
+            self.o.fill(0.0);
+            self.m.fill(f32::NEG_INFINITY);
+            self.l.fill(0.0);
         }
-        p.validate_rows(false)?;
-        Ok(p)
+        checked
     }
 }
 

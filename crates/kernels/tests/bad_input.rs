@@ -84,6 +84,32 @@ fn shapes_indices_and_parameters_are_checked() {
 }
 
 #[test]
+fn read_wire_reuses_a_partial_and_leaves_empty_rows_on_a_bad_reply() {
+    let mut good = Partial::empty(3);
+    for (i, x) in good.o.iter_mut().enumerate() {
+        *x = (i % 11) as f32 * 0.25 - 1.0;
+    }
+    good.m.copy_from_slice(&[0.5, -2.0, 7.0]);
+    good.l.copy_from_slice(&[1.0, 3.5, 2.0]);
+    // A buffer of another shape holding other values: resized, every value overwritten.
+    let mut into = Partial::empty(5);
+    into.o.fill(9.0);
+    into.read_wire(&good.to_wire()).unwrap();
+    assert_eq!(into, good);
+    let mut bytes = good.to_wire();
+    bytes[2 * PARTIAL_ROW_BYTES + 6..][..2].copy_from_slice(&0x7fc0u16.to_le_bytes()); // NaN o
+    assert!(matches!(
+        into.read_wire(&bytes),
+        Err(KernelError::InvalidPartial { row: 2, .. })
+    ));
+    assert_eq!(into, Partial::empty(3), "a refused reply leaves empty rows");
+    assert!(matches!(
+        into.read_wire(&bytes[..PARTIAL_ROW_BYTES - 1]),
+        Err(KernelError::Shape { .. })
+    ));
+}
+
+#[test]
 fn malformed_partials_and_wire_bytes_are_refused() {
     assert!(matches!(
         queries_from_wire(&[0; 1151]),

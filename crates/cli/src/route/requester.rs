@@ -570,7 +570,28 @@ impl Requester {
 
     /// Routes every call, one write per holder; one result per call, in order.
     pub fn route(&mut self, calls: &[Call<'_>]) -> Vec<Result<Partial, RouteError>> {
-        let mut results: Vec<Option<Result<Partial, RouteError>>> = vec![None; calls.len()];
+        let mut parts = vec![Partial::empty(0); calls.len()];
+        let done = self.route_into(calls, &mut parts);
+        done.into_iter()
+            .zip(parts)
+            .map(|(r, p)| r.map(|()| p))
+            .collect()
+    }
+
+    /// [`Requester::route`] into partials the caller keeps: `out[c]` receives call `c`'s
+    /// partial, reusing its allocations (a decode step that routes the same shapes every step
+    /// allocates nothing; a fresh 256-row partial cost as much as decoding it on the VM of
+    /// docs/perf.md). Where a call fails, `out[c]` holds empty rows or its old contents.
+    ///
+    /// # Panics
+    /// If `out` and `calls` differ in length.
+    pub fn route_into(
+        &mut self,
+        calls: &[Call<'_>],
+        out: &mut [Partial],
+    ) -> Vec<Result<(), RouteError>> {
+        assert_eq!(calls.len(), out.len(), "one partial per call");
+        let mut results: Vec<Option<Result<(), RouteError>>> = vec![None; calls.len()];
         // link -> the calls bound to it, in order.
         let mut by_link: Vec<(usize, Vec<usize>)> = Vec::new();
         for (c, call) in calls.iter().enumerate() {
@@ -642,7 +663,7 @@ impl Requester {
                             });
                             at += n;
                             part.and_then(|p| {
-                                Partial::from_wire(p).map_err(|e| RouteError::BadReply {
+                                out[c].read_wire(p).map_err(|e| RouteError::BadReply {
                                     holder,
                                     why: e.to_string(),
                                 })
