@@ -33,7 +33,7 @@ use kvroute_costmodel::fit::{
     FabricFit, RoundTripSample, TransferSample, Weighting, fit_round_trips, fit_transfers,
 };
 use kvroute_costmodel::{CostModel, CostParams, Fabric, Request, model_preset};
-use kvroute_kernels::layout::{PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
+use kvroute_kernels::layout::{D_LATENT, PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
 use kvroute_kernels::{Backend, Partial, Queries, partial_dense};
 use kvroute_kvstore::corpus::queries;
 use kvroute_kvstore::{ChunkId, CorpusSpec, FullBlock};
@@ -67,6 +67,60 @@ pub struct RouteSample {
     pub kernel_us: f64,
     /// The holder's time serving this request (parse, kernel, encode, post), microseconds.
     pub serve_us: f64,
+    /// Of `serve_us`, encoding the partial rows to bf16, microseconds.
+    pub holder_encode_us: f64,
+    /// The requester's copy of the query rows into the request, microseconds.
+    pub requester_encode_us: f64,
+    /// The requester's decode and validation of the reply rows, microseconds.
+    pub requester_decode_us: f64,
+    /// Baseline for the three conversions, this run: one `memcpy` that reads and writes as
+    /// many bytes as they do together ([`CODEC_BYTES_PER_ROW`] per row), from caches evicted
+    /// as the holder's kernel evicts them, microseconds.
+    pub copy_floor_us: f64,
+}
+
+/// Bytes the route's byte conversions read plus write per query row: the query copy (1152 in,
+/// 1152 out), the holder's bf16 encode (2048 f32 + 8 in, 1032 out) and the requester's
+/// decode (1032 in, 2048 + 8 out).
+pub(crate) const CODEC_BYTES_PER_ROW: usize =
+    2 * QUERY_ROW_BYTES + 2 * (D_LATENT * 4 + 8 + PARTIAL_ROW_BYTES);
+
+/// The baseline of [`RouteSample::copy_floor_us`]: a cold `memcpy` of the codec's bytes.
+struct CopyFloor {
+    evict: Vec<u8>,
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl CopyFloor {
+    fn new(max_rows: usize) -> Self {
+        let n = max_rows * CODEC_BYTES_PER_ROW / 2;
+        Self {
+            evict: vec![1; 64 << 20],
+            src: vec![2; n],
+            dst: vec![0; n],
+        }
+    }
+
+    /// Reads 64 MiB (evicting the copy's buffers from every private cache), then times the
+    /// copy of `rows` rows' worth of bytes.
+    fn us(&mut self, rows: usize) -> f64 {
+        let n = (rows * CODEC_BYTES_PER_ROW / 2).min(self.src.len());
+        let sum: u64 = self.evict.iter().step_by(64).map(|&b| u64::from(b)).sum();
+        std::hint::black_box(sum);
+        let started = Instant::now();
+        self.dst[..n].copy_from_slice(&self.src[..n]);
+        std::hint::black_box(&self.dst);
+        started.elapsed().as_secs_f64() * 1e6
+    }
+}
+
+impl RouteSample {
+    /// Byte conversions (query copy, bf16 encode, decode) that a GPU deployment does in
+    /// kernels: the part of the overhead that grows with the bytes.
+    fn codec_us(&self) -> f64 {
+        self.holder_encode_us + self.requester_encode_us + self.requester_decode_us
+    }
 }
 
 /// Medians of one Mq point.
@@ -86,6 +140,12 @@ pub struct RoutePoint {
     pub overhead_us: f64,
     /// Of it, the holder's part: serve - kernel.
     pub holder_overhead_us: f64,
+    /// Of it, byte conversions on both sides (see [`RouteSample`]).
+    pub codec_us: f64,
+    /// Overhead minus byte conversions: bookkeeping, posting, polling, wake-ups.
+    pub rest_us: f64,
+    /// A cold `memcpy` of the conversions' bytes (their floor on this machine, this run).
+    pub copy_floor_us: f64,
     /// The fitted model at this Mq.
     pub model_us: f64,
 }
@@ -372,6 +432,9 @@ pub(crate) fn run(args: &SweepArgs) -> Result<SweepReport> {
             transport_us: pick(&|x| x.route_us - x.kernel_us),
             overhead_us: pick(&|x| x.route_us - x.raw_us - x.kernel_us),
             holder_overhead_us: pick(&|x| x.serve_us - x.kernel_us),
+            codec_us: pick(&|x| x.codec_us()),
+            rest_us: pick(&|x| x.route_us - x.raw_us - x.kernel_us - x.codec_us()),
+            copy_floor_us: pick(&|x| x.copy_floor_us),
             model_us: model(mq),
         });
     }
@@ -504,6 +567,7 @@ fn route_sweep(
     let cache = full.layer(0)?.cache()?;
     let rope = spec.rope()?;
     let mut worst = 0f32;
+    let mut floor = CopyFloor::new(max_mq as usize);
     // Warm-up: fault in the slot, the reply region and the kernel's threads.
     let warm = queries(max_mq as usize, i64::from(args.route_ct), &rope, args.seed);
     for q in [&warm[..QUERY_ROW_BYTES / 2], &warm[..]] {
@@ -536,12 +600,18 @@ fn route_sweep(
         // Decoded into the same partial every repetition, as a decode loop would: the first
         // repetition of each Mq pays for growing it.
         let mut got = [Partial::empty(mq as usize)];
-        for _ in 0..args.reps {
+        // The baseline first: its cache eviction must not slow the pings and routes. One ping
+        // afterwards, not counted, warms up the transport again.
+        let floors: Vec<f64> = (0..args.reps).map(|_| floor.us(mq as usize)).collect();
+        s.requester.ping(0, request_bytes, reply_bytes)?;
+        for copy_floor_us in floors {
             let raw = s.requester.ping(0, request_bytes, reply_bytes)?;
             let before = s.requester.holder_stats(0)?;
+            let codec = s.requester.codec_times();
             let started = Instant::now();
             let done = s.requester.route_into(&[call], &mut got).remove(0);
             let route_us = started.elapsed().as_secs_f64() * 1e6;
+            let codec_after = s.requester.codec_times();
             let after = s.requester.holder_stats(0)?;
             done?;
             worst = worst.max(max_abs(&got[0], &local));
@@ -558,6 +628,10 @@ fn route_sweep(
                 route_us,
                 kernel_us: after.kernel_us - before.kernel_us,
                 serve_us: after.serve_us - before.serve_us,
+                holder_encode_us: after.encode_us - before.encode_us,
+                requester_encode_us: codec_after.encode_us - codec.encode_us,
+                requester_decode_us: codec_after.decode_us - codec.decode_us,
+                copy_floor_us,
             });
             bar.inc(1);
         }
@@ -741,24 +815,40 @@ impl fmt::Display for SweepReport {
         writeln!(
             f,
             "\nroute, one layer of a {}-token chunk (medians, us; raw = the transport's write \
-             round trip for the same bytes, this run; overhead = route - raw - kernel):",
+             round trip for the same bytes, this run; overhead = route - raw - kernel; of it, \
+             holder = the holder's serve - kernel, codec = byte conversions on both sides, \
+             memcpy = a cold copy of as many bytes as codec moves, this run, rest = overhead - \
+             codec):",
             self.route_ct
         )?;
         writeln!(
             f,
-            "{:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
-            "Mq", "route", "raw", "kernel", "overhead", "holder", "route-krn", "model"
+            "{:>6} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>9}",
+            "Mq",
+            "route",
+            "raw",
+            "kernel",
+            "overhead",
+            "holder",
+            "codec",
+            "memcpy",
+            "rest",
+            "route-krn",
+            "model"
         )?;
         for p in &self.route {
             writeln!(
                 f,
-                "{:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+                "{:>6} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>9}",
                 p.mq,
                 us(p.route_us),
                 us(p.raw_us),
                 us(p.kernel_us),
                 us(p.overhead_us),
                 us(p.holder_overhead_us),
+                us(p.codec_us),
+                us(p.copy_floor_us),
+                us(p.rest_us),
                 us(p.transport_us),
                 us(p.model_us)
             )?;

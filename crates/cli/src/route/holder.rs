@@ -622,7 +622,7 @@ impl Shared {
                 seg_rows: &seg_rows,
                 partials: &partials,
             };
-            self.reply(*slot, session, &answer);
+            stats.encode_us += self.reply(*slot, session, &answer);
         }
         stats.serve_us = started.elapsed().as_secs_f64() * 1e6;
         stats.batches = 1;
@@ -633,6 +633,7 @@ impl Shared {
         total.rows += stats.rows;
         total.kernel_us += stats.kernel_us;
         total.serve_us += stats.serve_us;
+        total.encode_us += stats.encode_us;
         total.batches += stats.batches;
         total.refused += stats.refused;
         total.fetches += stats.fetches;
@@ -758,8 +759,9 @@ impl Shared {
         }
     }
 
-    /// Encodes one request's reply straight into the session's staging and writes it out.
-    fn reply(&self, slot: usize, session: &Session, answer: &ReplyPlan<'_>) {
+    /// Encodes one request's reply straight into the session's staging and writes it out;
+    /// returns the microseconds spent encoding.
+    fn reply(&self, slot: usize, session: &Session, answer: &ReplyPlan<'_>) -> f64 {
         // Rows only for segments served; a refused segment contributes none.
         let served: Vec<(usize, usize, usize)> = answer
             .statuses
@@ -789,6 +791,7 @@ impl Shared {
         // thread, and the previous reply's write from it has completed: the requester sent
         // this request after that reply arrived (and a reply is read by the NIC before it
         // lands). No peer writes staging (its descriptor is never handed out).
+        let encode_started = Instant::now();
         let encoded = unsafe { self.staging.bytes_mut(staging, len) }.map(|out| {
             wire::encode_reply_header(out, status, answer.seq, statuses, n_rows);
             let mut at = wire::reply_rows_offset(statuses.len());
@@ -799,6 +802,7 @@ impl Shared {
                 at = end;
             }
         });
+        let encode_us = encode_started.elapsed().as_secs_f64() * 1e6;
         let reply: &MrDesc = &session.hello.reply;
         let result = encoded.map_err(anyhow::Error::from).and_then(|()| {
             Ok(self.engine.submit_single_write(
@@ -814,6 +818,7 @@ impl Shared {
             tracing::debug!(%e, "reply not sent");
             lock(&self.stats).refused += 1;
         }
+        encode_us
     }
 }
 

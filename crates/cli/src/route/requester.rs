@@ -168,6 +168,17 @@ pub struct Gathered {
     pub transfer_us: f64,
 }
 
+/// The requester's byte conversions since it connected: the part of a route round trip that
+/// is neither transport nor kernel nor bookkeeping (a GPU requester stages query rows
+/// and merges bf16 rows in kernels of its own).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct CodecTimes {
+    /// Copying query rows, indices and pages into requests, microseconds.
+    pub encode_us: f64,
+    /// Decoding and validating reply rows into f32 partials, microseconds.
+    pub decode_us: f64,
+}
+
 /// The requester side of route and fetch.
 pub struct Requester {
     engine: TransferEngine,
@@ -178,6 +189,7 @@ pub struct Requester {
     pool: PagedPool,
     links: Vec<Link>,
     registry: ChunkRegistry,
+    codec: CodecTimes,
 }
 
 impl std::fmt::Debug for Requester {
@@ -285,6 +297,7 @@ impl Requester {
             pool,
             links,
             registry,
+            codec: CodecTimes::default(),
         })
     }
 
@@ -401,6 +414,11 @@ impl Requester {
         Ok(elapsed)
     }
 
+    /// The time spent converting bytes since connecting (see [`CodecTimes`]).
+    pub fn codec_times(&self) -> CodecTimes {
+        self.codec
+    }
+
     /// The free pages of the pool (for leak checks).
     pub fn free_pool_pages(&self) -> usize {
         self.pool.free_pages()
@@ -463,9 +481,11 @@ impl Requester {
             // and the previous one has completed (its completion was waited for; a link whose
             // wait failed is dead and never sends again). No peer writes it (its descriptor
             // is never handed out). The range is in bounds: `len <= link_bytes` (checked).
+            let encode_started = Instant::now();
             let encoded = unsafe { self.send.bytes_mut(staged, len) }.map(|buf| {
                 wire::encode_request_into(buf, l.seq, reply_offset, self.config.scale, segments);
             });
+            self.codec.encode_us += encode_started.elapsed().as_secs_f64() * 1e6;
             let token = CancellationToken::new();
             let reply_flag = DoneFlag::new();
             let arrivals = self.engine.expected_arrivals(TransferShape::SingleWrite {
@@ -638,6 +658,7 @@ impl Requester {
             })
             .collect();
         let replies = self.exchange(batches);
+        let mut decode_us = 0.0;
         for ((link, members), reply) in by_link.iter().zip(replies) {
             let holder = self.links[*link].addr;
             let seq = self.links[*link].seq;
@@ -663,7 +684,10 @@ impl Requester {
                             });
                             at += n;
                             part.and_then(|p| {
-                                out[c].read_wire(p).map_err(|e| RouteError::BadReply {
+                                let started = Instant::now();
+                                let read = out[c].read_wire(p);
+                                decode_us += started.elapsed().as_secs_f64() * 1e6;
+                                read.map_err(|e| RouteError::BadReply {
                                     holder,
                                     why: e.to_string(),
                                 })
@@ -673,6 +697,7 @@ impl Requester {
                 }
             }
         }
+        self.codec.decode_us += decode_us;
         results
             .into_iter()
             .map(|r| r.unwrap_or(Err(RouteError::NoHolder(ChunkId(u32::MAX)))))

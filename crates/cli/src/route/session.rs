@@ -83,6 +83,10 @@ pub struct HolderStats {
     /// included), microseconds: `serve_us - kernel_us` is the holder's own host overhead.
     #[serde(default)]
     pub serve_us: f64,
+    /// Of `serve_us`, the time encoding partial rows to the bf16 wire, microseconds: byte
+    /// conversion a GPU holder fuses into its kernel's epilogue.
+    #[serde(default)]
+    pub encode_us: f64,
     /// Batches served (each one or more requests).
     #[serde(default)]
     pub batches: u64,
