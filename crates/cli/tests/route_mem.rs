@@ -435,6 +435,48 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
 }
 
 #[test]
+fn the_store_refuses_writes_through_its_published_descriptor() -> Result<()> {
+    let fabric = MemFabric::new();
+    let a = holder(&fabric, &[0], 2)?;
+    let mut req = requester(&fabric, &[&a])?;
+    let s = spec();
+    let q = queries(2, i64::from(s.chunk_tokens), &s.rope()?, 3);
+    let call = Call {
+        chunk: ChunkId(0),
+        layer: 1,
+        queries: &q,
+        sparse: None,
+    };
+    let before = req.route(&[call]).remove(0)?;
+    // Every requester learns the store's descriptor from the registry; a peer that writes
+    // through it is refused by the holder's NIC.
+    let entry = req.registry().holders(ChunkId(0))?[0].clone();
+    let rogue = TransferEngine::mem(&fabric, 1)?;
+    let garbage = rogue.alloc_mr(4096)?;
+    garbage.fill(0x7f);
+    let done = kvroute_transport::DoneFlag::new();
+    rogue.submit_single_write(
+        4096,
+        Some(5),
+        (garbage.handle(), 0),
+        (&entry.desc, entry.offset),
+        OnDone::flag(&done),
+    )?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !done.is_done() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let outcome = done.result().expect("the write completes");
+    assert!(
+        matches!(&outcome, Err(kvroute_transport::TransferError::RemoteAccess(why)) if why.contains("not remotely writable")),
+        "{outcome:?}"
+    );
+    let after = req.route(&[call]).remove(0)?;
+    assert_eq!(before, after, "the corpus is unchanged");
+    Ok(())
+}
+
+#[test]
 fn ping_is_a_raw_round_trip_of_the_asked_sizes() -> Result<()> {
     let fabric = MemFabric::new();
     let a = holder(&fabric, &[0], 2)?;

@@ -44,7 +44,11 @@ fn check(provider: &str) {
         assert!(f(&s["serve_us"]) >= f(&s["kernel_us"]), "{s}");
         // The byte conversions are timed on both sides, inside the round trip and the
         // holder's serving time, with their memcpy baseline.
-        let codec = ["holder_encode_us", "requester_encode_us", "requester_decode_us"];
+        let codec = [
+            "holder_encode_us",
+            "requester_encode_us",
+            "requester_decode_us",
+        ];
         assert!(codec.iter().all(|k| f(&s[*k]) > 0.0), "{s}");
         assert!(
             f(&s["holder_encode_us"]) <= f(&s["serve_us"]) - f(&s["kernel_us"]),
@@ -58,7 +62,10 @@ fn check(provider: &str) {
     }
     for p in r["route"].as_array().expect("route points") {
         let parts = f(&p["raw_us"]) + f(&p["kernel_us"]) + f(&p["overhead_us"]);
-        assert!(f(&p["codec_us"]) > 0.0 && f(&p["rest_us"]).is_finite(), "{p}");
+        assert!(
+            f(&p["codec_us"]) > 0.0 && f(&p["rest_us"]).is_finite(),
+            "{p}"
+        );
         assert!(parts.is_finite() && f(&p["route_us"]) > 0.0, "{p}");
     }
     assert!(f(&r["route_max_abs"]) <= 8e-3, "routed partials checked");

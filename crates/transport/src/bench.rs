@@ -26,7 +26,7 @@ use crate::domain::{Domain, WriteWr};
 use crate::engine::{EngineConfig, TransferEngine};
 use crate::error::TransportError;
 use crate::mem::{FaultPlan, MemDomain, MemFabric};
-use crate::mr::{Device, MrDesc, RemoteKey};
+use crate::mr::{Access, Device, MrDesc, RemoteKey};
 use crate::on_done::{DoneFlag, OnDone};
 use crate::request::{Pages, ScatterDst};
 
@@ -74,7 +74,14 @@ impl PassiveNic {
         let memory = vec![0u8; len];
         // SAFETY: `memory` is kept in the returned value together with the domain and dropped
         // after it (field order), so it outlives the registration; its buffer never moves.
-        let reg = unsafe { domain.register(memory.as_ptr() as u64, len as u64, Device::Host) }?;
+        let reg = unsafe {
+            domain.register(
+                memory.as_ptr() as u64,
+                len as u64,
+                Device::Host,
+                Access::RemoteWrite,
+            )
+        }?;
         let desc = MrDesc {
             addr: reg.remote_addr,
             len: len as u64,

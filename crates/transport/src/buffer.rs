@@ -7,7 +7,7 @@ use std::ptr::NonNull;
 use crate::engine::TransferEngine;
 use crate::error::Side;
 use crate::error::TransportError;
-use crate::mr::{Device, MrDesc, MrHandle, check_range};
+use crate::mr::{Access, Device, MrDesc, MrHandle, check_range};
 
 /// Alignment of engine-allocated buffers: a cache line.
 const ALIGN: usize = 64;
@@ -43,7 +43,11 @@ impl std::fmt::Debug for RegisteredBuffer {
 }
 
 impl RegisteredBuffer {
-    pub(crate) fn new(engine: TransferEngine, len: usize) -> Result<Self, TransportError> {
+    pub(crate) fn new(
+        engine: TransferEngine,
+        len: usize,
+        access: Access,
+    ) -> Result<Self, TransportError> {
         let layout = Layout::from_size_align(len, ALIGN)
             .map_err(|_| TransportError::InvalidArgument("buffer length too large"))?;
         if len == 0 {
@@ -53,7 +57,7 @@ impl RegisteredBuffer {
         let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })
             .ok_or(TransportError::Domain("out of memory".to_owned()))?;
         // SAFETY: the allocation lives until Drop, which deregisters before freeing.
-        match unsafe { engine.reg_mr(ptr.as_ptr(), len, Device::Host) } {
+        match unsafe { engine.reg_mr_with(ptr.as_ptr(), len, Device::Host, access) } {
             Ok((handle, desc)) => Ok(Self {
                 engine,
                 ptr,

@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use crate::addr::DomainAddr;
 use crate::error::{TransferError, TransportError};
-use crate::mr::Device;
+use crate::mr::{Access, Device};
 
 /// A peer NIC as one domain knows it (an index into its peer table or address vector).
 pub type PeerId = u32;
@@ -135,7 +135,9 @@ pub trait Domain: Send + 'static {
     /// Whether memory on `device` can be registered.
     fn supports(&self, device: Device) -> bool;
 
-    /// Registers `[addr, addr + len)` on `device` for local and remote access.
+    /// Registers `[addr, addr + len)` on `device` for local access and, with
+    /// [`Access::RemoteWrite`], for peers' writes; a peer's write into a region registered
+    /// [`Access::Local`] must fail at this NIC and change nothing.
     ///
     /// # Safety
     /// The range must stay valid, allocated and unmoved until [`Domain::deregister`] returns.
@@ -144,6 +146,7 @@ pub trait Domain: Send + 'static {
         addr: u64,
         len: u64,
         device: Device,
+        access: Access,
     ) -> Result<Registration, TransportError>;
 
     /// Deregisters the region of `lkey`. After it returns no peer write can reach the region.

@@ -71,7 +71,7 @@ pub use engine::{
 pub use error::{Side, TransferError, TransportError};
 pub use fabric::{FabricConfig, FabricDomain, FabricReport, ProviderChoice};
 pub use mem::{FaultPlan, MemFabric};
-pub use mr::{Device, MrDesc, MrHandle, RemoteKey};
+pub use mr::{Access, Device, MrDesc, MrHandle, RemoteKey};
 pub use on_done::{DoneCounter, DoneFlag, OnDone, Outcome, TransferFuture};
 pub use plan::TransferShape;
 pub use request::{Pages, ScatterDst};

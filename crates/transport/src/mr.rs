@@ -31,6 +31,22 @@ impl std::fmt::Display for Device {
     }
 }
 
+/// What peers may do to a registered region. Every region is the source or target of this
+/// process's own writes, sends and receives; remote access is opt-in per region, so that a
+/// descriptor that leaks or is forged cannot reach memory no peer should write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Access {
+    /// Peers may write into the region (an inbox, a reply region, a pool that fetches land
+    /// in). What [`crate::TransferEngine::reg_mr`] and `alloc_mr` register.
+    #[default]
+    RemoteWrite,
+    /// Only this process reads and writes the region (a store served by writing from it, a
+    /// staging buffer): a peer's write into it is refused by the target's NIC and lands
+    /// nothing, whatever key it presents.
+    Local,
+}
+
 /// One NIC's remote key for a region.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct RemoteKey {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{TIMEOUT, block_on, pattern, suite, wait_for};
 use kvroute_transport::{
-    DoneCounter, EngineConfig, FabricConfig, OnDone, Pages, ProviderChoice, TransferEngine,
+    Access, DoneCounter, EngineConfig, FabricConfig, OnDone, Pages, ProviderChoice, TransferEngine,
     TransferError, TransferShape, TransportError,
 };
 
@@ -209,6 +209,37 @@ fn refusals(base: &FabricConfig) {
         }
         assert_eq!(b.pending_imm(99), 0, "{what}: an immediate was counted");
     }
+    // The true descriptor of a region registered local only: the provider refuses it.
+    let (a, b) = (open(&config), open(&config));
+    let src = a.alloc_mr(4096).unwrap();
+    src.fill(0xee);
+    let local = b.alloc_mr_with(4096, Access::Local).unwrap();
+    let (done, fut) = OnDone::future();
+    let started = Instant::now();
+    a.submit_single_write(4096, Some(98), (src.handle(), 0), (local.desc(), 0), done)
+        .unwrap();
+    let outcome = block_on(fut);
+    assert!(outcome.is_err(), "a write into a local region: {outcome:?}");
+    assert!(started.elapsed() < Duration::from_secs(3), "bounded");
+    assert!(
+        local.to_vec().iter().all(|&x| x == 0),
+        "the local region was written"
+    );
+    assert_eq!(b.pending_imm(98), 0, "an immediate was counted");
+    // It is still a source, towards a third engine: after a refused write a cannot reach b
+    // for a while (tcp;ofi_rxm closes the connection: PeerUnreachable; shm never answers the
+    // write, so the engine holds new operations to b until the deadline), as after the forged
+    // cases above.
+    let c = open(&config);
+    let dst = c.alloc_mr(4096).unwrap();
+    let (done, fut) = OnDone::future();
+    b.submit_single_write(4096, None, (local.handle(), 0), (dst.desc(), 0), done)
+        .unwrap();
+    let outcome = block_on(fut);
+    assert!(
+        outcome.is_ok(),
+        "a local region as a write's source: {outcome:?}"
+    );
 }
 
 /// A peer that goes away (its engine dropped, its endpoint closed) makes writes to it fail

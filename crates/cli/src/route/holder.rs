@@ -19,7 +19,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 use kvroute_kernels::layout::PAGE_TOKENS;
 use kvroute_kernels::{Backend, Cache, Partial, Queries, Selection, partial_dense, partial_sparse};
 use kvroute_kvstore::{ChunkEntry, ChunkId, CorpusSpec, FullBlock, PAGE_BYTES, ROW_BYTES};
-use kvroute_transport::{MrDesc, OnDone, Pages, RegisteredBuffer, TransferEngine};
+use kvroute_transport::{Access, MrDesc, OnDone, Pages, RegisteredBuffer, TransferEngine};
 
 use super::session::{Answer, Control, Hello, HolderStats, Welcome};
 use super::wire::{self, Request, SegmentKind, Status};
@@ -119,7 +119,10 @@ impl Holder {
             bail!("slot and reply sizes too small for a header");
         }
         let layout = config.corpus.layout();
-        let store = engine.alloc_mr(layout.full_bytes() * config.chunks.len())?;
+        // Local only: the registry hands the store's descriptor to every requester, and no
+        // peer write through it (leaked, forged or mistaken) may land in the corpus.
+        let store =
+            engine.alloc_mr_with(layout.full_bytes() * config.chunks.len(), Access::Local)?;
         let mut chunk_index = BTreeMap::new();
         let mut entries = Vec::new();
         for (i, &id) in config.chunks.iter().enumerate() {
@@ -141,7 +144,8 @@ impl Holder {
             });
         }
         let inbox = engine.alloc_mr(config.slot_bytes * config.max_requesters)?;
-        let staging = engine.alloc_mr(config.reply_bytes * config.max_requesters)?;
+        let staging =
+            engine.alloc_mr_with(config.reply_bytes * config.max_requesters, Access::Local)?;
         // Arrivals straight from the progress pass: no callback-thread hop on the way to the
         // serving thread.
         let rx = engine.unexpected_imms();
@@ -650,8 +654,9 @@ impl Shared {
     ) -> Result<Partial> {
         let index = self.chunk_index[&chunk];
         let layout = self.config.corpus.layout();
-        // SAFETY: the store is written only by `start`; peers never write it (the protocol
-        // hands its descriptor out for reference, and fetch only reads it).
+        // SAFETY: the store is written only by `start`; peers cannot write it (it is
+        // registered local only: its descriptor in the registry is for reference, and fetch
+        // only reads it).
         let elems = unsafe {
             self.store
                 .u16s(index * layout.full_bytes(), layout.full_elems())?

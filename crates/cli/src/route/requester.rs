@@ -17,7 +17,8 @@ use kvroute_kernels::layout::{D_QK, PAGE_TOKENS, PARTIAL_ROW_BYTES};
 use kvroute_kernels::{Backend, Cache, Partial, Rope, SpliceJob, splice};
 use kvroute_kvstore::{ChunkEntry, ChunkId, ChunkRegistry, PAGE_BYTES, PagedPool};
 use kvroute_transport::{
-    CancellationToken, DoneFlag, MrDesc, OnDone, RegisteredBuffer, TransferEngine, TransferShape,
+    Access, CancellationToken, DoneFlag, MrDesc, OnDone, RegisteredBuffer, TransferEngine,
+    TransferShape,
 };
 
 use super::holder::{recv_line, send_line};
@@ -242,7 +243,7 @@ impl Requester {
             bail!("a requester tag is 0 to 4095");
         }
         let n = holders.len();
-        let send = engine.alloc_mr(config.link_bytes * n)?;
+        let send = engine.alloc_mr_with(config.link_bytes * n, Access::Local)?;
         let replies = engine.alloc_mr(config.link_bytes * n)?;
         let pool = PagedPool::new(config.pool_pages.max(1), PAGE_BYTES)?;
         let pool_mem = engine.alloc_mr(pool.bytes())?;

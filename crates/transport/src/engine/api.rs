@@ -18,7 +18,7 @@ use super::{Backpressure, TransferEngine};
 use crate::addr::{MAX_NICS, NetAddr};
 use crate::buffer::RegisteredBuffer;
 use crate::error::{Side, TransportError};
-use crate::mr::{Device, MrDesc, MrHandle, check_range};
+use crate::mr::{Access, Device, MrDesc, MrHandle, check_range};
 use crate::on_done::{OnDone, TransferFuture};
 use crate::plan::{TransferShape, arrivals};
 use crate::request::{Pages, ScatterDst, validate_scatter};
@@ -145,7 +145,8 @@ impl TransferEngine {
 
     // ----- memory -----
 
-    /// Registers `[ptr, ptr + len)` with every NIC of the group serving `device`.
+    /// Registers `[ptr, ptr + len)` with every NIC of the group serving `device`, writable by
+    /// peers ([`Access::RemoteWrite`]; see [`TransferEngine::reg_mr_with`]).
     ///
     /// # Safety
     /// The memory must stay allocated and must not move until [`TransferEngine::dereg_mr`]
@@ -157,6 +158,23 @@ impl TransferEngine {
         len: usize,
         device: Device,
     ) -> Result<(MrHandle, MrDesc), TransportError> {
+        // SAFETY: the caller's guarantee, forwarded.
+        unsafe { self.reg_mr_with(ptr, len, device, Access::RemoteWrite) }
+    }
+
+    /// [`TransferEngine::reg_mr`] with the access peers get: [`Access::Local`] for memory
+    /// that is only ever a source (a store served by writing from it, a staging buffer), so
+    /// that no descriptor, leaked or forged, lets a peer write into it.
+    ///
+    /// # Safety
+    /// As [`TransferEngine::reg_mr`].
+    pub unsafe fn reg_mr_with(
+        &self,
+        ptr: *const u8,
+        len: usize,
+        device: Device,
+        access: Access,
+    ) -> Result<(MrHandle, MrDesc), TransportError> {
         if ptr.is_null() || len == 0 {
             return Err(TransportError::InvalidArgument(
                 "a region needs a non-null pointer and a length",
@@ -167,6 +185,7 @@ impl TransferEngine {
             addr: ptr as u64,
             len: len as u64,
             device,
+            access,
             reply,
         })?
     }
@@ -189,9 +208,18 @@ impl TransferEngine {
     }
 
     /// Allocates `len` bytes of zeroed host memory (64-byte aligned) owned by the engine and
-    /// registers it; dropping the buffer deregisters and frees it.
+    /// registers it, writable by peers; dropping the buffer deregisters and frees it.
     pub fn alloc_mr(&self, len: usize) -> Result<RegisteredBuffer, TransportError> {
-        RegisteredBuffer::new(self.clone(), len)
+        RegisteredBuffer::new(self.clone(), len, Access::RemoteWrite)
+    }
+
+    /// [`TransferEngine::alloc_mr`] with the access peers get (see [`Access`]).
+    pub fn alloc_mr_with(
+        &self,
+        len: usize,
+        access: Access,
+    ) -> Result<RegisteredBuffer, TransportError> {
+        RegisteredBuffer::new(self.clone(), len, access)
     }
 
     fn local(&self, handle: &MrHandle) -> Result<(&Arc<GroupShared>, RegionEntry), TransportError> {

@@ -22,7 +22,7 @@ use crate::addr::MAX_NICS;
 use crate::domain::{Completion, CompletionKind, Domain, PeerId, RecvWr, SendWr, WriteWr};
 use crate::error::{TransferError, TransportError};
 use crate::imm_counter::Arrival;
-use crate::mr::{Device, MrDesc, MrHandle, RegionKey, RemoteKey};
+use crate::mr::{Access, Device, MrDesc, MrHandle, RegionKey, RemoteKey};
 use crate::on_done::{OnDone, Outcome};
 use crate::plan::{shard, single_write_shards};
 use crate::recv_pool::RecvPool;
@@ -121,7 +121,9 @@ impl<D: Domain> Group<D> {
             d.set_notify(shared.wake.clone());
             // SAFETY: the buffer is owned by the group and declared after `domains`, so it is
             // freed only after every domain (and its registration) is gone.
-            lkeys[i] = unsafe { d.register(null_buf.as_ptr() as u64, 8, Device::Host) }?.lkey;
+            lkeys[i] =
+                unsafe { d.register(null_buf.as_ptr() as u64, 8, Device::Host, Access::Local) }?
+                    .lkey;
         }
         Ok(Self {
             domains,
@@ -426,9 +428,10 @@ impl<D: Domain> Group<D> {
                 addr,
                 len,
                 device,
+                access,
                 reply,
             } => {
-                let _ = reply.send(self.register(addr, len, device));
+                let _ = reply.send(self.register(addr, len, device, access));
             }
             Command::Deregister { key, reply } => {
                 let _ = reply.send(self.deregister(key));
@@ -452,6 +455,7 @@ impl<D: Domain> Group<D> {
         addr: u64,
         len: u64,
         device: Device,
+        access: Access,
     ) -> Result<(MrHandle, MrDesc), TransportError> {
         if !self.domains.iter().all(|d| d.supports(device)) {
             return Err(TransportError::UnsupportedDevice(device.to_string()));
@@ -459,7 +463,7 @@ impl<D: Domain> Group<D> {
         let mut regs = Vec::with_capacity(self.domains.len());
         for d in self.domains.iter_mut() {
             // SAFETY: the caller of `reg_mr` promised the range stays valid until deregistered.
-            match unsafe { d.register(addr, len, device) } {
+            match unsafe { d.register(addr, len, device, access) } {
                 Ok(r) => regs.push(r),
                 Err(e) => {
                     for (d, r) in self.domains.iter_mut().zip(&regs) {
@@ -596,7 +600,10 @@ impl<D: Domain> Group<D> {
         let bytes = u64::from(count) * buf_len as u64;
         // SAFETY: the pool's memory lives as long as the Arc kept in `self.recv` (and any
         // callback job's clone), which outlives NIC 0 and so its registration.
-        let reg = unsafe { self.domains[0].register(pool.buffer_addr(0), bytes, Device::Host) }?;
+        // Receive buffers are filled by this NIC's receives, never by peers' writes.
+        let reg = unsafe {
+            self.domains[0].register(pool.buffer_addr(0), bytes, Device::Host, Access::Local)
+        }?;
         self.recv = Some(RecvState {
             pool,
             lkey: reg.lkey,

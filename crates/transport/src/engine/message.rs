@@ -9,7 +9,7 @@ use crossbeam_channel::Sender;
 use super::shared::PeerEntry;
 use crate::addr::{MAX_NICS, NetAddr};
 use crate::error::TransportError;
-use crate::mr::{Device, MrDesc, MrHandle, RegionKey};
+use crate::mr::{Access, Device, MrDesc, MrHandle, RegionKey};
 use crate::on_done::OnDone;
 use crate::request::Pages;
 
@@ -95,6 +95,7 @@ pub(crate) enum Command {
         addr: u64,
         len: u64,
         device: Device,
+        access: Access,
         reply: Sender<Result<(MrHandle, MrDesc), TransportError>>,
     },
     Deregister {

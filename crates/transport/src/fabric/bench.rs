@@ -19,7 +19,7 @@ use crate::addr::DomainAddr;
 use crate::buffer::RegisteredBuffer;
 use crate::domain::{Completion, CompletionKind, Domain, PeerId, Registration, WriteWr};
 use crate::error::TransportError;
-use crate::mr::{Device, MrDesc};
+use crate::mr::{Access, Device, MrDesc};
 use crate::on_done::{DoneCounter, DoneFlag, OnDone};
 use crate::request::Pages;
 
@@ -310,7 +310,14 @@ impl RawEndpoint {
         let mut domain = domains.remove(0);
         let buf = vec![0u8; len.max(1)].into_boxed_slice();
         // SAFETY: the buffer is owned by the endpoint and dropped after the domain.
-        let reg = unsafe { domain.register(buf.as_ptr() as u64, buf.len() as u64, Device::Host) }?;
+        let reg = unsafe {
+            domain.register(
+                buf.as_ptr() as u64,
+                buf.len() as u64,
+                Device::Host,
+                Access::RemoteWrite,
+            )
+        }?;
         Ok(Self {
             domain,
             buf,

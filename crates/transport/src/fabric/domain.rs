@@ -17,15 +17,15 @@ use crate::domain::{
     Completion, CompletionKind, Domain, Notify, PeerId, RecvWr, Registration, SendWr, WriteWr,
 };
 use crate::error::{TransferError, TransportError};
-use crate::mr::Device;
+use crate::mr::{Access, Device};
 
-/// Access every region is registered with: source and target of writes, sends and receives.
-const ACCESS: u64 = fi::FI_SEND
-    | fi::FI_RECV
-    | fi::FI_WRITE
-    | fi::FI_REMOTE_WRITE
-    | fi::FI_READ
-    | fi::FI_REMOTE_READ;
+/// Access every region is registered with: source of writes, sends and receives.
+const LOCAL_ACCESS: u64 = fi::FI_SEND | fi::FI_RECV | fi::FI_WRITE | fi::FI_READ;
+
+/// Added for [`Access::RemoteWrite`]: target of peers' writes. The providers check it at the
+/// target (libfabric's `ofi_mr_map_verify` answers `FI_EACCES` to an access the region was
+/// not registered for).
+const REMOTE_ACCESS: u64 = fi::FI_REMOTE_WRITE | fi::FI_REMOTE_READ;
 
 /// Idle polls between looks at the clock for overdue operations.
 const SWEEP_EVERY: u32 = 128;
@@ -396,8 +396,15 @@ impl FabricDomain {
         let memory = vec![0u8; count * slot_len].into_boxed_slice();
         // SAFETY: the memory is owned by the Bounce, which is dropped only after Drop closed
         // its registration.
-        let reg =
-            unsafe { self.register(memory.as_ptr() as u64, memory.len() as u64, Device::Host) }?;
+        // Sources of sends only.
+        let reg = unsafe {
+            self.register(
+                memory.as_ptr() as u64,
+                memory.len() as u64,
+                Device::Host,
+                Access::Local,
+            )
+        }?;
         Ok(Bounce {
             memory,
             slot_len,
@@ -761,10 +768,15 @@ impl Domain for FabricDomain {
         addr: u64,
         len: u64,
         device: Device,
+        access: Access,
     ) -> Result<Registration, TransportError> {
         if device != Device::Host {
             return Err(TransportError::UnsupportedDevice(device.to_string()));
         }
+        let access = match access {
+            Access::RemoteWrite => LOCAL_ACCESS | REMOTE_ACCESS,
+            Access::Local => LOCAL_ACCESS,
+        };
         let size = usize::try_from(len)
             .map_err(|_| TransportError::InvalidArgument("a region larger than memory"))?;
         let requested_key = if self.mr_mode.has(fi::FI_MR_PROV_KEY) {
@@ -779,7 +791,7 @@ impl Domain for FabricDomain {
                 self.domain,
                 addr as *const c_void,
                 size,
-                ACCESS,
+                access,
                 0,
                 requested_key,
                 0,

@@ -25,7 +25,7 @@ use crate::domain::{
     Completion, CompletionKind, Domain, Notify, PeerId, RecvWr, Registration, SendWr, WriteWr,
 };
 use crate::error::{TransferError, TransportError};
-use crate::mr::Device;
+use crate::mr::{Access, Device};
 
 /// Writes a `mem` NIC holds before `post_writes` accepts fewer than it is given.
 pub const SEND_QUEUE_DEPTH: usize = 1024;
@@ -292,7 +292,7 @@ fn deliver(
     }
     let mut pending: Option<(u32, u32)> = None;
     for wr in wrs {
-        if let Err(reason) = regions.check(wr.rkey, wr.dst_addr, wr.len) {
+        if let Err(reason) = regions.check_remote_write(wr.rkey, wr.dst_addr, wr.len) {
             push_completion(
                 completions,
                 wr.wr_id,
@@ -355,6 +355,7 @@ impl Domain for MemDomain {
         addr: u64,
         len: u64,
         device: Device,
+        access: Access,
     ) -> Result<Registration, TransportError> {
         if device != Device::Host {
             return Err(TransportError::UnsupportedDevice(device.to_string()));
@@ -364,7 +365,7 @@ impl Domain for MemDomain {
                 "region wraps around the address space",
             ));
         }
-        let key = self.me.regions_mut().insert(addr, len);
+        let key = self.me.regions_mut().insert(addr, len, access);
         Ok(Registration {
             lkey: key,
             rkey: key,

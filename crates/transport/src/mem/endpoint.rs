@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::domain::{Notify, RecvWr};
+use crate::mr::Access;
 
 /// A registered region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,6 +15,7 @@ struct Region {
     addr: u64,
     len: u64,
     generation: u32,
+    access: Access,
 }
 
 /// Registered regions by key. A key is `generation << 32 | slot`, so a key that outlives its
@@ -26,7 +28,7 @@ pub(crate) struct RegionTable {
 }
 
 impl RegionTable {
-    pub(crate) fn insert(&mut self, addr: u64, len: u64) -> u64 {
+    pub(crate) fn insert(&mut self, addr: u64, len: u64, access: Access) -> u64 {
         let slot = self.free.pop().unwrap_or_else(|| {
             self.slots.push(None);
             self.generations.push(0);
@@ -38,6 +40,7 @@ impl RegionTable {
             addr,
             len,
             generation,
+            access,
         });
         u64::from(generation) << 32 | u64::from(slot)
     }
@@ -62,8 +65,26 @@ impl RegionTable {
         }
     }
 
-    /// Checks that `key` names a live region containing `[addr, addr + len)`.
+    /// Checks that `key` names a live region containing `[addr, addr + len)` (a local
+    /// access: the source of a write, a receive buffer).
     pub(crate) fn check(&self, key: u64, addr: u64, len: u64) -> Result<(), &'static str> {
+        self.region(key, addr, len).map(|_| ())
+    }
+
+    /// [`RegionTable::check`] for a peer's write: the region must also accept remote writes.
+    pub(crate) fn check_remote_write(
+        &self,
+        key: u64,
+        addr: u64,
+        len: u64,
+    ) -> Result<(), &'static str> {
+        match self.region(key, addr, len)?.access {
+            Access::RemoteWrite => Ok(()),
+            Access::Local => Err("the region is not remotely writable"),
+        }
+    }
+
+    fn region(&self, key: u64, addr: u64, len: u64) -> Result<&Region, &'static str> {
         let slot = (key & 0xFFFF_FFFF) as usize;
         let region = match self.slots.get(slot) {
             Some(Some(r)) if u64::from(r.generation) == key >> 32 => r,
@@ -73,7 +94,7 @@ impl RegionTable {
         if addr < region.addr || end > region.addr + region.len {
             return Err("range outside the registered region");
         }
-        Ok(())
+        Ok(region)
     }
 
     #[cfg(test)]
@@ -218,8 +239,9 @@ mod tests {
     #[test]
     fn keys_check_range_and_go_stale_when_the_slot_is_reused() {
         let mut t = RegionTable::default();
-        let k = t.insert(1000, 100);
+        let k = t.insert(1000, 100, Access::RemoteWrite);
         assert!(t.check(k, 1000, 100).is_ok());
+        assert!(t.check_remote_write(k, 1000, 100).is_ok());
         assert!(t.check(k, 1050, 0).is_ok());
         assert_eq!(
             t.check(k, 999, 1),
@@ -231,10 +253,20 @@ mod tests {
         );
         assert_eq!(t.check(k, u64::MAX, 2), Err("range wraps around"));
         assert!(t.remove(k));
-        let k2 = t.insert(5000, 10);
+        let k2 = t.insert(5000, 10, Access::Local);
         assert_eq!(k2 & 0xFFFF_FFFF, k & 0xFFFF_FFFF, "slot reused");
         assert_eq!(t.check(k, 5000, 1), Err("unknown or stale key"));
         assert!(!t.remove(k), "a stale key removes nothing");
         assert_eq!(t.len(), 1);
+        // A local region: fine as a source, refused as a peer's target.
+        assert!(t.check(k2, 5000, 10).is_ok());
+        assert_eq!(
+            t.check_remote_write(k2, 5000, 10),
+            Err("the region is not remotely writable")
+        );
+        assert_eq!(
+            t.check_remote_write(k2, 5000, 11),
+            Err("range outside the registered region")
+        );
     }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::*;
 use crate::domain::{Completion, CompletionKind, Domain, RecvWr, Registration, SendWr, WriteWr};
 use crate::error::TransferError;
-use crate::mr::Device;
+use crate::mr::{Access, Device};
 
 struct Nic {
     domain: MemDomain,
@@ -19,7 +19,15 @@ fn nic(fabric: &MemFabric, len: usize, fill: u8) -> Nic {
     let memory = vec![fill; len];
     // SAFETY: `memory` is moved into the returned Nic with the domain and outlives every use;
     // its heap buffer does not move.
-    let reg = unsafe { domain.register(memory.as_ptr() as u64, len as u64, Device::Host) }.unwrap();
+    let reg = unsafe {
+        domain.register(
+            memory.as_ptr() as u64,
+            len as u64,
+            Device::Host,
+            Access::RemoteWrite,
+        )
+    }
+    .unwrap();
     Nic {
         domain,
         memory,
@@ -97,6 +105,52 @@ fn a_write_lands_byte_exact_and_its_immediate_arrives_after_it() {
 }
 
 #[test]
+fn a_local_region_refuses_peer_writes_but_serves_as_a_source() {
+    let fabric = MemFabric::new();
+    let mut a = nic(&fabric, 64, 0xCD);
+    let mut b = nic(&fabric, 64, 0);
+    let peer = a.domain.connect(&b.domain.address()).unwrap();
+    // A second registration of b's memory, local only: its key reaches the same bytes.
+    // SAFETY: `b.memory` outlives the domain's use of it (both live to the end of the test).
+    let local = unsafe {
+        b.domain
+            .register(b.memory.as_ptr() as u64, 64, Device::Host, Access::Local)
+    }
+    .unwrap();
+    let refused = WriteWr {
+        rkey: local.rkey,
+        ..write(&a, peer, 0, &b, 0, 16, Some(5))
+    };
+    assert_eq!(a.domain.post_writes(&[refused]).unwrap(), 1);
+    let completions = poll_all(&mut a.domain);
+    assert!(
+        matches!(&completions[..], [c] if matches!(&c.result, Err(TransferError::RemoteAccess(why)) if why.contains("not remotely writable"))),
+        "{completions:?}"
+    );
+    assert_eq!(b.memory, vec![0; 64], "the local region is untouched");
+    assert!(poll_all(&mut b.domain).is_empty(), "no immediate");
+    // As the source of b's own write it works.
+    let back = b.domain.connect(&a.domain.address()).unwrap();
+    let out = WriteWr {
+        wr_id: 8,
+        peer: back,
+        src_addr: local.remote_addr,
+        lkey: local.lkey,
+        len: 8,
+        dst_addr: a.reg.remote_addr,
+        rkey: a.reg.rkey,
+        imm: None,
+    };
+    assert_eq!(b.domain.post_writes(&[out]).unwrap(), 1);
+    let done = poll_all(&mut b.domain);
+    assert!(
+        done.iter().all(|c| c.result.is_ok()) && !done.is_empty(),
+        "{done:?}"
+    );
+    assert_eq!(a.memory[..8], [0; 8], "b's zeros landed in a");
+}
+
+#[test]
 fn wrong_stale_or_out_of_range_keys_are_remote_access_errors_and_touch_nothing() {
     let fabric = MemFabric::new();
     let mut a = nic(&fabric, 64, 0xCD);
@@ -135,8 +189,12 @@ fn wrong_stale_or_out_of_range_keys_are_remote_access_errors_and_touch_nothing()
     b.domain.deregister(b.reg.rkey).unwrap();
     // SAFETY: b.memory outlives the registration.
     let again = unsafe {
-        b.domain
-            .register(b.memory.as_ptr() as u64, 64, Device::Host)
+        b.domain.register(
+            b.memory.as_ptr() as u64,
+            64,
+            Device::Host,
+            Access::RemoteWrite,
+        )
     }
     .unwrap();
     assert_ne!(again.rkey, good.rkey);
@@ -368,8 +426,12 @@ fn a_fault_plan_delays_reorders_and_fails_deliveries_reproducibly() {
         };
         // SAFETY: a.memory outlives the registration.
         a.reg = unsafe {
-            a.domain
-                .register(a.memory.as_ptr() as u64, 256, Device::Host)
+            a.domain.register(
+                a.memory.as_ptr() as u64,
+                256,
+                Device::Host,
+                Access::RemoteWrite,
+            )
         }
         .unwrap();
         for (i, byte) in a.memory.iter_mut().enumerate() {

@@ -11,7 +11,7 @@ use kvroute_transport::domain::{
     Completion, Domain, Notify, PeerId, RecvWr, Registration, SendWr, WriteWr,
 };
 use kvroute_transport::mem::MemDomain;
-use kvroute_transport::{Device, TransportError};
+use kvroute_transport::{Access, Device, TransportError};
 
 /// Shared controls of a [`Throttled`] domain.
 #[derive(Debug, Default)]
@@ -45,9 +45,10 @@ impl Domain for Throttled {
         addr: u64,
         len: u64,
         device: Device,
+        access: Access,
     ) -> Result<Registration, TransportError> {
         // SAFETY: forwarded with the caller's guarantee.
-        unsafe { self.inner.register(addr, len, device) }
+        unsafe { self.inner.register(addr, len, device, access) }
     }
     fn deregister(&mut self, lkey: u64) -> Result<(), TransportError> {
         self.inner.deregister(lkey)
