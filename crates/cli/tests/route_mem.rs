@@ -435,6 +435,38 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
 }
 
 #[test]
+fn a_gather_beyond_the_holders_staging_is_too_large_and_leaks_nothing() -> Result<()> {
+    let fabric = MemFabric::new();
+    let mut config = HolderConfig::new(spec(), vec![ChunkId(0)]);
+    config.gather_bytes = 10 * kvroute_kvstore::ROW_BYTES;
+    let a = Holder::start(
+        TransferEngine::mem(&fabric, 1)?,
+        TcpListener::bind("127.0.0.1:0")?,
+        config,
+    )?;
+    let mut req = requester(&fabric, &[&a])?;
+    let free = req.free_pool_pages();
+    let tokens: Vec<i32> = (0..6).collect();
+    let part = [GatherPart {
+        chunk: ChunkId(0),
+        tokens: &tokens,
+    }];
+    // 6 rows x 2 layers = 12 rows: more than the 10 the holder stages per request.
+    let refused = req.gather(&part, &[0, 1]);
+    assert!(
+        matches!(refused, Err(RouteError::TooLarge(n)) if n == 12 * kvroute_kvstore::ROW_BYTES),
+        "{refused:?}"
+    );
+    assert_eq!(req.free_pool_pages(), free, "no pages leak");
+    // One layer fits, and the link still works.
+    let gathered = req.gather(&part, &[1])?;
+    assert_eq!(gathered.rows, 6);
+    req.release_gathered(gathered)?;
+    assert_eq!(req.free_pool_pages(), free);
+    Ok(())
+}
+
+#[test]
 fn the_store_refuses_writes_through_its_published_descriptor() -> Result<()> {
     let fabric = MemFabric::new();
     let a = holder(&fabric, &[0], 2)?;

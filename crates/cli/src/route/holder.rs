@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use kvroute_kernels::layout::PAGE_TOKENS;
 use kvroute_kernels::{Backend, Cache, Partial, Queries, Selection, partial_dense, partial_sparse};
 use kvroute_kvstore::{ChunkEntry, ChunkId, CorpusSpec, FullBlock, PAGE_BYTES, ROW_BYTES};
 use kvroute_transport::{Access, MrDesc, OnDone, Pages, RegisteredBuffer, TransferEngine};
@@ -41,6 +40,9 @@ pub struct HolderConfig {
     pub slot_bytes: usize,
     /// Bytes of each requester's reply staging (the largest reply).
     pub reply_bytes: usize,
+    /// Bytes of each requester's gather staging: the selected rows of one request's gather
+    /// segments, packed so that each destination page takes one write (1152 B per row).
+    pub gather_bytes: usize,
     /// Which kernels run the partials.
     pub backend: Backend,
     /// How long the serving thread keeps polling for arrivals after its last batch before it
@@ -50,8 +52,9 @@ pub struct HolderConfig {
 }
 
 impl HolderConfig {
-    /// Defaults for `corpus` and `chunks`: 8 requesters, 4 MiB slots and replies, CPU kernels,
-    /// 200 us of polling after each batch.
+    /// Defaults for `corpus` and `chunks`: 8 requesters, 4 MiB slots and replies, 16 MiB of
+    /// gather staging (14,563 rows: top-2048 over 7 layers), CPU kernels, 200 us of polling
+    /// after each batch. Staging is touched only as far as it is used.
     pub fn new(corpus: CorpusSpec, chunks: Vec<ChunkId>) -> Self {
         Self {
             corpus,
@@ -59,6 +62,7 @@ impl HolderConfig {
             max_requesters: 8,
             slot_bytes: 4 << 20,
             reply_bytes: 4 << 20,
+            gather_bytes: 16 << 20,
             backend: Backend::Cpu,
             idle_spin: Duration::from_micros(200),
         }
@@ -80,6 +84,8 @@ struct Shared {
     store: RegisteredBuffer,
     inbox: RegisteredBuffer,
     staging: RegisteredBuffer,
+    /// Per session, `gather_bytes` of packed gathered rows.
+    gather_staging: RegisteredBuffer,
     /// Chunk -> index of its full block in `store`.
     chunk_index: BTreeMap<u32, usize>,
     entries: Vec<ChunkEntry>,
@@ -146,6 +152,10 @@ impl Holder {
         let inbox = engine.alloc_mr(config.slot_bytes * config.max_requesters)?;
         let staging =
             engine.alloc_mr_with(config.reply_bytes * config.max_requesters, Access::Local)?;
+        let gather_staging = engine.alloc_mr_with(
+            (config.gather_bytes * config.max_requesters).max(1),
+            Access::Local,
+        )?;
         // Arrivals straight from the progress pass: no callback-thread hop on the way to the
         // serving thread.
         let rx = engine.unexpected_imms();
@@ -156,6 +166,7 @@ impl Holder {
             store,
             inbox,
             staging,
+            gather_staging,
             chunk_index,
             entries,
             stats: Mutex::new(HolderStats::default()),
@@ -289,6 +300,7 @@ impl Shared {
             slot_offset: (slot * self.config.slot_bytes) as u64,
             slot_bytes: self.config.slot_bytes as u64,
             reply_bytes: self.config.reply_bytes as u64,
+            gather_bytes: self.config.gather_bytes as u64,
             chunks: self.entries.clone(),
         };
         send_line(&mut writer, &Answer::Welcome(welcome))?;
@@ -503,10 +515,12 @@ impl Shared {
                 }
             }
         }
+        // Per request: bytes of its session's gather staging used so far.
+        let mut gathered = vec![0usize; slots.len()];
         for (&(chunk, layer, key, scale), members) in &groups {
             if key == TRANSFER_KEY {
                 for &(r, s) in members {
-                    let (_, session, _) = &slots[r];
+                    let (slot, session, _) = &slots[r];
                     let ok = requests[r]
                         .as_ref()
                         .ok()
@@ -514,7 +528,7 @@ impl Shared {
                     statuses[r][s] = match ok.map(|seg| (seg, seg.kind)) {
                         Some((seg, SegmentKind::Fetch)) => self.fetch(session, chunk, &seg.pages()),
                         Some((seg, SegmentKind::Gather { first })) => self.gather(
-                            session,
+                            (*slot, session, &mut gathered[r]),
                             (chunk, layer),
                             first,
                             &seg.indices(),
@@ -709,11 +723,13 @@ impl Shared {
     }
 
     /// Sparse fetch: writes the rows of `tokens` (layer `layer` of `chunk`) into the
-    /// requester's pool, row `j` at row `first + j` of `pages`, one row-sized write each, all
-    /// carrying the session's fetch immediate.
+    /// requester's pool, row `j` at row `first + j` of `pages`, all carrying the session's
+    /// fetch immediate. The rows are first packed into the session's gather staging (after
+    /// the `used` bytes earlier segments of the request took) so that each page they land in
+    /// takes one write ([`wire::gather_writes`]), not one write per row.
     fn gather(
         &self,
-        session: &Session,
+        (slot, session, used): (usize, &Session, &mut usize),
         (chunk, layer): (u32, u16),
         first: u32,
         tokens: &[i32],
@@ -732,36 +748,52 @@ impl Shared {
         let Ok(layer_at) = layout.layer_offset(u32::from(layer)) else {
             return Status::BadLayer;
         };
-        // Rows of ROW_BYTES from the start of the store, and of the pool.
-        let base = (self.chunk_index[&chunk] * layout.full_bytes() + layer_at) / ROW_BYTES;
-        let src: Option<Vec<u32>> = tokens
-            .iter()
-            .map(|&t| u32::try_from(base + t as usize).ok())
-            .collect();
-        let dst: Option<Vec<u32>> = (0..tokens.len())
-            .map(|j| {
-                let r = first as usize + j;
-                pages[r / PAGE_TOKENS]
-                    .checked_mul(PAGE_TOKENS as u32)
-                    .and_then(|p| p.checked_add((r % PAGE_TOKENS) as u32))
-            })
-            .collect();
-        let (Some(src), Some(dst)) = (src, dst) else {
+        let bytes = tokens.len() * ROW_BYTES;
+        if *used + bytes > self.config.gather_bytes {
             return Status::FetchRefused;
-        };
-        match self.engine.submit_paged_writes(
-            ROW_BYTES as u64,
-            Some(session.hello.fetch_imm),
-            (self.store.handle(), &Pages::new(src, ROW_BYTES as u64, 0)),
-            (pool, &Pages::new(dst, ROW_BYTES as u64, 0)),
-            OnDone::nothing(),
-        ) {
-            Ok(()) => Status::Ok,
-            Err(e) => {
+        }
+        let staged = slot * self.config.gather_bytes + *used;
+        let block = self.chunk_index[&chunk] * layout.full_bytes() + layer_at;
+        // SAFETY: this session's staging range past `used` is written only here, by the one
+        // serving thread; the writes of the previous request from it have landed (the
+        // requester sends a request only after every write of the last one arrived). The
+        // store is written only by `start` (and is not remotely writable).
+        let packed = unsafe { self.gather_staging.bytes_mut(staged, bytes) }.and_then(|out| {
+            // SAFETY: as above for the store.
+            let store = unsafe { self.store.bytes(block, layout.tokens as usize * ROW_BYTES) }?;
+            for (row, &t) in out.chunks_exact_mut(ROW_BYTES).zip(tokens) {
+                let at = t as usize * ROW_BYTES;
+                row.copy_from_slice(&store[at..at + ROW_BYTES]);
+            }
+            Ok(())
+        });
+        if let Err(e) = packed {
+            tracing::debug!(%e, "gather refused");
+            return Status::FetchRefused;
+        }
+        *used += bytes;
+        for w in wire::gather_writes(first, tokens.len()) {
+            let Some(dst) = pages
+                .get(w.page)
+                .map(|&p| u64::from(p) * PAGE_BYTES as u64 + (w.row * ROW_BYTES) as u64)
+            else {
+                return Status::FetchRefused;
+            };
+            if let Err(e) = self.engine.submit_single_write(
+                (w.rows * ROW_BYTES) as u64,
+                Some(session.hello.fetch_imm),
+                (
+                    self.gather_staging.handle(),
+                    (staged + w.from * ROW_BYTES) as u64,
+                ),
+                (pool, dst),
+                OnDone::nothing(),
+            ) {
                 tracing::debug!(%e, "gather refused");
-                Status::FetchRefused
+                return Status::FetchRefused;
             }
         }
+        Status::Ok
     }
 
     /// Encodes one request's reply straight into the session's staging and writes it out;

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use kvroute_kernels::layout::{D_QK, PAGE_TOKENS, PARTIAL_ROW_BYTES};
 use kvroute_kernels::{Backend, Cache, Partial, Rope, SpliceJob, splice};
-use kvroute_kvstore::{ChunkEntry, ChunkId, ChunkRegistry, PAGE_BYTES, PagedPool};
+use kvroute_kvstore::{ChunkEntry, ChunkId, ChunkRegistry, PAGE_BYTES, PagedPool, ROW_BYTES};
 use kvroute_transport::{
     Access, CancellationToken, DoneFlag, MrDesc, OnDone, RegisteredBuffer, TransferEngine,
     TransferShape,
@@ -454,8 +454,9 @@ impl Requester {
         let _ = self.links[link].control.shutdown(std::net::Shutdown::Both);
     }
 
-    /// Sends one request of `segments` to `link` and waits for its reply (and, for a fetch, its
-    /// `pages` paged writes). Returns where each reply landed: (offset, length) in `replies`.
+    /// Sends one request of `segments` to `link` and waits for its reply (and, for a fetch or
+    /// gather, that many arrivals of the link's fetch immediate). Returns where each reply
+    /// landed: (offset, length) in `replies`.
     fn exchange(
         &mut self,
         batches: Vec<(usize, Vec<SegmentSpec<'_>>, u64)>,
@@ -463,7 +464,7 @@ impl Requester {
         let deadline = Instant::now() + self.config.timeout;
         let mut waits = Vec::new();
         let mut out: Vec<Result<(usize, usize), RouteError>> = Vec::new();
-        for (link, segments, fetch_pages) in &batches {
+        for (link, segments, fetch_arrivals) in &batches {
             let link = *link;
             let l = &mut self.links[link];
             l.seq += 1;
@@ -497,14 +498,11 @@ impl Requester {
                 arrivals,
                 OnDone::flag(&reply_flag).cancellable(&token),
             );
-            let fetch_flag = (*fetch_pages > 0).then(|| {
+            let fetch_flag = (*fetch_arrivals > 0).then(|| {
                 let flag = DoneFlag::new();
-                let n = self.engine.expected_arrivals(TransferShape::PagedWrites {
-                    pages: *fetch_pages,
-                });
                 self.engine.expect_imm_count(
                     l.fetch_imm,
-                    n,
+                    *fetch_arrivals,
                     OnDone::flag(&flag).cancellable(&token),
                 );
                 flag
@@ -735,9 +733,10 @@ impl Requester {
             indices: &[],
             pages: &pages,
         };
-        let reply = self
-            .exchange(vec![(link, vec![seg], pages.len() as u64)])
-            .pop();
+        let arrivals = self.engine.expected_arrivals(TransferShape::PagedWrites {
+            pages: pages.len() as u64,
+        });
+        let reply = self.exchange(vec![(link, vec![seg], arrivals)]).pop();
         let reply = reply.unwrap_or(Err(RouteError::NoHolder(chunk)));
         let seq = self.links[link].seq;
         let status = reply
@@ -828,19 +827,26 @@ impl Requester {
             }
         }
         let started = Instant::now();
-        // link -> (segments, rows it will write)
+        // link -> (segments, arrivals of its fetch immediate: one write per page a segment
+        // touches, as the holder packs them, each maybe sharded over NICs)
         let mut batches: Vec<(usize, Vec<SegmentSpec<'_>>, u64)> = Vec::new();
         let mut at = 0;
         for (p, &link) in parts.iter().zip(&links) {
             let n = p.tokens.len();
             if n > 0 {
                 let (first_page, end_page) = (at / PAGE_TOKENS, (at + n).div_ceil(PAGE_TOKENS));
+                let first = (at % PAGE_TOKENS) as u32;
+                let arrivals: u64 = wire::gather_writes(first, n)
+                    .map(|w| {
+                        self.engine.expected_arrivals(TransferShape::SingleWrite {
+                            len: (w.rows * ROW_BYTES) as u64,
+                        })
+                    })
+                    .sum();
                 for (l, &layer) in layers.iter().enumerate() {
                     let table = &pages[l * ppl..(l + 1) * ppl];
                     let seg = SegmentSpec {
-                        kind: SegmentKind::Gather {
-                            first: (at % PAGE_TOKENS) as u32,
-                        },
+                        kind: SegmentKind::Gather { first },
                         chunk: p.chunk.0,
                         layer,
                         queries: &[],
@@ -850,13 +856,21 @@ impl Requester {
                     match batches.iter_mut().find(|(b, _, _)| *b == link) {
                         Some((_, segs, count)) => {
                             segs.push(seg);
-                            *count += n as u64;
+                            *count += arrivals;
                         }
-                        None => batches.push((link, vec![seg], n as u64)),
+                        None => batches.push((link, vec![seg], arrivals)),
                     }
                 }
             }
             at += n;
+        }
+        // Each holder packs one request's gathered rows into staging it advertised.
+        for (link, segs, _) in &batches {
+            let bytes: usize = segs.iter().map(|s| s.indices.len() * ROW_BYTES).sum();
+            if bytes as u64 > self.links[*link].welcome.gather_bytes {
+                let _ = self.pool.release(&pages);
+                return Err(RouteError::TooLarge(bytes));
+            }
         }
         let asked: Vec<(usize, usize)> = batches.iter().map(|(l, s, _)| (*l, s.len())).collect();
         let replies = self.exchange(batches);

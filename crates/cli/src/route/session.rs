@@ -55,6 +55,10 @@ pub struct Welcome {
     pub slot_bytes: u64,
     /// Bytes of the largest reply the holder stages.
     pub reply_bytes: u64,
+    /// Bytes of gathered rows one request may ask for (all its gather segments together):
+    /// the holder packs them into this session's staging before writing them out.
+    #[serde(default)]
+    pub gather_bytes: u64,
     /// The chunks the holder serves.
     pub chunks: Vec<ChunkEntry>,
 }

@@ -109,9 +109,10 @@ pub enum SegmentKind {
     },
     /// Paged writes of the whole chunk (every layer) into the requester's pool pages.
     Fetch,
-    /// Sparse fetch: the selected rows of one layer, one 1152-byte write each, into the
-    /// requester's pool pages, row `j` at row `first + j` of the listed pages (so the rows of
-    /// several holders can follow each other in one page table).
+    /// Sparse fetch: the selected rows of one layer into the requester's pool pages, row `j`
+    /// at row `first + j` of the listed pages (so the rows of several holders can follow each
+    /// other in one page table), packed by the holder into one write per page
+    /// ([`gather_writes`]).
     Gather {
         /// Where in the first listed page the first row goes (0 to 63).
         first: u32,
@@ -121,6 +122,36 @@ pub enum SegmentKind {
 /// Pool pages a gather of `rows` rows starting at row `first` of its first page spans.
 pub fn gather_pages(first: u32, rows: usize) -> usize {
     (first as usize + rows).div_ceil(PAGE_TOKENS)
+}
+
+/// The writes a gather is sent as, one per page it touches: `(page, row in the page, rows,
+/// first gathered row)`, with `page` an index into the segment's page list. Holder and
+/// requester both derive them from `(first, rows)`, so both know how many immediates come.
+pub fn gather_writes(first: u32, rows: usize) -> impl Iterator<Item = GatherWrite> {
+    let first = first as usize;
+    (0..gather_pages(first as u32, rows)).map(move |page| {
+        let start = (page * PAGE_TOKENS).max(first);
+        let end = ((page + 1) * PAGE_TOKENS).min(first + rows);
+        GatherWrite {
+            page,
+            row: start % PAGE_TOKENS,
+            rows: end - start,
+            from: start - first,
+        }
+    })
+}
+
+/// One write of a packed gather (see [`gather_writes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GatherWrite {
+    /// Index into the segment's page list.
+    pub page: usize,
+    /// First row written in that page.
+    pub row: usize,
+    /// Rows written.
+    pub rows: usize,
+    /// Index of the first of them among the gathered rows.
+    pub from: usize,
 }
 
 /// One segment of a request, as the requester builds it.
@@ -680,6 +711,31 @@ mod tests {
             (vec![3, 0, 3], vec![4, 5])
         );
         assert!(segs[3].queries().is_empty() && segs[3].query_words().is_none());
+    }
+
+    #[test]
+    fn gather_writes_cover_every_row_once_one_write_per_page() {
+        for (first, rows) in [
+            (0, 1),
+            (0, 64),
+            (0, 65),
+            (63, 1),
+            (63, 2),
+            (10, 200),
+            (5, 1536),
+        ] {
+            let writes: Vec<_> = gather_writes(first, rows).collect();
+            assert_eq!(writes.len(), gather_pages(first, rows), "{first} {rows}");
+            let mut next = 0;
+            for (i, w) in writes.iter().enumerate() {
+                assert_eq!((w.page, w.from), (i, next), "{first} {rows}: {w:?}");
+                assert!(w.rows > 0 && w.row + w.rows <= PAGE_TOKENS, "{w:?}");
+                // Row `from` of the gather lands at row `first + from` of the page list.
+                assert_eq!(w.page * PAGE_TOKENS + w.row, first as usize + w.from);
+                next += w.rows;
+            }
+            assert_eq!(next, rows);
+        }
     }
 
     /// A gather whose first row is past a page, or whose page list is not the span its rows
