@@ -153,8 +153,9 @@ impl Partial {
     /// [`Partial::from_wire`] into `self`, reusing its allocations: what a requester that
     /// receives replies of one shape every decode step calls, so that no step allocates or
     /// faults in fresh pages (on the 2-core VM of docs/perf.md a fresh 512 KiB `o` cost about
-    /// as much as decoding into it). On an error `self` holds that many empty rows (the
-    /// merge's identity), never a half-decoded reply.
+    /// as much as decoding into it). Never leaves a half-decoded reply: bytes that are not
+    /// whole rows leave `self` unchanged, and rows that fail validation leave that many
+    /// empty rows (the merge's identity).
     pub fn read_wire(&mut self, bytes: &[u8]) -> Result<(), KernelError> {
         if !bytes.len().is_multiple_of(PARTIAL_ROW_BYTES) {
             return Err(KernelError::Shape {
