@@ -259,45 +259,29 @@ pub fn encode_request_into(
     }
     let mut at = REQUEST_HEADER + segments.len() * SEGMENT_BYTES;
     for s in segments {
-        at += put_le(&mut out[at..], s.queries);
-        at += put_le(&mut out[at..], s.indices);
-        at += put_le(&mut out[at..], s.pages);
+        at += put_le(&mut out[at..], s.queries, u16::to_le_bytes);
+        at += put_le(&mut out[at..], s.indices, i32::to_le_bytes);
+        at += put_le(&mut out[at..], s.pages, u32::to_le_bytes);
     }
     debug_assert_eq!(at, total);
 }
 
-/// Plain integers that [`put_le`] stores.
-trait LeWord: Copy {
-    const BYTES: usize;
-    fn store(self, out: &mut [u8]);
-}
-
-macro_rules! le_word {
-    ($($t:ty),*) => {$(
-        impl LeWord for $t {
-            const BYTES: usize = std::mem::size_of::<$t>();
-            fn store(self, out: &mut [u8]) {
-                out.copy_from_slice(&self.to_le_bytes());
-            }
-        }
-    )*};
-}
-le_word!(u16, u32, i32);
-
-/// Stores `words` little-endian at the start of `out`; returns the bytes written. On a
-/// little-endian host this is one `memcpy` (the query rows of a 256-row request are 288 KiB:
-/// the element-wise loop cost twice the copy, docs/perf.md).
-fn put_le<T: LeWord>(out: &mut [u8], words: &[T]) -> usize {
-    let n = std::mem::size_of_val(words);
+/// Stores `words` little-endian at the start of `out`; returns the bytes written. `le` is the
+/// integer type's `to_le_bytes`. On a little-endian host this is one `memcpy` (the query rows
+/// of a 256-row request are 288 KiB: the element-wise loop cost twice the copy,
+/// docs/perf.md).
+fn put_le<T: Copy, const N: usize>(out: &mut [u8], words: &[T], le: fn(T) -> [u8; N]) -> usize {
+    let n = words.len() * N;
     let out = &mut out[..n];
-    if cfg!(target_endian = "little") {
-        // SAFETY: `T` is a plain integer (no padding, every byte initialised) and the source
-        // is `n` bytes long; `out` is exactly `n` bytes and cannot overlap a shared borrow.
+    if cfg!(target_endian = "little") && std::mem::size_of::<T>() == N {
+        // SAFETY: the callers pass integer slices (`le` is their `to_le_bytes`, so `T` is `N`
+        // bytes with no padding) and the source is `n` bytes long; `out` is exactly `n` bytes
+        // and cannot overlap a shared borrow.
         let bytes = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), n) };
         out.copy_from_slice(bytes);
     } else {
-        for (d, &x) in out.chunks_exact_mut(T::BYTES).zip(words) {
-            x.store(d);
+        for (d, &x) in out.chunks_exact_mut(N).zip(words) {
+            d.copy_from_slice(&le(x));
         }
     }
     n
