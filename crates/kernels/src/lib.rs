@@ -48,7 +48,7 @@ pub use cpu::Isa;
 pub use error::KernelError;
 pub use layout::{Cache, Queries, RopeLayout, Selection};
 pub use merge::merge;
-pub use partial::{Partial, queries_from_wire, queries_to_wire};
+pub use partial::{Partial, WireOut, queries_from_wire, queries_to_wire};
 pub use rope::{Rope, Yarn};
 pub use splice::SpliceJob;
 
@@ -188,6 +188,62 @@ pub fn partial_sparse(
         Engine::Reference => reference::partial_sparse(q, cache, &sel, scale),
         Engine::Cuda(gpu) => gpu.partial_sparse(q, cache, &sel, scale)?,
     })
+}
+
+/// [`partial_dense`] written straight into its wire encoding (`out`: [`WireOut`], `q.len()`
+/// rows): the epilogue a server runs so that the reply is produced where the NIC reads it.
+/// The CPU path encodes each block of rows while it is in cache, so the f32 `o` never goes to
+/// memory; the reference and CUDA compute the f32 partial and encode it after.
+pub fn partial_dense_wire(
+    backend: Backend,
+    q: &Queries<'_>,
+    cache: &Cache<'_>,
+    scale: f32,
+    out: &mut WireOut<'_>,
+) -> Result<(), KernelError> {
+    check_wire_rows(q, out)?;
+    match engine(backend)? {
+        Engine::Cpu(isa) => {
+            check_scale(scale)?;
+            cpu::partial_dense_wire(q, cache, scale, isa, out)
+        }
+        _ => out.write(&partial_dense(backend, q, cache, scale)?),
+    }
+}
+
+/// [`partial_sparse`] written straight into its wire encoding, as [`partial_dense_wire`].
+pub fn partial_sparse_wire(
+    backend: Backend,
+    q: &Queries<'_>,
+    cache: &Cache<'_>,
+    sel: &Selection<'_>,
+    scale: f32,
+    out: &mut WireOut<'_>,
+) -> Result<(), KernelError> {
+    check_wire_rows(q, out)?;
+    match engine(backend)? {
+        Engine::Cpu(isa) => {
+            check_scale(scale)?;
+            let sel = Selection::new(
+                sel.raw(),
+                sel.k(),
+                sel.rows_per_token(),
+                q.len(),
+                cache.tokens(),
+            )?;
+            cpu::partial_sparse_wire(q, cache, &sel, scale, isa, out);
+            Ok(())
+        }
+        _ => out.write(&partial_sparse(backend, q, cache, sel, scale)?),
+    }
+}
+
+/// A wire partial has as many rows as its queries, and at least one.
+fn check_wire_rows(q: &Queries<'_>, out: &WireOut<'_>) -> Result<(), KernelError> {
+    if q.is_empty() {
+        return Err(KernelError::Empty("query rows"));
+    }
+    error::check_len("partial wire rows", q.len(), out.rows())
 }
 
 /// The delta-rotation splice of `job` (all layers of a chunk in one call).

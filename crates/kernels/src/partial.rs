@@ -197,6 +197,49 @@ impl Partial {
     }
 }
 
+/// Where a kernel writes a partial's wire rows ([`Partial::to_wire`]'s bytes) when its
+/// epilogue encodes them itself ([`crate::partial_dense_wire`]): runs of whole 1032-byte rows,
+/// in row order, so one batched call can answer several requests, each run a range of one
+/// reply in registered memory. The f32 `o` then never goes to memory: each block of rows is
+/// encoded while it is still in cache.
+#[derive(Debug)]
+pub struct WireOut<'a> {
+    rows: Vec<&'a mut [u8]>,
+}
+
+impl<'a> WireOut<'a> {
+    /// Destinations from `runs`, each a whole number of rows (a run may be empty).
+    pub fn new(runs: impl IntoIterator<Item = &'a mut [u8]>) -> Result<Self, KernelError> {
+        let mut rows = Vec::new();
+        for run in runs {
+            let whole = run.len() / PARTIAL_ROW_BYTES * PARTIAL_ROW_BYTES;
+            check_len("partial wire run (whole 1032-byte rows)", whole, run.len())?;
+            rows.extend(run.chunks_exact_mut(PARTIAL_ROW_BYTES));
+        }
+        Ok(Self { rows })
+    }
+
+    /// Rows the runs hold together.
+    pub fn rows(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Each row's 1032 bytes, in order.
+    pub(crate) fn row_slices(&mut self) -> &mut [&'a mut [u8]] {
+        &mut self.rows
+    }
+
+    /// Writes every row of `p` (which must have [`WireOut::rows`] rows): what a backend without
+    /// a fused epilogue does after computing the partial in f32.
+    pub(crate) fn write(&mut self, p: &Partial) -> Result<(), KernelError> {
+        check_len("partial rows for the wire runs", self.rows.len(), p.rows())?;
+        for (r, row) in self.rows.iter_mut().enumerate() {
+            p.write_wire_rows(r, row)?;
+        }
+        Ok(())
+    }
+}
+
 /// Rows of `(o, m, l)` into their wire bytes.
 #[inline(always)]
 fn encode(o: &[f32], m: &[f32], l: &[f32], out: &mut [u8]) {

@@ -15,7 +15,8 @@ use rayon::prelude::*;
 
 use crate::layout::{Cache, D_LATENT, D_QK, Queries, Selection};
 use crate::merge::combine_row;
-use crate::partial::Partial;
+use crate::error::KernelError;
+use crate::partial::{Partial, WireOut};
 use tile::{RowState, TILE, widen};
 
 /// Query rows per block in the dense partial: a block's scores (rows x 64) and accumulators
@@ -115,12 +116,69 @@ fn splits(blocks: usize, units: usize) -> usize {
     (2 * threads).div_ceil(blocks).clamp(1, units.max(1))
 }
 
+/// The split states of a partial, `split` per block of `block` consecutive query rows (the
+/// last block may be shorter), before they are folded into rows.
+struct States {
+    states: Vec<RowState>,
+    split: usize,
+    block: usize,
+}
+
+impl States {
+    /// Folds every block into `out` (f32 rows).
+    fn finish(&self, out: &mut Partial) {
+        for (b, chunk) in self.states.chunks(self.split).enumerate() {
+            finish(chunk, b * self.block, out);
+        }
+    }
+
+    /// Folds every block and encodes its rows straight into `out`'s wire rows while they are in
+    /// cache (the fused epilogue), one block per task.
+    fn finish_wire(&self, out: &mut WireOut<'_>) {
+        self.states
+            .par_chunks(self.split)
+            .zip(out.row_slices().par_chunks_mut(self.block))
+            .for_each(|(chunk, rows)| {
+                let mut block = Partial::empty(rows.len());
+                finish(chunk, 0, &mut block);
+                for (r, row) in rows.iter_mut().enumerate() {
+                    // Cannot fail: the row is 1032 bytes and `r` is a row of `block`.
+                    let _ = block.write_wire_rows(r, row);
+                }
+            });
+    }
+}
+
 /// Dense partial, every query row against every cache token.
 pub(crate) fn partial_dense(q: &Queries<'_>, cache: &Cache<'_>, scale: f32, isa: Isa) -> Partial {
+    let mut out = Partial::empty(q.len());
+    if let Some(states) = dense_states(q, cache, scale, isa) {
+        states.finish(&mut out);
+    }
+    out
+}
+
+/// [`partial_dense`] with its rows encoded for the wire into `out` (`q.len()` rows, checked by
+/// the caller).
+pub(crate) fn partial_dense_wire(
+    q: &Queries<'_>,
+    cache: &Cache<'_>,
+    scale: f32,
+    isa: Isa,
+    out: &mut WireOut<'_>,
+) -> Result<(), KernelError> {
+    match dense_states(q, cache, scale, isa) {
+        Some(states) => states.finish_wire(out),
+        None => out.write(&Partial::empty(q.len()))?,
+    }
+    Ok(())
+}
+
+/// The dense partial's split states; `None` for an empty cache.
+fn dense_states(q: &Queries<'_>, cache: &Cache<'_>, scale: f32, isa: Isa) -> Option<States> {
     let (mq, ct) = (q.len(), cache.tokens());
-    let mut out = Partial::empty(mq);
     if ct == 0 {
-        return out;
+        return None;
     }
     let blocks: Vec<(usize, usize)> = (0..mq)
         .step_by(DENSE_ROWS)
@@ -143,10 +201,11 @@ pub(crate) fn partial_dense(q: &Queries<'_>, cache: &Cache<'_>, scale: f32, isa:
             st
         })
         .collect();
-    for (b, chunk) in states.chunks(nsplit).enumerate() {
-        finish(chunk, blocks[b].0, &mut out);
-    }
-    out
+    Some(States {
+        states,
+        split: nsplit,
+        block: DENSE_ROWS,
+    })
 }
 
 /// Sparse partial: each query token's rows against its selected tokens.
@@ -157,10 +216,35 @@ pub(crate) fn partial_sparse(
     scale: f32,
     isa: Isa,
 ) -> Partial {
+    let mut out = Partial::empty(q.len());
+    sparse_states(q, cache, sel, scale, isa).finish(&mut out);
+    out
+}
+
+/// [`partial_sparse`] with its rows encoded for the wire into `out` (`q.len()` rows, checked
+/// by the caller).
+pub(crate) fn partial_sparse_wire(
+    q: &Queries<'_>,
+    cache: &Cache<'_>,
+    sel: &Selection<'_>,
+    scale: f32,
+    isa: Isa,
+    out: &mut WireOut<'_>,
+) {
+    sparse_states(q, cache, sel, scale, isa).finish_wire(out);
+}
+
+/// The sparse partial's split states, one block per query token.
+fn sparse_states(
+    q: &Queries<'_>,
+    cache: &Cache<'_>,
+    sel: &Selection<'_>,
+    scale: f32,
+    isa: Isa,
+) -> States {
     let mq = q.len();
     let h = sel.rows_per_token();
     let tokens = mq / h;
-    let mut out = Partial::empty(mq);
     let nsplit = splits(tokens, sel.k().div_ceil(TILE));
     let tasks: Vec<(usize, usize)> = (0..tokens)
         .flat_map(|t| (0..nsplit).map(move |s| (t, s)))
@@ -176,8 +260,9 @@ pub(crate) fn partial_sparse(
             st
         })
         .collect();
-    for (t, chunk) in states.chunks(nsplit).enumerate() {
-        finish(chunk, t * h, &mut out);
+    States {
+        states,
+        split: nsplit,
+        block: h,
     }
-    out
 }

@@ -1,0 +1,117 @@
+//! The fused wire epilogue ([`partial_dense_wire`], [`partial_sparse_wire`]) writes exactly
+//! the bytes [`Partial::to_wire`] gives for the same call, on every backend here, wherever the
+//! rows are split into runs; bad destinations are typed errors that write nothing.
+
+// Tests panic on failure: that is how a test reports it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{Rng, SCALE};
+use kvroute_kernels::layout::PARTIAL_ROW_BYTES;
+use kvroute_kernels::{
+    Backend, Cache, Isa, KernelError, Queries, Selection, WireOut, partial_dense,
+    partial_dense_wire, partial_sparse, partial_sparse_wire,
+};
+
+fn backends() -> Vec<Backend> {
+    let mut b: Vec<Backend> = Isa::available().into_iter().map(Backend::CpuWith).collect();
+    b.push(Backend::Reference);
+    b
+}
+
+/// `mq` rows' bytes split into runs at random row boundaries (some runs empty), as a holder
+/// that batches several requests' segments into one call splits them.
+fn runs<'a>(rng: &mut Rng, bytes: &'a mut [u8]) -> Vec<&'a mut [u8]> {
+    let mut out = Vec::new();
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        let rows = rest.len() / PARTIAL_ROW_BYTES;
+        let take = rng.range(0, rows.min(40));
+        let (run, tail) = rest.split_at_mut(take * PARTIAL_ROW_BYTES);
+        out.push(run);
+        rest = tail;
+    }
+    out
+}
+
+#[test]
+fn the_dense_epilogue_writes_the_bytes_of_the_f32_partial_encoded() {
+    let mut rng = Rng::new(31);
+    for (mq, ct) in [(1, 1), (1, 2048), (7, 100), (33, 700), (256, 2048), (70, 0)] {
+        let (q, c) = (rng.rows(mq), rng.rows(ct.max(1)));
+        let q = Queries::new(&q).unwrap();
+        let cache = Cache::contiguous(&c[..ct * 576]).unwrap();
+        for b in backends() {
+            let want = partial_dense(b, &q, &cache, SCALE).unwrap().to_wire();
+            let mut got = vec![0xa5u8; mq * PARTIAL_ROW_BYTES];
+            let mut out = WireOut::new(runs(&mut rng, &mut got)).unwrap();
+            partial_dense_wire(b, &q, &cache, SCALE, &mut out).unwrap();
+            assert!(got == want, "dense mq={mq} ct={ct} {b:?}: wire bytes differ");
+        }
+    }
+}
+
+#[test]
+fn the_sparse_epilogue_writes_the_bytes_of_the_f32_partial_encoded() {
+    let mut rng = Rng::new(37);
+    for (tokens, h, k, ct) in [(1, 16, 1, 10), (3, 16, 512, 4096), (2, 128, 64, 300)] {
+        let mq = tokens * h;
+        let (q, c) = (rng.rows(mq), rng.rows(ct));
+        let idx = rng.selection(tokens, k, ct);
+        let q = Queries::new(&q).unwrap();
+        let cache = Cache::contiguous(&c).unwrap();
+        let sel = Selection::new(&idx, k, h, mq, ct).unwrap();
+        for b in backends() {
+            let want = partial_sparse(b, &q, &cache, &sel, SCALE)
+                .unwrap()
+                .to_wire();
+            let mut got = vec![0x5au8; mq * PARTIAL_ROW_BYTES];
+            let mut out = WireOut::new(runs(&mut rng, &mut got)).unwrap();
+            partial_sparse_wire(b, &q, &cache, &sel, SCALE, &mut out).unwrap();
+            assert!(got == want, "sparse tokens={tokens} h={h} k={k} {b:?}: wire bytes differ");
+        }
+    }
+}
+
+#[test]
+fn bad_destinations_are_refused_and_nothing_is_written() {
+    let mut rng = Rng::new(41);
+    let (q, c) = (rng.rows(4), rng.rows(64));
+    let q = Queries::new(&q).unwrap();
+    let cache = Cache::contiguous(&c).unwrap();
+    // A run that is not whole rows.
+    let mut odd = vec![0u8; PARTIAL_ROW_BYTES + 1];
+    assert!(matches!(
+        WireOut::new([&mut odd[..]]),
+        Err(KernelError::Shape { .. })
+    ));
+    // One row too few, one too many.
+    for rows in [3, 5] {
+        let mut bytes = vec![7u8; rows * PARTIAL_ROW_BYTES];
+        let mut out = WireOut::new([&mut bytes[..]]).unwrap();
+        for b in backends() {
+            let err = partial_dense_wire(b, &q, &cache, SCALE, &mut out).unwrap_err();
+            assert!(matches!(err, KernelError::Shape { .. }), "{b:?}: {err}");
+        }
+        drop(out);
+        assert!(bytes.iter().all(|&x| x == 7), "a refused call wrote");
+    }
+    // A non-finite scale, an index out of range.
+    let mut bytes = vec![7u8; 4 * PARTIAL_ROW_BYTES];
+    let mut out = WireOut::new([&mut bytes[..]]).unwrap();
+    for b in backends() {
+        assert!(partial_dense_wire(b, &q, &cache, f32::NAN, &mut out).is_err());
+    }
+    let big = Cache::contiguous(&c).unwrap();
+    let idx = vec![0i32, 1, 2, 3];
+    let sel = Selection::new(&idx, 4, 4, 4, 64).unwrap();
+    let small = Cache::contiguous(&c[..2 * 576]).unwrap();
+    for b in backends() {
+        let err = partial_sparse_wire(b, &q, &small, &sel, SCALE, &mut out).unwrap_err();
+        assert!(matches!(err, KernelError::IndexOutOfRange { .. }), "{b:?}: {err}");
+        assert!(partial_sparse_wire(b, &q, &big, &sel, SCALE, &mut out).is_ok());
+    }
+    drop(out);
+    assert!(bytes.iter().any(|&x| x != 7), "the valid call wrote nothing");
+}
