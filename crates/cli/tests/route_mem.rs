@@ -332,6 +332,10 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
         out[1]
     );
     assert!(out[2].is_ok(), "{:?}", out[2]);
+    // The served call's rows sit after the refused calls' (zeroed) rows: the same partial as
+    // the call routed alone.
+    let alone = req.route(&calls[2..]).remove(0)?;
+    assert!(out[2].as_ref().is_ok_and(|p| *p == alone), "rows read from the wrong place");
     assert!(matches!(
         req.route(&[Call {
             chunk: ChunkId(3),

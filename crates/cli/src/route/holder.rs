@@ -16,7 +16,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use kvroute_kernels::{Backend, Cache, Partial, Queries, Selection, partial_dense, partial_sparse};
+use kvroute_kernels::layout::{D_QK, PARTIAL_ROW_BYTES};
+use kvroute_kernels::{
+    Backend, Cache, Queries, Selection, WireOut, partial_dense_wire, partial_sparse_wire,
+};
 use kvroute_kvstore::{ChunkEntry, ChunkId, CorpusSpec, FullBlock, PAGE_BYTES, ROW_BYTES};
 use kvroute_transport::{Access, MrDesc, OnDone, Pages, RegisteredBuffer, TransferEngine};
 
@@ -442,6 +445,11 @@ impl Shared {
 
     fn serve_batch(&self, ready: &[usize]) {
         let started = Instant::now();
+        // A slot's request is served once per batch, however many arrived (a requester that
+        // sends again before its reply breaks the protocol; it gets one answer).
+        let mut ready = ready.to_vec();
+        ready.sort_unstable();
+        ready.dedup();
         let sessions: Vec<(usize, Option<Session>)> = {
             let all = lock(&self.sessions);
             ready.iter().map(|&s| (s, all[s].clone())).collect()
@@ -475,33 +483,35 @@ impl Shared {
             .map(|(_, _, bytes)| Request::parse(bytes))
             .collect();
         stats.requests += requests.len() as u64;
-        // Per request: its statuses and, per segment, where its partial rows are: (index into
-        // `partials`, first row).
-        let mut statuses: Vec<Vec<Status>> = Vec::new();
-        let mut rows: Vec<Vec<Option<(usize, usize)>>> = Vec::new();
-        let mut partials: Vec<Partial> = Vec::new();
+        // Per request: its status, its segments' statuses, and where each segment's rows go
+        // in its reply (the layout is fixed by what was asked, so kernels write their rows
+        // in place before every status is known).
+        let mut layouts: Vec<ReplyLayout> = Vec::new();
         // (chunk, layer, kind key, scale bits) -> the (request, segment) pairs of the group.
         let mut groups: BTreeMap<GroupKey, Vec<(usize, usize)>> = BTreeMap::new();
         for (r, req) in requests.iter().enumerate() {
             let Ok(req) = req else {
-                statuses.push(Vec::new());
-                rows.push(Vec::new());
+                layouts.push(ReplyLayout::default());
                 continue;
             };
-            statuses.push(vec![Status::Ok; req.segments.len()]);
-            rows.push(vec![None; req.segments.len()]);
+            let mut layout = ReplyLayout::of(req);
+            if wire::reply_len(req.segments.len(), layout.rows) > self.config.reply_bytes {
+                layout.status = Status::ReplyTooLarge;
+                layouts.push(layout);
+                continue;
+            }
             for (s, seg) in req.segments.iter().enumerate() {
                 let seg = match seg {
                     Ok(seg) => seg,
                     Err(status) => {
-                        statuses[r][s] = *status;
+                        layout.statuses[s] = *status;
                         continue;
                     }
                 };
                 if !self.chunk_index.contains_key(&seg.chunk) {
-                    statuses[r][s] = Status::UnknownChunk;
+                    layout.statuses[s] = Status::UnknownChunk;
                 } else if u32::from(seg.layer) >= self.config.corpus.layers {
-                    statuses[r][s] = Status::BadLayer;
+                    layout.statuses[s] = Status::BadLayer;
                 } else {
                     let key = match seg.kind {
                         SegmentKind::Dense => (0, 0),
@@ -514,7 +524,30 @@ impl Shared {
                         .push((r, s));
                 }
             }
+            layouts.push(layout);
         }
+        // Where segment `s` of request `r` (`rows` rows) is answered: its range of the
+        // session's reply staging.
+        let starts: Vec<Vec<usize>> = slots
+            .iter()
+            .zip(&layouts)
+            .map(|((slot, _, _), layout)| {
+                let rows = slot * self.config.reply_bytes
+                    + wire::reply_rows_offset(layout.statuses.len());
+                let at = |first: &usize| rows + first * PARTIAL_ROW_BYTES;
+                layout.rows_at.iter().map(at).collect()
+            })
+            .collect();
+        let run = |r: usize, s: usize, rows: usize| {
+            let at = starts[r][s];
+            // SAFETY: a session's staging range is written only by this serving thread, and
+            // the previous reply's write from it has completed (the requester sent this
+            // request after that reply arrived; a reply is read by the NIC before it lands).
+            // Each slot is in the batch once (deduplicated above) and a request's segments
+            // have disjoint row ranges ([`ReplyLayout::of`]), so no two live slices overlap.
+            // No peer writes staging (it is registered local only).
+            unsafe { self.staging.bytes_mut(at, rows * PARTIAL_ROW_BYTES) }
+        };
         // Per request: bytes of its session's gather staging used so far.
         let mut gathered = vec![0usize; slots.len()];
         for (&(chunk, layer, key, scale), members) in &groups {
@@ -525,7 +558,7 @@ impl Shared {
                         .as_ref()
                         .ok()
                         .and_then(|req| req.segments[s].as_ref().ok());
-                    statuses[r][s] = match ok.map(|seg| (seg, seg.kind)) {
+                    let status = match ok.map(|seg| (seg, seg.kind)) {
                         Some((seg, SegmentKind::Fetch)) => self.fetch(session, chunk, &seg.pages()),
                         Some((seg, SegmentKind::Gather { first })) => self.gather(
                             (*slot, session, &mut gathered[r]),
@@ -536,7 +569,8 @@ impl Shared {
                         ),
                         _ => Status::BadSegment,
                     };
-                    stats.fetches += u64::from(statuses[r][s] == Status::Ok);
+                    layouts[r].statuses[s] = status;
+                    stats.fetches += u64::from(status == Status::Ok);
                 }
                 continue;
             }
@@ -572,75 +606,64 @@ impl Shared {
                     (&owned, idx)
                 }
             };
+            let scale = f32::from_bits(scale);
             let kernel_started = Instant::now();
-            let result = self.attend(chunk, layer, key, f32::from_bits(scale), queries, &indices);
-            stats.kernel_us += kernel_started.elapsed().as_secs_f64() * 1e6;
+            // The kernel writes every row straight into its request's reply staging.
+            let result = segs
+                .iter()
+                .map(|&(r, s, seg)| run(r, s, seg.rows))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(anyhow::Error::from)
+                .and_then(|runs| Ok(WireOut::new(runs)?))
+                .and_then(|mut out| self.attend(chunk, layer, key, scale, queries, &indices, &mut out));
             stats.kernel_calls += 1;
             match result {
-                Ok(partial) => {
-                    stats.rows += partial.rows() as u64;
-                    let mut at = 0;
-                    for (r, s, seg) in &segs {
-                        rows[*r][*s] = Some((partials.len(), at));
-                        at += seg.rows;
-                        stats.segments += 1;
-                    }
-                    partials.push(partial);
+                Ok(()) => {
+                    stats.rows += (queries.len() / D_QK) as u64;
+                    stats.segments += segs.len() as u64;
                 }
                 Err(e) => {
                     // One bad segment (an index out of range) must not fail the others: redo
                     // the group one segment at a time.
                     tracing::debug!(%e, "batched kernel call refused; retrying per segment");
-                    for (r, s, seg) in &segs {
-                        match self.attend(
-                            chunk,
-                            layer,
-                            key,
-                            f32::from_bits(scale),
-                            &seg.queries(),
-                            &seg.indices(),
-                        ) {
-                            Ok(p) => {
-                                rows[*r][*s] = Some((partials.len(), 0));
-                                partials.push(p);
+                    for &(r, s, seg) in &segs {
+                        let served = run(r, s, seg.rows)
+                            .map_err(anyhow::Error::from)
+                            .and_then(|bytes| Ok(WireOut::new([bytes])?))
+                            .and_then(|mut out| {
+                                let q = seg.queries();
+                                self.attend(chunk, layer, key, scale, &q, &seg.indices(), &mut out)
+                            });
+                        match served {
+                            Ok(()) => {
+                                stats.rows += seg.rows as u64;
                                 stats.segments += 1;
                             }
-                            Err(_) => statuses[*r][*s] = Status::Kernel,
+                            Err(_) => layouts[r].statuses[s] = Status::Kernel,
                         }
                     }
                 }
             }
+            stats.kernel_us += kernel_started.elapsed().as_secs_f64() * 1e6;
         }
         for (r, (slot, session, _)) in slots.iter().enumerate() {
-            let (status, seq, reply_offset, seg_rows) = match &requests[r] {
-                Ok(req) => (
-                    Status::Ok,
-                    req.seq,
-                    req.reply_offset,
-                    req.segments
-                        .iter()
-                        .map(|s| s.as_ref().map_or(0, wire::Segment::reply_rows))
-                        .collect(),
-                ),
-                Err((status, Some((seq, off)))) => (*status, *seq, *off, Vec::new()),
+            let layout = &layouts[r];
+            let (seq, reply_offset) = match &requests[r] {
+                Ok(req) => (req.seq, req.reply_offset),
+                Err((_, Some(at))) => *at,
                 Err((_, None)) => {
                     // Nothing says where to answer: the requester times out.
                     stats.refused += 1;
                     continue;
                 }
             };
-            stats.refused += statuses[r].iter().filter(|s| **s != Status::Ok).count() as u64
-                + u64::from(status != Status::Ok);
-            let answer = ReplyPlan {
-                status,
-                seq,
-                reply_offset,
-                statuses: &statuses[r],
-                rows: &rows[r],
-                seg_rows: &seg_rows,
-                partials: &partials,
+            let status = match &requests[r] {
+                Err((status, _)) => *status,
+                Ok(_) => layout.status,
             };
-            stats.encode_us += self.reply(*slot, session, &answer);
+            stats.refused += layout.statuses.iter().filter(|s| **s != Status::Ok).count() as u64
+                + u64::from(status != Status::Ok);
+            stats.encode_us += self.reply(*slot, session, (status, seq, reply_offset), layout);
         }
         stats.serve_us = started.elapsed().as_secs_f64() * 1e6;
         stats.batches = 1;
@@ -665,7 +688,8 @@ impl Shared {
         scale: f32,
         queries: &[u16],
         indices: &[i32],
-    ) -> Result<Partial> {
+        out: &mut WireOut<'_>,
+    ) -> Result<()> {
         let index = self.chunk_index[&chunk];
         let layout = self.config.corpus.layout();
         // SAFETY: the store is written only by `start`; peers cannot write it (it is
@@ -678,8 +702,8 @@ impl Shared {
         let block = FullBlock::new(elems, layout)?.layer(u32::from(layer))?;
         let cache: Cache<'_> = block.cache()?;
         let q = Queries::new(queries)?;
-        Ok(if k == 0 {
-            partial_dense(self.config.backend, &q, &cache, scale)?
+        if k == 0 {
+            partial_dense_wire(self.config.backend, &q, &cache, scale, out)?;
         } else {
             let sel = Selection::new(
                 indices,
@@ -688,8 +712,9 @@ impl Shared {
                 q.len(),
                 cache.tokens(),
             )?;
-            partial_sparse(self.config.backend, &q, &cache, &sel, scale)?
-        })
+            partial_sparse_wire(self.config.backend, &q, &cache, &sel, scale, out)?;
+        }
+        Ok(())
     }
 
     fn fetch(&self, session: &Session, chunk: u32, pages: &[u32]) -> Status {
@@ -796,47 +821,35 @@ impl Shared {
         Status::Ok
     }
 
-    /// Encodes one request's reply straight into the session's staging and writes it out;
-    /// returns the microseconds spent encoding.
-    fn reply(&self, slot: usize, session: &Session, answer: &ReplyPlan<'_>) -> f64 {
-        // Rows only for segments served; a refused segment contributes none.
-        let served: Vec<(usize, usize, usize)> = answer
-            .statuses
-            .iter()
-            .zip(answer.rows)
-            .zip(answer.seg_rows)
-            .filter_map(|((status, at), &n)| match (status, at) {
-                (Status::Ok, Some((p, first))) if n > 0 => Some((*p, *first, n)),
-                _ => None,
-            })
-            .collect();
-        let n_rows: usize = served.iter().map(|&(_, _, n)| n).sum();
-        let mut status = answer.status;
-        let mut statuses = answer.statuses;
-        let mut n_rows = n_rows;
-        if status == Status::Ok && wire::reply_len(statuses.len(), n_rows) > self.config.reply_bytes
-        {
-            status = Status::ReplyTooLarge;
-        }
-        if status != Status::Ok {
-            statuses = &[];
-            n_rows = 0;
-        }
-        let len = wire::reply_len(statuses.len(), n_rows);
+    /// Finishes one request's reply in the session's staging (the kernels wrote the rows of
+    /// the segments they served; this writes the header and status words and zeroes the rows
+    /// of refused segments, which would otherwise carry an earlier session's bytes) and writes
+    /// it out; returns the microseconds spent.
+    fn reply(
+        &self,
+        slot: usize,
+        session: &Session,
+        (status, seq, reply_offset): (Status, u64, u64),
+        layout: &ReplyLayout,
+    ) -> f64 {
+        let (statuses, rows): (&[Status], usize) = if status == Status::Ok {
+            (&layout.statuses, layout.rows)
+        } else {
+            (&[], 0)
+        };
+        let len = wire::reply_len(statuses.len(), rows);
         let staging = slot * self.config.reply_bytes;
-        // SAFETY: the session's staging range is written only here, by the one serving
-        // thread, and the previous reply's write from it has completed: the requester sent
-        // this request after that reply arrived (and a reply is read by the NIC before it
-        // lands). No peer writes staging (its descriptor is never handed out).
         let encode_started = Instant::now();
+        // SAFETY: as the kernels' runs in `serve_batch`, whose slices are dropped by now; the
+        // length fits (checked against `reply_bytes` when the layout was made).
         let encoded = unsafe { self.staging.bytes_mut(staging, len) }.map(|out| {
-            wire::encode_reply_header(out, status, answer.seq, statuses, n_rows);
-            let mut at = wire::reply_rows_offset(statuses.len());
-            for &(p, first, n) in served.iter().take_while(|_| n_rows > 0) {
-                let end = at + n * kvroute_kernels::layout::PARTIAL_ROW_BYTES;
-                // Cannot fail: the rows were produced for this segment.
-                let _ = answer.partials[p].write_wire_rows(first, &mut out[at..end]);
-                at = end;
+            wire::encode_reply_header(out, status, seq, statuses, rows);
+            let base = wire::reply_rows_offset(statuses.len());
+            for (s, &st) in statuses.iter().enumerate() {
+                if st != Status::Ok {
+                    let at = base + layout.rows_at[s] * PARTIAL_ROW_BYTES;
+                    out[at..at + layout.rows_of[s] * PARTIAL_ROW_BYTES].fill(0);
+                }
             }
         });
         let encode_us = encode_started.elapsed().as_secs_f64() * 1e6;
@@ -846,7 +859,7 @@ impl Shared {
                 len as u64,
                 Some(session.hello.reply_imm),
                 (self.staging.handle(), staging as u64),
-                (reply, answer.reply_offset),
+                (reply, reply_offset),
                 OnDone::nothing(),
             )?)
         });
@@ -859,17 +872,35 @@ impl Shared {
     }
 }
 
-/// What one reply says: the request's status and, per segment, its status and rows.
-struct ReplyPlan<'a> {
+/// Where a request's answer goes: its status, one status per segment and, per segment, the
+/// first of its rows in the reply and how many ([`wire::reply_row_layout`]).
+#[derive(Debug, Default)]
+struct ReplyLayout {
     status: Status,
-    seq: u64,
-    reply_offset: u64,
-    statuses: &'a [Status],
-    /// Per segment: (index into `partials`, first row), where it was served.
-    rows: &'a [Option<(usize, usize)>],
-    /// Per segment: partial rows it asks for.
-    seg_rows: &'a [usize],
-    partials: &'a [Partial],
+    statuses: Vec<Status>,
+    rows_at: Vec<usize>,
+    rows_of: Vec<usize>,
+    rows: usize,
+}
+
+impl ReplyLayout {
+    /// Every segment served (statuses Ok) until told otherwise; malformed segments take no
+    /// rows, the others all of theirs, in order.
+    fn of(req: &Request<'_>) -> Self {
+        let rows_of: Vec<usize> = req
+            .segments
+            .iter()
+            .map(|s| s.as_ref().map_or(0, wire::Segment::reply_rows))
+            .collect();
+        let (rows_at, rows) = wire::reply_row_layout(&rows_of);
+        Self {
+            status: Status::Ok,
+            statuses: vec![Status::Ok; req.segments.len()],
+            rows_at,
+            rows_of,
+            rows,
+        }
+    }
 }
 
 /// Frees a session slot when its control connection ends, however it ends.

@@ -671,17 +671,19 @@ impl Requester {
                     }
                 }
                 Ok((statuses, rows)) => {
+                    // Every segment's rows are at the place the request fixed, served or
+                    // not (`wire::reply_row_layout`).
                     let mut at = 0;
                     for (&c, status) in members.iter().zip(statuses) {
                         let n = calls[c].queries.len() / D_QK * PARTIAL_ROW_BYTES;
+                        let part = rows.get(at..at + n).ok_or_else(|| RouteError::BadReply {
+                            holder,
+                            why: "fewer rows than asked for".into(),
+                        });
+                        at += n;
                         results[c] = Some(if status != Status::Ok {
                             Err(RouteError::Refused { holder, status })
                         } else {
-                            let part = rows.get(at..at + n).ok_or_else(|| RouteError::BadReply {
-                                holder,
-                                why: "fewer rows than asked for".into(),
-                            });
-                            at += n;
                             part.and_then(|p| {
                                 let started = Instant::now();
                                 let read = out[c].read_wire(p);

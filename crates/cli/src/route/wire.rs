@@ -20,7 +20,7 @@ pub const REQUEST_MAGIC: u32 = u32::from_le_bytes(*b"KVRQ");
 /// "KVRP", little-endian.
 pub const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"KVRP");
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Bytes of a request header.
 pub const REQUEST_HEADER: usize = 48;
 /// Bytes of one segment descriptor.
@@ -288,10 +288,11 @@ fn put_le<T: Copy, const N: usize>(out: &mut [u8], words: &[T], le: fn(T) -> [u8
 }
 
 /// Why a request or one of its segments was refused (the status words of a reply).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[repr(u32)]
 pub enum Status {
     /// Served.
+    #[default]
     Ok = 0,
     /// The header's magic or version is wrong.
     BadHeader = 1,
@@ -566,6 +567,25 @@ pub fn encode_reply_header(
             .copy_from_slice(&(*s as u32).to_le_bytes());
     }
     out[REPLY_HEADER + 4 * statuses.len()..status_end(statuses.len())].fill(0);
+}
+
+/// Where each segment's rows are among a reply's rows, given the rows each takes: `(first row
+/// per segment, rows in all)`. The layout is fixed by the request, not by which segments
+/// were served, so a holder's kernels write their rows into the reply before every status is
+/// known. A segment takes its rows whether served or not (a refused one's are zero); a fetch,
+/// a gather and a segment the holder could not parse take none. The requester derives the
+/// same layout from what it sent (its segments always parse).
+pub fn reply_row_layout(rows_of: &[usize]) -> (Vec<usize>, usize) {
+    let mut at = 0;
+    let first = rows_of
+        .iter()
+        .map(|&n| {
+            let here = at;
+            at += n;
+            here
+        })
+        .collect();
+    (first, at)
 }
 
 /// Where the partial rows start in a reply with `segments` segments.
