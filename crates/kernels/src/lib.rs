@@ -47,8 +47,8 @@ pub mod workload;
 pub use cpu::Isa;
 pub use error::KernelError;
 pub use layout::{Cache, Queries, RopeLayout, Selection};
-pub use merge::merge;
-pub use partial::{Partial, WireOut, queries_from_wire, queries_to_wire};
+pub use merge::{merge, merge_wire};
+pub use partial::{Partial, WireOut, WirePartial, queries_from_wire, queries_to_wire};
 pub use rope::{Rope, Yarn};
 pub use splice::SpliceJob;
 

@@ -6,9 +6,10 @@
 //! the identity. Sums run in f64 and round once, so the result depends on the parts' order only
 //! through that final rounding (in practice not at all).
 
+use crate::cpu::Isa;
 use crate::error::KernelError;
 use crate::layout::D_LATENT;
-use crate::partial::Partial;
+use crate::partial::{Partial, WirePartial};
 
 /// Merges `parts` (all with the same number of rows) into one. Every part is validated first
 /// (they may come from peers); nothing is merged if one is malformed.
@@ -23,6 +24,106 @@ pub fn merge(parts: &[&Partial]) -> Result<Partial, KernelError> {
         out.l[r] = l;
     }
     Ok(out)
+}
+
+/// [`merge`] of partials in their wire encoding, read where they landed (a requester's reply
+/// region), into `out` (resized to their rows, its allocations reused): the reply's bf16 rows
+/// are read once, by the merge, instead of being decoded to f32 first. One part is an exact
+/// decode (its weight is exactly 1). Weights `l_i exp(m_i - M) / l` are computed in f64 and
+/// the 512 values summed in f32: the inputs carry bf16 rounding (2^-9 relative), which f32
+/// sums of at most a few hundred parts do not approach.
+///
+/// A non-finite `o` value in a part that contributes (or rows that differ in number) is an
+/// error; then `out` holds empty rows (the identity), never a half-merged result.
+pub fn merge_wire(parts: &[WirePartial<'_>], out: &mut Partial) -> Result<(), KernelError> {
+    let Some(first) = parts.first() else {
+        return Err(KernelError::Empty("partials to merge"));
+    };
+    let mq = first.rows();
+    for (index, p) in parts.iter().enumerate() {
+        if p.rows() != mq {
+            return Err(KernelError::RowMismatch {
+                index,
+                expected: mq,
+                got: p.rows(),
+            });
+        }
+    }
+    out.o.resize(mq * D_LATENT, 0.0);
+    out.m.resize(mq, f32::NEG_INFINITY);
+    out.l.resize(mq, 0.0);
+    let merged = match Isa::detect() {
+        // SAFETY: `Isa::detect` found the CPU has the features.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { merge_wire_avx512(parts, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { merge_wire_avx2(parts, out) },
+        _ => merge_wire_rows(parts, out),
+    };
+    if merged.is_err() {
+        out.o.fill(0.0);
+        out.m.fill(f32::NEG_INFINITY);
+        out.l.fill(0.0);
+    }
+    merged
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn merge_wire_avx512(parts: &[WirePartial<'_>], out: &mut Partial) -> Result<(), KernelError> {
+    merge_wire_rows(parts, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn merge_wire_avx2(parts: &[WirePartial<'_>], out: &mut Partial) -> Result<(), KernelError> {
+    merge_wire_rows(parts, out)
+}
+
+#[inline(always)]
+fn merge_wire_rows(parts: &[WirePartial<'_>], out: &mut Partial) -> Result<(), KernelError> {
+    for (r, o) in out.o.chunks_exact_mut(D_LATENT).enumerate() {
+        let live = parts.iter().filter(|p| p.l(r) > 0.0);
+        let big_m = live
+            .clone()
+            .map(|p| p.m(r))
+            .fold(f32::NEG_INFINITY, f32::max);
+        if big_m == f32::NEG_INFINITY {
+            o.fill(0.0);
+            (out.m[r], out.l[r]) = (f32::NEG_INFINITY, 0.0);
+            continue;
+        }
+        let weight =
+            |p: &WirePartial<'_>| f64::from(p.l(r)) * (f64::from(p.m(r)) - f64::from(big_m)).exp();
+        let l: f64 = live.clone().map(weight).sum();
+        let mut worst = 0u16;
+        for (i, p) in live.enumerate() {
+            let w = (weight(p) / l) as f32;
+            let src = &p.row(r)[..D_LATENT * 2];
+            if i == 0 {
+                for (x, b) in o.iter_mut().zip(src.chunks_exact(2)) {
+                    let bits = u16::from_le_bytes([b[0], b[1]]);
+                    worst = worst.max(bits & 0x7fff);
+                    *x = w * crate::bf16::to_f32(bits);
+                }
+            } else {
+                for (x, b) in o.iter_mut().zip(src.chunks_exact(2)) {
+                    let bits = u16::from_le_bytes([b[0], b[1]]);
+                    worst = worst.max(bits & 0x7fff);
+                    *x += w * crate::bf16::to_f32(bits);
+                }
+            }
+        }
+        if worst >= 0x7f80 {
+            return Err(KernelError::InvalidPartial {
+                row: r,
+                why: "o must be finite",
+            });
+        }
+        (out.m[r], out.l[r]) = (big_m, l as f32);
+    }
+    Ok(())
 }
 
 /// One row of the combine, shared by [`merge`] and the CPU path's split-K states: each part

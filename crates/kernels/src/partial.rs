@@ -197,6 +197,66 @@ impl Partial {
     }
 }
 
+/// A partial in its wire encoding ([`Partial::to_wire`]'s bytes), borrowed where it landed:
+/// what a requester hands to [`crate::merge_wire`] so the reply is read once, by the merge,
+/// with no decode pass. Built only over whole rows whose `m` and `l` are a valid pair (as
+/// [`Partial::validate`] checks them); `o`'s finiteness is checked by the reader.
+#[derive(Debug, Clone, Copy)]
+pub struct WirePartial<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> WirePartial<'a> {
+    /// Checks `bytes` (from a peer): whole 1032-byte rows, `l` finite and non-negative, `m`
+    /// finite where `l > 0` and `-inf` where `l = 0`.
+    pub fn new(bytes: &'a [u8]) -> Result<Self, KernelError> {
+        let whole = bytes.len() / PARTIAL_ROW_BYTES * PARTIAL_ROW_BYTES;
+        check_len("partial wire bytes (1032 per row)", whole, bytes.len())?;
+        let p = Self { bytes };
+        for r in 0..p.rows() {
+            let (m, l) = (p.m(r), p.l(r));
+            let bad = |why| Err(KernelError::InvalidPartial { row: r, why });
+            if !(l >= 0.0 && l.is_finite()) {
+                return bad("l must be finite and non-negative");
+            }
+            if l > 0.0 && !m.is_finite() {
+                return bad("m must be finite where l > 0");
+            }
+            if l == 0.0 && m != f32::NEG_INFINITY {
+                return bad("an empty row (l = 0) must have m = -inf");
+            }
+        }
+        Ok(p)
+    }
+
+    /// Query rows.
+    pub fn rows(&self) -> usize {
+        self.bytes.len() / PARTIAL_ROW_BYTES
+    }
+
+    /// Row `r`'s 1032 bytes.
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        &self.bytes[r * PARTIAL_ROW_BYTES..(r + 1) * PARTIAL_ROW_BYTES]
+    }
+
+    /// Row `r`'s `m`.
+    pub fn m(&self, r: usize) -> f32 {
+        let b = &self.row(r)[D_LATENT * 2..];
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+
+    /// Row `r`'s `l`.
+    pub fn l(&self, r: usize) -> f32 {
+        let b = &self.row(r)[D_LATENT * 2 + 4..];
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+
+    /// All the bytes.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+}
+
 /// Where a kernel writes a partial's wire rows ([`Partial::to_wire`]'s bytes) when its
 /// epilogue encodes them itself ([`crate::partial_dense_wire`]): runs of whole 1032-byte rows,
 /// in row order, so one batched call can answer several requests, each run a range of one

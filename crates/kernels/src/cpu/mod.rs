@@ -13,9 +13,9 @@ pub(crate) use splice::splice;
 
 use rayon::prelude::*;
 
+use crate::error::KernelError;
 use crate::layout::{Cache, D_LATENT, D_QK, Queries, Selection};
 use crate::merge::combine_row;
-use crate::error::KernelError;
 use crate::partial::{Partial, WireOut};
 use tile::{RowState, TILE, widen};
 
