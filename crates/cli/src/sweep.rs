@@ -33,8 +33,8 @@ use kvroute_costmodel::fit::{
     FabricFit, RoundTripSample, TransferSample, Weighting, fit_round_trips, fit_transfers,
 };
 use kvroute_costmodel::{CostModel, CostParams, Fabric, Request, model_preset};
-use kvroute_kernels::layout::{D_LATENT, PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
-use kvroute_kernels::{Backend, Partial, Queries, partial_dense};
+use kvroute_kernels::layout::{D_LATENT, D_QK, PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
+use kvroute_kernels::{Backend, Partial, Queries, merge_wire, partial_dense};
 use kvroute_kvstore::corpus::queries;
 use kvroute_kvstore::{ChunkId, CorpusSpec, FullBlock};
 use kvroute_transport::ProviderChoice;
@@ -45,7 +45,7 @@ use crate::demo::{
     BF16_TOL, HolderProcess, SCALE, fabric_engine_with, max_abs, provider_for, spawn_holder,
     v2_lite_corpus,
 };
-use crate::route::{Call, Requester, RequesterConfig, wire};
+use crate::route::{Call, Requester, RequesterConfig, StagedCall, wire};
 
 /// Routed bytes per query row: q + p (paper 000 section 3.2: 1152 + 1032).
 const ROW_BYTES: u64 = (QUERY_ROW_BYTES + PARTIAL_ROW_BYTES) as u64;
@@ -77,6 +77,19 @@ pub struct RouteSample {
     /// many bytes as they do together ([`CODEC_BYTES_PER_ROW`] per row), from caches evicted
     /// as the holder's kernel evicts them, microseconds.
     pub copy_floor_us: f64,
+    /// The same route with no byte conversion on the requester, right after it in the same
+    /// rep: staging the request ([`Requester::stage`]), sending it and checking the reply in
+    /// place ([`crate::route::StagedRoute::route_wire`], `m` and `l` of every row), microseconds. Excludes
+    /// the producer writing the query rows into staging (`producer_us`).
+    pub zero_copy_us: f64,
+    /// The holder's kernel time for that request, microseconds.
+    pub zero_copy_kernel_us: f64,
+    /// The producer's write of the query rows into registered staging (here a `memcpy` from
+    /// the sweep's rows; in a model, the query projection's output), microseconds.
+    pub producer_us: f64,
+    /// Merging that one partial from its wire rows into f32 ([`merge_wire`], for one part an
+    /// exact decode: the cost model's merge term), microseconds.
+    pub merge_us: f64,
 }
 
 /// Bytes the route's byte conversions read plus write per query row: the query copy (1152 in,
@@ -146,6 +159,12 @@ pub struct RoutePoint {
     pub rest_us: f64,
     /// A cold `memcpy` of the conversions' bytes (their floor on this machine, this run).
     pub copy_floor_us: f64,
+    /// The zero-copy route ([`RouteSample::zero_copy_us`]).
+    pub zero_copy_us: f64,
+    /// Its host overhead: zero-copy route - raw - its kernel (median of per-sample values).
+    pub zero_copy_overhead_us: f64,
+    /// The merge of its partial from wire rows ([`RouteSample::merge_us`]).
+    pub merge_us: f64,
     /// The fitted model at this Mq.
     pub model_us: f64,
 }
@@ -435,6 +454,9 @@ pub(crate) fn run(args: &SweepArgs) -> Result<SweepReport> {
             codec_us: pick(&|x| x.codec_us()),
             rest_us: pick(&|x| x.route_us - x.raw_us - x.kernel_us - x.codec_us()),
             copy_floor_us: pick(&|x| x.copy_floor_us),
+            zero_copy_us: pick(&|x| x.zero_copy_us),
+            zero_copy_overhead_us: pick(&|x| x.zero_copy_us - x.raw_us - x.zero_copy_kernel_us),
+            merge_us: pick(&|x| x.merge_us),
             model_us: model(mq),
         });
     }
@@ -600,6 +622,7 @@ fn route_sweep(
         // Decoded into the same partial every repetition, as a decode loop would: the first
         // repetition of each Mq pays for growing it.
         let mut got = [Partial::empty(mq as usize)];
+        let mut merged = Partial::empty(mq as usize);
         // The baseline first: its cache eviction must not slow the pings and routes. One ping
         // afterwards, not counted, warms up the transport again.
         let floors: Vec<f64> = (0..args.reps).map(|_| floor.us(mq as usize)).collect();
@@ -620,6 +643,9 @@ fn route_sweep(
                 "the holder served {} requests for one route",
                 after.requests - before.requests
             );
+            let zero_copy = zero_copy_route(&mut s.requester, &q, &mut merged)?;
+            let after_zc = s.requester.holder_stats(0)?;
+            worst = worst.max(max_abs(&merged, &local));
             samples.push(RouteSample {
                 mq,
                 request_bytes,
@@ -632,6 +658,10 @@ fn route_sweep(
                 requester_encode_us: codec_after.encode_us - codec.encode_us,
                 requester_decode_us: codec_after.decode_us - codec.decode_us,
                 copy_floor_us,
+                zero_copy_us: zero_copy.route_us,
+                zero_copy_kernel_us: after_zc.kernel_us - after.kernel_us,
+                producer_us: zero_copy.producer_us,
+                merge_us: zero_copy.merge_us,
             });
             bar.inc(1);
         }
@@ -642,6 +672,46 @@ fn route_sweep(
     );
     drop(s);
     Ok((samples, worst))
+}
+
+/// Times of one [`zero_copy_route`].
+struct ZeroCopy {
+    route_us: f64,
+    producer_us: f64,
+    merge_us: f64,
+}
+
+/// Routes `q` to chunk 0 layer 0 with no byte conversion on the requester: the rows are
+/// written into registered staging by their "producer" (timed apart, not part of the route),
+/// the reply is checked where it landed, then merged from its wire rows into `merged`.
+fn zero_copy_route(requester: &mut Requester, q: &[u16], merged: &mut Partial) -> Result<ZeroCopy> {
+    let call = StagedCall {
+        chunk: ChunkId(0),
+        layer: 0,
+        rows: q.len() / D_QK,
+        sparse: None,
+    };
+    let started = Instant::now();
+    let mut staged = requester.stage(&[call]);
+    let stage_us = started.elapsed().as_secs_f64() * 1e6;
+    let produced = Instant::now();
+    staged
+        .queries_mut(0)
+        .context("no staging for the query rows")?
+        .copy_from_slice(q);
+    let producer_us = produced.elapsed().as_secs_f64() * 1e6;
+    let sent = Instant::now();
+    let routed = staged.route_wire();
+    let part = routed.partial(0)?;
+    let route_us = stage_us + sent.elapsed().as_secs_f64() * 1e6;
+    let merging = Instant::now();
+    merge_wire(&[part], merged)?;
+    let merge_us = merging.elapsed().as_secs_f64() * 1e6;
+    Ok(ZeroCopy {
+        route_us,
+        producer_us,
+        merge_us,
+    })
 }
 
 fn fetch_sweep(
@@ -818,12 +888,14 @@ impl fmt::Display for SweepReport {
              round trip for the same bytes, this run; overhead = route - raw - kernel; of it, \
              holder = the holder's serve - kernel, codec = byte conversions on both sides, \
              memcpy = a cold copy of as many bytes as codec moves, this run, rest = overhead - \
-             codec):",
+             codec; zc = the zero-copy route right after it: query rows written into staging \
+             by their producer, reply checked in place, zc-ovh = zc-route - raw - its kernel, \
+             merge = merging its wire rows into f32, not in zc-route):",
             self.route_ct
         )?;
         writeln!(
             f,
-            "{:>6} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>9}",
+            "{:>6} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>9} {:>9} {:>8} {:>8}",
             "Mq",
             "route",
             "raw",
@@ -834,12 +906,15 @@ impl fmt::Display for SweepReport {
             "memcpy",
             "rest",
             "route-krn",
-            "model"
+            "model",
+            "zc-route",
+            "zc-ovh",
+            "merge"
         )?;
         for p in &self.route {
             writeln!(
                 f,
-                "{:>6} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>9}",
+                "{:>6} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>9} {:>9} {:>8} {:>8}",
                 p.mq,
                 us(p.route_us),
                 us(p.raw_us),
@@ -850,7 +925,10 @@ impl fmt::Display for SweepReport {
                 us(p.copy_floor_us),
                 us(p.rest_us),
                 us(p.transport_us),
-                us(p.model_us)
+                us(p.model_us),
+                us(p.zero_copy_us),
+                us(p.zero_copy_overhead_us),
+                us(p.merge_us)
             )?;
         }
         writeln!(

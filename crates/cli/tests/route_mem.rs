@@ -69,6 +69,69 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// The zero-copy path: the producer writes query rows straight into registered staging
+/// (`Requester::stage`), the partials stay in the reply region in their wire encoding
+/// (`route_wire`), and `merge_wire` reads them there. Same merged output as `route` + `merge`
+/// of the decoded partials, to f32 round-off; a call that cannot be sent gets no staging and
+/// its error, and the others are served.
+#[test]
+fn staged_queries_and_wire_partials_merge_like_the_copying_path() -> Result<()> {
+    use kvroute_cli::route::StagedCall;
+    use kvroute_kernels::{Partial, merge_wire};
+    let fabric = MemFabric::new();
+    let (a, b) = (holder(&fabric, &[0, 1], 8)?, holder(&fabric, &[2, 3], 8)?);
+    let mut req = requester(&fabric, &[&a, &b])?;
+    let s = spec();
+    let q = queries(16, 900, &s.rope()?, 5);
+    let layer = 2;
+    let copied: Vec<Call<'_>> = (0..4)
+        .map(|c| Call {
+            chunk: ChunkId(c),
+            layer,
+            queries: &q,
+            sparse: None,
+        })
+        .collect();
+    let parts: Vec<_> = req.route(&copied).into_iter().collect::<Result<_, _>>()?;
+    let want = merge(&parts.iter().collect::<Vec<_>>())?;
+    // Chunk 7 is held by nobody: its call is refused before anything is staged.
+    let plan: Vec<StagedCall<'_>> = [0, 1, 7, 2, 3]
+        .into_iter()
+        .map(|c| StagedCall {
+            chunk: ChunkId(c),
+            layer,
+            rows: 16,
+            sparse: None,
+        })
+        .collect();
+    let mut staged = req.stage(&plan);
+    for c in 0..plan.len() {
+        match staged.queries_mut(c) {
+            Some(rows) => rows.copy_from_slice(&q),
+            None => assert_eq!(c, 2, "only the unheld chunk has no staging"),
+        }
+    }
+    let routed = staged.route_wire();
+    assert!(matches!(
+        routed.partial(2),
+        Err(RouteError::NoHolder(ChunkId(7)))
+    ));
+    let views = [0, 1, 3, 4]
+        .into_iter()
+        .map(|c| routed.partial(c))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut got = Partial::empty(0);
+    merge_wire(&views, &mut got)?;
+    assert_eq!(got.m, want.m);
+    let err = max_abs(&got.o, &want.o);
+    assert!(err <= 2e-6, "wire merge against decoded merge: {err}");
+    drop(routed);
+    // One request per holder for the staged step, as for the copying one.
+    assert_eq!(req.holder_stats(0)?.requests, 2);
+    assert_eq!(req.holder_stats(1)?.requests, 2);
+    Ok(())
+}
+
 #[test]
 fn dense_route_over_two_holders_matches_one_instance() -> Result<()> {
     let fabric = MemFabric::new();
@@ -335,7 +398,10 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
     // The served call's rows sit after the refused calls' (zeroed) rows: the same partial as
     // the call routed alone.
     let alone = req.route(&calls[2..]).remove(0)?;
-    assert!(out[2].as_ref().is_ok_and(|p| *p == alone), "rows read from the wrong place");
+    assert!(
+        out[2].as_ref().is_ok_and(|p| *p == alone),
+        "rows read from the wrong place"
+    );
     assert!(matches!(
         req.route(&[Call {
             chunk: ChunkId(3),
@@ -374,7 +440,7 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
         kind: wire::SegmentKind::Dense,
         chunk: 0,
         layer: 0,
-        queries: &q[..D_QK],
+        queries: wire::QueryRows::Copied(&q[..D_QK]),
         indices: &[],
         pages: &[],
     };

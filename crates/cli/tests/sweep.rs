@@ -59,6 +59,14 @@ fn check(provider: &str) {
             "{s}"
         );
         assert!(f(&s["copy_floor_us"]) > 0.0, "{s}");
+        // The zero-copy route right after it: its own kernel, the producer's writes and the
+        // merge timed apart.
+        assert!(
+            f(&s["zero_copy_us"]) > f(&s["zero_copy_kernel_us"])
+                && f(&s["zero_copy_kernel_us"]) > 0.0,
+            "{s}"
+        );
+        assert!(f(&s["producer_us"]) > 0.0 && f(&s["merge_us"]) > 0.0, "{s}");
     }
     for p in r["route"].as_array().expect("route points") {
         let parts = f(&p["raw_us"]) + f(&p["kernel_us"]) + f(&p["overhead_us"]);
@@ -67,6 +75,10 @@ fn check(provider: &str) {
             "{p}"
         );
         assert!(parts.is_finite() && f(&p["route_us"]) > 0.0, "{p}");
+        assert!(
+            f(&p["zero_copy_us"]) > 0.0 && f(&p["zero_copy_overhead_us"]).is_finite(),
+            "{p}"
+        );
     }
     assert!(f(&r["route_max_abs"]) <= 8e-3, "routed partials checked");
     // Route minus the holder's kernel time is host overhead plus wire time: in a two-rep run

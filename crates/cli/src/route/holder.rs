@@ -532,8 +532,8 @@ impl Shared {
             .iter()
             .zip(&layouts)
             .map(|((slot, _, _), layout)| {
-                let rows = slot * self.config.reply_bytes
-                    + wire::reply_rows_offset(layout.statuses.len());
+                let rows =
+                    slot * self.config.reply_bytes + wire::reply_rows_offset(layout.statuses.len());
                 let at = |first: &usize| rows + first * PARTIAL_ROW_BYTES;
                 layout.rows_at.iter().map(at).collect()
             })
@@ -615,7 +615,9 @@ impl Shared {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(anyhow::Error::from)
                 .and_then(|runs| Ok(WireOut::new(runs)?))
-                .and_then(|mut out| self.attend(chunk, layer, key, scale, queries, &indices, &mut out));
+                .and_then(|mut out| {
+                    self.attend((chunk, layer), key, scale, queries, &indices, &mut out)
+                });
             stats.kernel_calls += 1;
             match result {
                 Ok(()) => {
@@ -632,7 +634,14 @@ impl Shared {
                             .and_then(|bytes| Ok(WireOut::new([bytes])?))
                             .and_then(|mut out| {
                                 let q = seg.queries();
-                                self.attend(chunk, layer, key, scale, &q, &seg.indices(), &mut out)
+                                self.attend(
+                                    (chunk, layer),
+                                    key,
+                                    scale,
+                                    &q,
+                                    &seg.indices(),
+                                    &mut out,
+                                )
                             });
                         match served {
                             Ok(()) => {
@@ -682,8 +691,7 @@ impl Shared {
 
     fn attend(
         &self,
-        chunk: u32,
-        layer: u16,
+        (chunk, layer): (u32, u16),
         (k, rows_per_token): (u32, u32),
         scale: f32,
         queries: &[u16],

@@ -8,5 +8,6 @@ pub mod wire;
 
 pub use holder::{Holder, HolderConfig};
 pub use requester::{
-    Call, Fetched, GatherPart, Gathered, Requester, RequesterConfig, RouteError, Sparse,
+    Call, Fetched, GatherPart, Gathered, Requester, RequesterConfig, RouteError, Routed, Sparse,
+    StagedCall, StagedRoute,
 };

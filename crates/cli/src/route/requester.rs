@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use kvroute_kernels::layout::{D_QK, PAGE_TOKENS, PARTIAL_ROW_BYTES};
-use kvroute_kernels::{Backend, Cache, Partial, Rope, SpliceJob, splice};
+use kvroute_kernels::{Backend, Cache, Partial, Rope, SpliceJob, WirePartial, splice};
 use kvroute_kvstore::{ChunkEntry, ChunkId, ChunkRegistry, PAGE_BYTES, PagedPool, ROW_BYTES};
 use kvroute_transport::{
     Access, CancellationToken, DoneFlag, MrDesc, OnDone, RegisteredBuffer, TransferEngine,
@@ -23,7 +23,7 @@ use kvroute_transport::{
 
 use super::holder::{recv_line, send_line};
 use super::session::{Answer, Control, Hello, HolderStats, Welcome};
-use super::wire::{self, SegmentKind, SegmentSpec, Status};
+use super::wire::{self, QueryRows, SegmentKind, SegmentSpec, Status};
 
 /// How a requester is set up.
 #[derive(Debug, Clone)]
@@ -81,6 +81,242 @@ pub struct Sparse<'a> {
     pub k: u32,
     /// Query rows per query token.
     pub rows_per_token: u32,
+}
+
+/// A [`Call`] whose query rows its producer writes in place ([`Requester::stage`]).
+#[derive(Debug, Clone, Copy)]
+pub struct StagedCall<'a> {
+    /// The chunk.
+    pub chunk: ChunkId,
+    /// The layer.
+    pub layer: u16,
+    /// Query rows (576 bf16 each) the producer will write.
+    pub rows: usize,
+    /// A sparse selection over the chunk's tokens (chunk-local indices), or dense.
+    pub sparse: Option<Sparse<'a>>,
+}
+
+/// A decode step's requests, encoded in registered staging and waiting for their query rows
+/// ([`Requester::stage`]).
+pub struct StagedRoute<'r> {
+    requester: &'r mut Requester,
+    /// Per call: its query rows.
+    rows: Vec<usize>,
+    /// Per call: (its request in `prepared`, its segment there), or why it cannot be sent.
+    calls: Vec<Result<(usize, usize), RouteError>>,
+    prepared: Vec<Prepared>,
+}
+
+impl std::fmt::Debug for StagedRoute<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagedRoute")
+            .field("calls", &self.calls)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One request encoded in a link's send staging, not yet posted.
+struct Prepared {
+    link: usize,
+    /// Where in the send staging (and the reply region) this link's request and reply are.
+    staged: usize,
+    len: usize,
+    reply_len: usize,
+    /// Fetch-immediate arrivals the request brings (fetch and gather).
+    fetch_arrivals: u64,
+    /// Per segment, where its in-place query rows go in the request; or why it was not
+    /// encoded.
+    in_place: Result<Vec<usize>, RouteError>,
+}
+
+impl<'r> StagedRoute<'r> {
+    /// Call `c`'s query rows (`rows * 576` bf16 bits, little-endian on the wire: write
+    /// `bits.to_le()`), in registered staging, for its producer to fill; `None` where the call
+    /// cannot be sent (its error comes back from `route_into`). Rows not written keep what
+    /// staging held.
+    pub fn queries_mut(&mut self, c: usize) -> Option<&mut [u16]> {
+        let (b, seg) = *self.calls.get(c)?.as_ref().ok()?;
+        let p = &self.prepared[b];
+        let at = p.staged + p.in_place.as_ref().ok()?.get(seg)?;
+        // SAFETY: the range is this call's rows inside its link's request (encoded by
+        // `prepare`, in bounds of the staging); calls have disjoint rows and `&mut self`
+        // makes this the only view; the link's previous write has completed (see `prepare`)
+        // and no peer writes send staging (registered local only).
+        unsafe { self.requester.send.u16s_mut(at, self.rows[c] * D_QK) }.ok()
+    }
+
+    /// Sends every request and decodes the replies into `out` (one partial per staged call,
+    /// reused as in [`Requester::route_into`]).
+    ///
+    /// # Panics
+    /// If `out` has not one partial per staged call.
+    pub fn route_into(self, out: &mut [Partial]) -> Vec<Result<(), RouteError>> {
+        assert_eq!(self.calls.len(), out.len(), "one partial per call");
+        let routed = self.route_wire();
+        let started = Instant::now();
+        let mut results = Vec::with_capacity(out.len());
+        for (c, part) in out.iter_mut().enumerate() {
+            results.push(routed.rows(c).and_then(|rows| {
+                part.read_wire(rows).map_err(|e| RouteError::BadReply {
+                    holder: routed.holder(c),
+                    why: e.to_string(),
+                })
+            }));
+        }
+        routed.requester.codec.decode_us += started.elapsed().as_secs_f64() * 1e6;
+        results
+    }
+
+    /// Sends every request and waits for the replies, leaving each call's partial rows where
+    /// they landed, in their wire encoding (bf16 `o`, f32 `m`, `l`): what a merge that reads
+    /// bf16 rows ([`kvroute_kernels::merge_wire`]) consumes with no decode pass. The reply
+    /// headers are checked here, each partial's `m` and `l` by [`Routed::partial`], and `o`
+    /// by whoever reads it (the merge, [`kvroute_kernels::Partial::read_wire`]).
+    pub fn route_wire(self) -> Routed<'r> {
+        let Self {
+            requester,
+            rows,
+            calls,
+            prepared,
+        } = self;
+        if cfg!(target_endian = "big") {
+            // `queries_mut` hands out native words; the wire is little-endian.
+            for (c, at) in calls.iter().enumerate() {
+                let Ok((b, seg)) = at else { continue };
+                let p = &prepared[*b];
+                let Ok(offsets) = &p.in_place else { continue };
+                let start = p.staged + offsets[*seg];
+                // SAFETY: as in `queries_mut`; no other view lives now.
+                if let Ok(words) = unsafe { requester.send.u16s_mut(start, rows[c] * D_QK) } {
+                    words.iter_mut().for_each(|w| *w = w.to_le());
+                }
+            }
+        }
+        let replies = requester.send(&prepared);
+        let started = Instant::now();
+        // Per request: the rows of each of its segments, in order (from the calls).
+        let mut seg_rows: Vec<Vec<usize>> = prepared
+            .iter()
+            .map(|p| vec![0; p.in_place.as_ref().map_or(0, Vec::len)])
+            .collect();
+        for (c, at) in calls.iter().enumerate() {
+            if let Ok((b, seg)) = at {
+                seg_rows[*b][*seg] = rows[c];
+            }
+        }
+        // Per request: its segment statuses, and where its rows are in the reply region.
+        let decoded: Vec<Result<ReplyRows, RouteError>> = prepared
+            .iter()
+            .zip(replies)
+            .zip(&seg_rows)
+            .map(|((p, reply), segs)| {
+                let l = &requester.links[p.link];
+                let (holder, seq) = (l.addr, l.seq);
+                let (offset, len) = reply?;
+                let bytes = requester.reply_bytes(holder, (offset, len))?;
+                let (statuses, rows) = decode_reply(holder, seq, bytes, segs.len())?;
+                let start = offset + wire::reply_rows_offset(segs.len());
+                Ok((statuses, start, rows.len()))
+            })
+            .collect();
+        let firsts: Vec<Vec<usize>> = seg_rows
+            .iter()
+            .map(|segs| wire::reply_row_layout(segs).0)
+            .collect();
+        let mut holders = Vec::with_capacity(calls.len());
+        let ranges = calls
+            .into_iter()
+            .enumerate()
+            .map(|(c, at)| {
+                let (b, seg) = at?;
+                let holder = requester.links[prepared[b].link].addr;
+                holders.push((c, holder));
+                let (statuses, start, len) = decoded[b].clone()?;
+                if statuses[seg] != Status::Ok {
+                    return Err(RouteError::Refused {
+                        holder,
+                        status: statuses[seg],
+                    });
+                }
+                // Every segment's rows are at the place the request fixed, served or not
+                // (`wire::reply_row_layout`).
+                let from = firsts[b][seg] * PARTIAL_ROW_BYTES;
+                let n = rows[c] * PARTIAL_ROW_BYTES;
+                if from + n > len {
+                    return Err(RouteError::BadReply {
+                        holder,
+                        why: "fewer rows than asked for".into(),
+                    });
+                }
+                Ok((start + from, n))
+            })
+            .collect();
+        requester.codec.decode_us += started.elapsed().as_secs_f64() * 1e6;
+        Routed {
+            requester,
+            ranges,
+            holders,
+        }
+    }
+}
+
+/// A reply's segment statuses, where its rows start in the reply region, and their bytes.
+type ReplyRows = (Vec<Status>, usize, usize);
+
+/// What a [`StagedRoute`] brought back: each call's partial rows where they landed, in their
+/// wire encoding, or why the call failed. The rows stay valid (and unwritten) while this
+/// lives: it holds the requester, and a holder writes a link's reply range only in answer to
+/// the next request.
+pub struct Routed<'r> {
+    requester: &'r mut Requester,
+    /// Per call: (offset, length) of its rows in the reply region.
+    ranges: Vec<Result<(usize, usize), RouteError>>,
+    /// (call, holder) for the calls that reached one.
+    holders: Vec<(usize, SocketAddr)>,
+}
+
+impl std::fmt::Debug for Routed<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Routed")
+            .field("ranges", &self.ranges)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Routed<'_> {
+    /// Calls routed.
+    pub fn len(&self) -> usize {
+        self.ranges.len()
+    }
+
+    /// Whether no call was routed.
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+
+    /// Call `c`'s partial rows (`m` and `l` checked), or why it failed.
+    ///
+    /// # Panics
+    /// If `c` is not a call of this route.
+    pub fn partial(&self, c: usize) -> Result<WirePartial<'_>, RouteError> {
+        let bytes = self.rows(c)?;
+        WirePartial::new(bytes).map_err(|e| RouteError::BadReply {
+            holder: self.holder(c),
+            why: e.to_string(),
+        })
+    }
+
+    fn rows(&self, c: usize) -> Result<&[u8], RouteError> {
+        let (offset, len) = self.ranges[c].clone()?;
+        self.requester.reply_bytes(self.holder(c), (offset, len))
+    }
+
+    fn holder(&self, c: usize) -> SocketAddr {
+        self.holders
+            .iter()
+            .find(|(call, _)| *call == c)
+            .map_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)), |(_, h)| *h)
+    }
 }
 
 /// Why a call failed.
@@ -461,88 +697,126 @@ impl Requester {
         &mut self,
         batches: Vec<(usize, Vec<SegmentSpec<'_>>, u64)>,
     ) -> Vec<Result<(usize, usize), RouteError>> {
+        let prepared = self.prepare(batches);
+        self.send(&prepared)
+    }
+
+    /// Encodes each batch's request into its link's send staging (the first half of
+    /// [`Requester::exchange`]); [`QueryRows::InPlace`] rows are left for the caller to write.
+    fn prepare(&mut self, batches: Vec<(usize, Vec<SegmentSpec<'_>>, u64)>) -> Vec<Prepared> {
+        let mut out = Vec::with_capacity(batches.len());
+        for (link, segments, fetch_arrivals) in batches {
+            let l = &mut self.links[link];
+            l.seq += 1;
+            let len = wire::request_len(&segments);
+            let reply_len = wire::reply_len(segments.len(), wire::reply_rows(&segments));
+            let limit = self.config.link_bytes.min(l.welcome.slot_bytes as usize);
+            let staged = link * self.config.link_bytes;
+            let encoded = if len > limit
+                || reply_len > self.config.link_bytes.min(l.welcome.reply_bytes as usize)
+            {
+                Err(RouteError::TooLarge(len.max(reply_len)))
+            } else {
+                let encode_started = Instant::now();
+                // SAFETY: this link's staging range is read only by this link's request write,
+                // and the previous one has completed (its completion was waited for; a link
+                // whose wait failed is dead and never sends again). No peer writes it (it is
+                // registered local only). In bounds: `len <= link_bytes` (checked).
+                let encoded = unsafe { self.send.bytes_mut(staged, len) }
+                    .map(|buf| {
+                        wire::encode_request_into(
+                            buf,
+                            l.seq,
+                            staged as u64,
+                            self.config.scale,
+                            &segments,
+                        )
+                    })
+                    .map_err(|e| RouteError::HolderFailed {
+                        holder: l.addr,
+                        why: e.to_string(),
+                    });
+                self.codec.encode_us += encode_started.elapsed().as_secs_f64() * 1e6;
+                encoded
+            };
+            out.push(Prepared {
+                link,
+                staged,
+                len,
+                reply_len,
+                fetch_arrivals,
+                in_place: encoded,
+            });
+        }
+        out
+    }
+
+    /// Posts each prepared request and waits for every reply (the second half of
+    /// [`Requester::exchange`]).
+    fn send(&mut self, prepared: &[Prepared]) -> Vec<Result<(usize, usize), RouteError>> {
         let deadline = Instant::now() + self.config.timeout;
         let mut waits = Vec::new();
         let mut out: Vec<Result<(usize, usize), RouteError>> = Vec::new();
-        for (link, segments, fetch_arrivals) in &batches {
-            let link = *link;
-            let l = &mut self.links[link];
-            l.seq += 1;
-            let len = wire::request_len(segments);
-            let reply_len = wire::reply_len(segments.len(), wire::reply_rows(segments));
-            let limit = self.config.link_bytes.min(l.welcome.slot_bytes as usize);
-            if len > limit || reply_len > self.config.link_bytes.min(l.welcome.reply_bytes as usize)
-            {
-                out.push(Err(RouteError::TooLarge(len.max(reply_len))));
+        for p in prepared {
+            if let Err(e) = &p.in_place {
+                out.push(Err(e.clone()));
                 waits.push(None);
                 continue;
             }
-            let reply_offset = (link * self.config.link_bytes) as u64;
-            let staged = link * self.config.link_bytes;
-            // SAFETY: this link's staging range is read only by this link's request write,
-            // and the previous one has completed (its completion was waited for; a link whose
-            // wait failed is dead and never sends again). No peer writes it (its descriptor
-            // is never handed out). The range is in bounds: `len <= link_bytes` (checked).
-            let encode_started = Instant::now();
-            let encoded = unsafe { self.send.bytes_mut(staged, len) }.map(|buf| {
-                wire::encode_request_into(buf, l.seq, reply_offset, self.config.scale, segments);
-            });
-            self.codec.encode_us += encode_started.elapsed().as_secs_f64() * 1e6;
+            let l = &self.links[p.link];
+            // The reply lands where the request was staged, in the reply region.
+            let reply_offset = p.staged as u64;
             let token = CancellationToken::new();
             let reply_flag = DoneFlag::new();
             let arrivals = self.engine.expected_arrivals(TransferShape::SingleWrite {
-                len: reply_len as u64,
+                len: p.reply_len as u64,
             });
             self.engine.expect_imm_count(
                 l.reply_imm,
                 arrivals,
                 OnDone::flag(&reply_flag).cancellable(&token),
             );
-            let fetch_flag = (*fetch_arrivals > 0).then(|| {
+            let fetch_flag = (p.fetch_arrivals > 0).then(|| {
                 let flag = DoneFlag::new();
                 self.engine.expect_imm_count(
                     l.fetch_imm,
-                    *fetch_arrivals,
+                    p.fetch_arrivals,
                     OnDone::flag(&flag).cancellable(&token),
                 );
                 flag
             });
             let shards = self
                 .engine
-                .expected_arrivals(TransferShape::SingleWrite { len: len as u64 });
+                .expected_arrivals(TransferShape::SingleWrite { len: p.len as u64 });
             let imm = wire::request_imm(l.welcome.session, shards);
             let sent_flag = DoneFlag::new();
-            let submitted = encoded.map_err(|e| e.to_string()).and_then(|()| {
-                self.engine
-                    .submit_single_write(
-                        len as u64,
-                        Some(imm),
-                        (self.send.handle(), staged as u64),
-                        (&l.welcome.inbox, l.welcome.slot_offset),
-                        OnDone::flag(&sent_flag),
-                    )
-                    .map_err(|e| e.to_string())
-            });
+            let submitted = self.engine.submit_single_write(
+                p.len as u64,
+                Some(imm),
+                (self.send.handle(), p.staged as u64),
+                (&l.welcome.inbox, l.welcome.slot_offset),
+                OnDone::flag(&sent_flag),
+            );
             match submitted {
                 Ok(()) => {
-                    out.push(Ok((reply_offset as usize, reply_len)));
-                    waits.push(Some((sent_flag, reply_flag, fetch_flag, token, reply_len)));
+                    out.push(Ok((reply_offset as usize, p.reply_len)));
+                    waits.push(Some((sent_flag, reply_flag, fetch_flag, token)));
                 }
-                Err(why) => {
+                Err(e) => {
                     token.cancel();
                     out.push(Err(RouteError::HolderFailed {
                         holder: l.addr,
-                        why,
+                        why: e.to_string(),
                     }));
                     waits.push(None);
                 }
             }
         }
         for (i, wait) in waits.into_iter().enumerate() {
-            let Some((sent, reply, fetch, token, reply_len)) = wait else {
+            let Some((sent, reply, fetch, token)) = wait else {
                 continue;
             };
-            let link = batches[i].0;
+            let link = prepared[i].link;
             let mut flags = vec![&sent, &reply];
             if let Some(f) = &fetch {
                 flags.push(f);
@@ -565,9 +839,7 @@ impl Requester {
                     why,
                 });
                 self.kill(link);
-                continue;
             }
-            debug_assert!(matches!(out[i], Ok((_, n)) if n == reply_len));
         }
         out
     }
@@ -601,6 +873,8 @@ impl Requester {
     /// partial, reusing its allocations (a decode step that routes the same shapes every step
     /// allocates nothing; a fresh 256-row partial cost as much as decoding it on the VM of
     /// docs/perf.md). Where a call fails, `out[c]` holds empty rows or its old contents.
+    /// The query rows are copied into registered staging; [`Requester::stage`] lets their
+    /// producer write them there instead.
     ///
     /// # Panics
     /// If `out` and `calls` differ in length.
@@ -610,12 +884,53 @@ impl Requester {
         out: &mut [Partial],
     ) -> Vec<Result<(), RouteError>> {
         assert_eq!(calls.len(), out.len(), "one partial per call");
-        let mut results: Vec<Option<Result<(), RouteError>>> = vec![None; calls.len()];
+        let plan: Vec<StagedCall<'_>> = calls
+            .iter()
+            .map(|c| StagedCall {
+                chunk: c.chunk,
+                layer: c.layer,
+                // Not whole rows: staged as no rows, which `stage` refuses.
+                rows: if c.queries.len() % D_QK == 0 {
+                    c.queries.len() / D_QK
+                } else {
+                    0
+                },
+                sparse: c.sparse,
+            })
+            .collect();
+        let mut staged = self.stage(&plan);
+        let started = Instant::now();
+        for (c, call) in calls.iter().enumerate() {
+            if let Some(rows) = staged.queries_mut(c) {
+                rows.copy_from_slice(call.queries);
+            }
+        }
+        staged.requester.codec.encode_us += started.elapsed().as_secs_f64() * 1e6;
+        let mut results = staged.route_into(out);
+        for (r, call) in results.iter_mut().zip(calls) {
+            if matches!(r, Err(RouteError::TooLarge(0))) {
+                *r = Err(RouteError::TooLarge(call.queries.len()));
+            }
+        }
+        results
+    }
+
+    /// Prepares a decode step's calls for their producer to write the query rows in place:
+    /// groups them per holder (one request each), encodes every request's header, segment
+    /// table and indices into registered staging, and leaves the rows for
+    /// [`StagedRoute::queries_mut`]. Nothing is sent until [`StagedRoute::route_into`] or
+    /// [`StagedRoute::route_wire`]; dropping the [`StagedRoute`] sends nothing.
+    ///
+    /// This is how the queries reach the NIC without a copy (paper 000 section 5.3's first
+    /// reduction, carried to the producer): a model writes its query projection's output
+    /// straight into the slices `queries_mut` hands out.
+    pub fn stage<'r>(&'r mut self, calls: &[StagedCall<'_>]) -> StagedRoute<'r> {
+        let mut calls_at: Vec<Result<(usize, usize), RouteError>> = Vec::new();
         // link -> the calls bound to it, in order.
         let mut by_link: Vec<(usize, Vec<usize>)> = Vec::new();
         for (c, call) in calls.iter().enumerate() {
-            if call.queries.is_empty() || call.queries.len() % D_QK != 0 {
-                results[c] = Some(Err(RouteError::TooLarge(call.queries.len())));
+            calls_at.push(Err(RouteError::TooLarge(0)));
+            if call.rows == 0 {
                 continue;
             }
             match self.link_for(call.chunk) {
@@ -623,7 +938,7 @@ impl Requester {
                     Some((_, v)) => v.push(c),
                     None => by_link.push((link, vec![c])),
                 },
-                Err(e) => results[c] = Some(Err(e)),
+                Err(e) => calls_at[c] = Err(e),
             }
         }
         let batches: Vec<_> = by_link
@@ -647,7 +962,7 @@ impl Requester {
                             kind,
                             chunk: call.chunk.0,
                             layer: call.layer,
-                            queries: call.queries,
+                            queries: QueryRows::InPlace(call.rows),
                             indices,
                             pages: &[],
                         }
@@ -656,53 +971,21 @@ impl Requester {
                 (*link, segs, 0)
             })
             .collect();
-        let replies = self.exchange(batches);
-        let mut decode_us = 0.0;
-        for ((link, members), reply) in by_link.iter().zip(replies) {
-            let holder = self.links[*link].addr;
-            let seq = self.links[*link].seq;
-            let decoded = reply
-                .and_then(|range| self.reply_bytes(holder, range))
-                .and_then(|bytes| decode_reply(holder, seq, bytes, members.len()));
-            match decoded {
-                Err(e) => {
-                    for &c in members {
-                        results[c] = Some(Err(e.clone()));
-                    }
-                }
-                Ok((statuses, rows)) => {
-                    // Every segment's rows are at the place the request fixed, served or
-                    // not (`wire::reply_row_layout`).
-                    let mut at = 0;
-                    for (&c, status) in members.iter().zip(statuses) {
-                        let n = calls[c].queries.len() / D_QK * PARTIAL_ROW_BYTES;
-                        let part = rows.get(at..at + n).ok_or_else(|| RouteError::BadReply {
-                            holder,
-                            why: "fewer rows than asked for".into(),
-                        });
-                        at += n;
-                        results[c] = Some(if status != Status::Ok {
-                            Err(RouteError::Refused { holder, status })
-                        } else {
-                            part.and_then(|p| {
-                                let started = Instant::now();
-                                let read = out[c].read_wire(p);
-                                decode_us += started.elapsed().as_secs_f64() * 1e6;
-                                read.map_err(|e| RouteError::BadReply {
-                                    holder,
-                                    why: e.to_string(),
-                                })
-                            })
-                        });
-                    }
-                }
+        let prepared = self.prepare(batches);
+        for (b, (_, members)) in by_link.iter().enumerate() {
+            for (seg, &c) in members.iter().enumerate() {
+                calls_at[c] = match &prepared[b].in_place {
+                    Ok(_) => Ok((b, seg)),
+                    Err(e) => Err(e.clone()),
+                };
             }
         }
-        self.codec.decode_us += decode_us;
-        results
-            .into_iter()
-            .map(|r| r.unwrap_or(Err(RouteError::NoHolder(ChunkId(u32::MAX)))))
-            .collect()
+        StagedRoute {
+            requester: self,
+            rows: calls.iter().map(|c| c.rows).collect(),
+            calls: calls_at,
+            prepared,
+        }
     }
 
     /// Fetches `chunk` from a live holder into the pool (paged writes, one immediate
@@ -731,7 +1014,7 @@ impl Requester {
             kind: SegmentKind::Fetch,
             chunk: chunk.0,
             layer: 0,
-            queries: &[],
+            queries: QueryRows::Copied(&[]),
             indices: &[],
             pages: &pages,
         };
@@ -851,7 +1134,7 @@ impl Requester {
                         kind: SegmentKind::Gather { first },
                         chunk: p.chunk.0,
                         layer,
-                        queries: &[],
+                        queries: QueryRows::Copied(&[]),
                         indices: p.tokens,
                         pages: &table[first_page..end_page],
                     };

@@ -163,13 +163,42 @@ pub struct SegmentSpec<'a> {
     pub chunk: u32,
     /// The layer (dense and sparse).
     pub layer: u16,
-    /// Query rows, `[rows, 576]` bf16 bits (empty for a fetch).
-    pub queries: &'a [u16],
+    /// Query rows (none for a fetch or a gather).
+    pub queries: QueryRows<'a>,
     /// Sparse: `rows / rows_per_token * k` chunk-local indices; gather: the tokens to send.
     pub indices: &'a [i32],
     /// Fetch: the requester's pool pages, layer-major (`layers * ceil(tokens / 64)`);
     /// gather: [`gather_pages`] pages.
     pub pages: &'a [u32],
+}
+
+/// A segment's query rows as the requester builds it.
+#[derive(Debug, Clone, Copy)]
+pub enum QueryRows<'a> {
+    /// `[rows, 576]` bf16 bits, copied into the request by [`encode_request_into`].
+    Copied(&'a [u16]),
+    /// This many rows, written into the request's bytes by the caller after
+    /// [`encode_request_into`] (at the offsets it returns): the producer of the queries writes
+    /// them straight into registered staging, and nothing copies them.
+    InPlace(usize),
+}
+
+impl QueryRows<'_> {
+    /// Query rows.
+    pub fn rows(&self) -> usize {
+        match self {
+            Self::Copied(words) => words.len() / D_QK,
+            Self::InPlace(rows) => *rows,
+        }
+    }
+
+    /// Bytes on the wire.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::Copied(words) => words.len() * 2,
+            Self::InPlace(rows) => rows * QUERY_ROW_BYTES,
+        }
+    }
 }
 
 /// Bytes of a request carrying `segments`.
@@ -178,13 +207,13 @@ pub fn request_len(segments: &[SegmentSpec<'_>]) -> usize {
         + segments.len() * SEGMENT_BYTES
         + segments
             .iter()
-            .map(|s| s.queries.len() * 2 + s.indices.len() * 4 + s.pages.len() * 4)
+            .map(|s| s.queries.bytes() + s.indices.len() * 4 + s.pages.len() * 4)
             .sum::<usize>()
 }
 
 /// Partial rows a reply to `segments` carries.
 pub fn reply_rows(segments: &[SegmentSpec<'_>]) -> usize {
-    segments.iter().map(|s| s.queries.len() / D_QK).sum()
+    segments.iter().map(|s| s.queries.rows()).sum()
 }
 
 /// Bytes of a reply with `segments` segments and `rows` partial rows.
@@ -211,6 +240,9 @@ pub fn encode_request(
 
 /// Encodes a request into `out`, which must be exactly [`request_len`] bytes (a staging
 /// range of registered memory, so the request is written once, where the NIC reads it).
+/// Returns where in `out` the [`QueryRows::InPlace`] segments' rows go, in segment order
+/// (2-byte aligned: every offset before them is a multiple of 4); their bytes are left as
+/// they were.
 ///
 /// # Panics
 /// If `out` is not [`request_len`] bytes (a caller's bug, not a peer's input).
@@ -220,7 +252,7 @@ pub fn encode_request_into(
     reply_offset: u64,
     scale: f32,
     segments: &[SegmentSpec<'_>],
-) {
+) -> Vec<usize> {
     let total = request_len(segments);
     assert_eq!(out.len(), total, "a request buffer of request_len bytes");
     out[..REQUEST_HEADER].fill(0);
@@ -239,11 +271,11 @@ pub fn encode_request_into(
             SegmentKind::Fetch => (3, 0, 0),
             SegmentKind::Gather { first } => (4, first, 0),
         };
-        let len = s.queries.len() * 2 + s.indices.len() * 4 + s.pages.len() * 4;
+        let len = s.queries.bytes() + s.indices.len() * 4 + s.pages.len() * 4;
         let rows = match s.kind {
             SegmentKind::Fetch => s.pages.len(),
             SegmentKind::Gather { .. } => s.indices.len(),
-            _ => s.queries.len() / D_QK,
+            _ => s.queries.rows(),
         };
         let d = &mut out[REQUEST_HEADER + i * SEGMENT_BYTES..][..SEGMENT_BYTES];
         d[0..2].copy_from_slice(&[kind, 0]);
@@ -258,12 +290,20 @@ pub fn encode_request_into(
         payload += len;
     }
     let mut at = REQUEST_HEADER + segments.len() * SEGMENT_BYTES;
+    let mut in_place = Vec::new();
     for s in segments {
-        at += put_le(&mut out[at..], s.queries, u16::to_le_bytes);
+        match s.queries {
+            QueryRows::Copied(words) => at += put_le(&mut out[at..], words, u16::to_le_bytes),
+            QueryRows::InPlace(rows) => {
+                in_place.push(at);
+                at += rows * QUERY_ROW_BYTES;
+            }
+        }
         at += put_le(&mut out[at..], s.indices, i32::to_le_bytes);
         at += put_le(&mut out[at..], s.pages, u32::to_le_bytes);
     }
     debug_assert_eq!(at, total);
+    in_place
 }
 
 /// Stores `words` little-endian at the start of `out`; returns the bytes written. `le` is the
@@ -640,7 +680,7 @@ mod tests {
                 kind: SegmentKind::Dense,
                 chunk: 7,
                 layer: 3,
-                queries: &q[..D_QK],
+                queries: QueryRows::Copied(&q[..D_QK]),
                 indices: &[],
                 pages: &[],
             },
@@ -651,7 +691,7 @@ mod tests {
                 },
                 chunk: 8,
                 layer: 0,
-                queries: &q[..2 * D_QK],
+                queries: QueryRows::Copied(&q[..2 * D_QK]),
                 indices: &idx,
                 pages: &[],
             },
@@ -659,7 +699,7 @@ mod tests {
                 kind: SegmentKind::Fetch,
                 chunk: 9,
                 layer: 0,
-                queries: &[],
+                queries: QueryRows::Copied(&[]),
                 indices: &[],
                 pages: &pages,
             },
@@ -668,7 +708,7 @@ mod tests {
                 kind: SegmentKind::Gather { first: 62 },
                 chunk: 9,
                 layer: 2,
-                queries: &[],
+                queries: QueryRows::Copied(&[]),
                 indices: &gathered,
                 pages: &pages[..2],
             },
@@ -754,7 +794,7 @@ mod tests {
                     kind: SegmentKind::Gather { first },
                     chunk: 0,
                     layer: 0,
-                    queries: &[],
+                    queries: QueryRows::Copied(&[]),
                     indices: &tokens,
                     pages: &pages[..n_pages],
                 },
@@ -762,7 +802,7 @@ mod tests {
                     kind: SegmentKind::Gather { first: 0 },
                     chunk: 0,
                     layer: 0,
-                    queries: &[],
+                    queries: QueryRows::Copied(&[]),
                     indices: &tokens,
                     pages: &pages[..1],
                 },
