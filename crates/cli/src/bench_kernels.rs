@@ -13,9 +13,11 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use kvroute_kernels::layout::D_QK;
+use kvroute_kernels::layout::{D_QK, PARTIAL_ROW_BYTES};
 use kvroute_kernels::workload::{self as w, SCALE, rows};
-use kvroute_kernels::{Backend, Cache, Queries, Selection, cuda::Gpu};
+use kvroute_kernels::{
+    Backend, Cache, Partial, Queries, Selection, WireOut, WirePartial, cuda::Gpu,
+};
 use serde::Serialize;
 
 use crate::args::KernelsBenchArgs;
@@ -90,6 +92,10 @@ pub struct KernelsBenchReport {
     pub merge: FloorRow,
     /// The 27 x 2048 splice: copying, in place, in place with a delta per token.
     pub splice: Vec<FloorRow>,
+    /// The wire paths against their unfused baselines, same run (CPU only): the dense partial
+    /// writing its wire rows in its epilogue against the f32 partial then its encode; the
+    /// merge reading wire rows against decoding them and merging.
+    pub wire: Vec<FloorRow>,
     /// Targets of the kernels issue.
     pub targets: Vec<Target>,
 }
@@ -164,7 +170,10 @@ impl fmt::Display for KernelsBenchReport {
             )?;
         }
         writeln!(f)?;
-        for r in std::iter::once(&self.merge).chain(&self.splice) {
+        for r in std::iter::once(&self.merge)
+            .chain(&self.splice)
+            .chain(&self.wire)
+        {
             writeln!(
                 f,
                 "{:<40} {:>10.1} us   {} {:.1} us ({:.2}x)",
@@ -329,6 +338,8 @@ fn cpu(budget: &Budget, backend: Backend) -> Result<KernelsBenchReport> {
         ),
     ];
 
+    let wire = wire_rows(budget, backend, &cache, &parts)?;
+
     let worst_small = dense
         .iter()
         .filter(|r| r.mq <= 16)
@@ -357,8 +368,57 @@ fn cpu(budget: &Budget, backend: Backend) -> Result<KernelsBenchReport> {
         sparse,
         merge,
         splice,
+        wire,
         targets,
     })
+}
+
+/// The wire paths (see [`KernelsBenchReport::wire`]).
+fn wire_rows(
+    budget: &Budget,
+    backend: Backend,
+    cache: &Cache<'_>,
+    parts: &[Partial],
+) -> Result<Vec<FloorRow>> {
+    let mq = w::MERGE_ROWS;
+    let q_rows = rows(mq, 3);
+    let q = Queries::new(&q_rows)?;
+    let mut bytes = vec![0u8; mq * PARTIAL_ROW_BYTES];
+    let fused = FloorRow {
+        what: format!("dense {mq} x {} into wire rows", w::DENSE_CT),
+        us: median_us(budget.iters, budget.time, || {
+            if let Ok(mut out) = WireOut::new([&mut bytes[..]]) {
+                let _ = kvroute_kernels::partial_dense_wire(backend, &q, cache, SCALE, &mut out);
+            }
+        }),
+        floor_us: median_us(budget.iters, budget.time, || {
+            if let Ok(p) = kvroute_kernels::partial_dense(backend, &q, cache, SCALE) {
+                let _ = black_box(p.write_wire(&mut bytes));
+            }
+        }),
+        floor: "baseline: the f32 partial, then its encode",
+    };
+    let wires: Vec<Vec<u8>> = parts.iter().map(Partial::to_wire).collect();
+    let views = wires
+        .iter()
+        .map(|b| WirePartial::new(b))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut merged = Partial::empty(0);
+    let mut decoded: Vec<Partial> = parts.to_vec();
+    let merge_wire = FloorRow {
+        what: format!("merge {}x{mq} wire rows", parts.len()),
+        us: median_us(budget.iters, budget.time, || {
+            let _ = black_box(kvroute_kernels::merge_wire(&views, &mut merged));
+        }),
+        floor_us: median_us(budget.iters, budget.time, || {
+            for (p, b) in decoded.iter_mut().zip(&wires) {
+                let _ = p.read_wire(b);
+            }
+            let _ = black_box(kvroute_kernels::merge(&decoded.iter().collect::<Vec<_>>()));
+        }),
+        floor: "baseline: decode each, then merge",
+    };
+    Ok(vec![fused, merge_wire])
 }
 
 /// The sparse workloads, each timed by `subject` (microseconds per call) beside `versus`
@@ -489,6 +549,7 @@ fn gpu(budget: &Budget, gpu: &Gpu) -> Result<KernelsBenchReport> {
         dense,
         sparse,
         merge,
+        wire: Vec::new(),
         splice,
         targets,
     })
