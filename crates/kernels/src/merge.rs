@@ -36,19 +36,7 @@ pub fn merge(parts: &[&Partial]) -> Result<Partial, KernelError> {
 /// A non-finite `o` value in a part that contributes (or rows that differ in number) is an
 /// error; then `out` holds empty rows (the identity), never a half-merged result.
 pub fn merge_wire(parts: &[WirePartial<'_>], out: &mut Partial) -> Result<(), KernelError> {
-    let Some(first) = parts.first() else {
-        return Err(KernelError::Empty("partials to merge"));
-    };
-    let mq = first.rows();
-    for (index, p) in parts.iter().enumerate() {
-        if p.rows() != mq {
-            return Err(KernelError::RowMismatch {
-                index,
-                expected: mq,
-                got: p.rows(),
-            });
-        }
-    }
+    let mq = same_rows(parts.iter().map(WirePartial::rows))?;
     out.o.resize(mq * D_LATENT, 0.0);
     out.m.resize(mq, f32::NEG_INFINITY);
     out.l.resize(mq, 0.0);
@@ -133,21 +121,25 @@ fn merge_wire_rows(parts: &[WirePartial<'_>], out: &mut Partial) -> Result<(), K
 /// empty, `o` is left alone and `(-inf, 0)` returned. Sums in f64, one rounding.
 /// Checks `parts` can be merged (at least one, equal rows, each valid); returns their rows.
 pub(crate) fn check_parts(parts: &[&Partial]) -> Result<usize, KernelError> {
-    let Some(first) = parts.first() else {
-        return Err(KernelError::Empty("partials to merge"));
-    };
-    let mq = first.rows();
-    for (index, p) in parts.iter().enumerate() {
-        if p.rows() != mq {
-            return Err(KernelError::RowMismatch {
-                index,
-                expected: mq,
-                got: p.rows(),
-            });
-        }
+    let mq = same_rows(parts.iter().map(|p| p.rows()))?;
+    for p in parts {
         p.validate()?;
     }
     Ok(mq)
+}
+
+/// The parts' common number of rows: at least one part, all with as many rows as the first.
+fn same_rows(rows: impl Iterator<Item = usize>) -> Result<usize, KernelError> {
+    let mut rows = rows.enumerate();
+    let (_, mq) = rows.next().ok_or(KernelError::Empty("partials to merge"))?;
+    match rows.find(|&(_, n)| n != mq) {
+        Some((index, got)) => Err(KernelError::RowMismatch {
+            index,
+            expected: mq,
+            got,
+        }),
+        None => Ok(mq),
+    }
 }
 
 pub(crate) fn combine_row<'a>(

@@ -65,16 +65,8 @@ impl Partial {
         check_len("partial o", mq * D_LATENT, self.o.len())?;
         for r in 0..mq {
             let (m, l) = (self.m[r], self.l[r]);
+            check_stats(r, m, l)?;
             let bad = |why| Err(KernelError::InvalidPartial { row: r, why });
-            if !(l >= 0.0 && l.is_finite()) {
-                return bad("l must be finite and non-negative");
-            }
-            if l > 0.0 && !m.is_finite() {
-                return bad("m must be finite where l > 0");
-            }
-            if l == 0.0 && m != f32::NEG_INFINITY {
-                return bad("an empty row (l = 0) must have m = -inf");
-            }
             let o = self.o_row(r);
             if check_o && !all_finite(o) {
                 return bad("o must be finite");
@@ -214,17 +206,7 @@ impl<'a> WirePartial<'a> {
         check_len("partial wire bytes (1032 per row)", whole, bytes.len())?;
         let p = Self { bytes };
         for r in 0..p.rows() {
-            let (m, l) = (p.m(r), p.l(r));
-            let bad = |why| Err(KernelError::InvalidPartial { row: r, why });
-            if !(l >= 0.0 && l.is_finite()) {
-                return bad("l must be finite and non-negative");
-            }
-            if l > 0.0 && !m.is_finite() {
-                return bad("m must be finite where l > 0");
-            }
-            if l == 0.0 && m != f32::NEG_INFINITY {
-                return bad("an empty row (l = 0) must have m = -inf");
-            }
+            check_stats(r, p.m(r), p.l(r))?;
         }
         Ok(p)
     }
@@ -298,6 +280,22 @@ impl<'a> WireOut<'a> {
         }
         Ok(())
     }
+}
+
+/// Row `r`'s `(m, l)` is a valid pair: `l` finite and non-negative, `m` finite where `l > 0`
+/// and `-inf` where `l = 0`.
+fn check_stats(r: usize, m: f32, l: f32) -> Result<(), KernelError> {
+    let bad = |why| Err(KernelError::InvalidPartial { row: r, why });
+    if !(l >= 0.0 && l.is_finite()) {
+        return bad("l must be finite and non-negative");
+    }
+    if l > 0.0 && !m.is_finite() {
+        return bad("m must be finite where l > 0");
+    }
+    if l == 0.0 && m != f32::NEG_INFINITY {
+        return bad("an empty row (l = 0) must have m = -inf");
+    }
+    Ok(())
 }
 
 /// Rows of `(o, m, l)` into their wire bytes.
