@@ -156,9 +156,9 @@ impl<'r> StagedRoute<'r> {
         let started = Instant::now();
         let mut results = Vec::with_capacity(out.len());
         for (c, part) in out.iter_mut().enumerate() {
-            results.push(routed.rows(c).and_then(|rows| {
+            results.push(routed.rows(c).and_then(|(rows, holder)| {
                 part.read_wire(rows).map_err(|e| RouteError::BadReply {
-                    holder: routed.holder(c),
+                    holder,
                     why: e.to_string(),
                 })
             }));
@@ -223,15 +223,13 @@ impl<'r> StagedRoute<'r> {
             .iter()
             .map(|segs| wire::reply_row_layout(segs).0)
             .collect();
-        let mut holders = Vec::with_capacity(calls.len());
         let ranges = calls
             .into_iter()
             .enumerate()
             .map(|(c, at)| {
                 let (b, seg) = at?;
                 let holder = requester.links[prepared[b].link].addr;
-                holders.push((c, holder));
-                let (statuses, start, len) = decoded[b].clone()?;
+                let (statuses, start, len) = decoded[b].as_ref().map_err(Clone::clone)?;
                 if statuses[seg] != Status::Ok {
                     return Err(RouteError::Refused {
                         holder,
@@ -242,21 +240,17 @@ impl<'r> StagedRoute<'r> {
                 // (`wire::reply_row_layout`).
                 let from = firsts[b][seg] * PARTIAL_ROW_BYTES;
                 let n = rows[c] * PARTIAL_ROW_BYTES;
-                if from + n > len {
+                if from + n > *len {
                     return Err(RouteError::BadReply {
                         holder,
                         why: "fewer rows than asked for".into(),
                     });
                 }
-                Ok((start + from, n))
+                Ok((start + from, n, holder))
             })
             .collect();
         requester.codec.decode_us += started.elapsed().as_secs_f64() * 1e6;
-        Routed {
-            requester,
-            ranges,
-            holders,
-        }
+        Routed { requester, ranges }
     }
 }
 
@@ -269,10 +263,9 @@ type ReplyRows = (Vec<Status>, usize, usize);
 /// the next request.
 pub struct Routed<'r> {
     requester: &'r mut Requester,
-    /// Per call: (offset, length) of its rows in the reply region.
-    ranges: Vec<Result<(usize, usize), RouteError>>,
-    /// (call, holder) for the calls that reached one.
-    holders: Vec<(usize, SocketAddr)>,
+    /// Per call: (offset, length) of its rows in the reply region, and the holder that wrote
+    /// them.
+    ranges: Vec<Result<(usize, usize, SocketAddr), RouteError>>,
 }
 
 impl std::fmt::Debug for Routed<'_> {
@@ -299,23 +292,17 @@ impl Routed<'_> {
     /// # Panics
     /// If `c` is not a call of this route.
     pub fn partial(&self, c: usize) -> Result<WirePartial<'_>, RouteError> {
-        let bytes = self.rows(c)?;
+        let (bytes, holder) = self.rows(c)?;
         WirePartial::new(bytes).map_err(|e| RouteError::BadReply {
-            holder: self.holder(c),
+            holder,
             why: e.to_string(),
         })
     }
 
-    fn rows(&self, c: usize) -> Result<&[u8], RouteError> {
-        let (offset, len) = self.ranges[c].clone()?;
-        self.requester.reply_bytes(self.holder(c), (offset, len))
-    }
-
-    fn holder(&self, c: usize) -> SocketAddr {
-        self.holders
-            .iter()
-            .find(|(call, _)| *call == c)
-            .map_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)), |(_, h)| *h)
+    /// Call `c`'s rows and the holder that wrote them.
+    fn rows(&self, c: usize) -> Result<(&[u8], SocketAddr), RouteError> {
+        let (offset, len, holder) = self.ranges[c].clone()?;
+        Ok((self.requester.reply_bytes(holder, (offset, len))?, holder))
     }
 }
 
