@@ -115,11 +115,13 @@ impl Rope {
 }
 
 /// `(cos, sin)` of one rotation, pair by pair, as separate arrays (what the vectorised rotation
-/// reads).
+/// reads): the f64 values, and the same rounded to f32 for the CPU's guarded f32 rotation.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AngleTable {
     pub(crate) cos: [f64; PAIRS],
     pub(crate) sin: [f64; PAIRS],
+    pub(crate) cos32: [f32; PAIRS],
+    pub(crate) sin32: [f32; PAIRS],
 }
 
 impl Rope {
@@ -129,6 +131,8 @@ impl Rope {
         AngleTable {
             cos: angles.map(|(c, _)| c),
             sin: angles.map(|(_, s)| s),
+            cos32: angles.map(|(c, _)| c as f32),
+            sin32: angles.map(|(_, s)| s as f32),
         }
     }
 }

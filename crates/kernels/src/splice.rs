@@ -8,6 +8,8 @@
 //! destination is a pool of 64-token pages and a layer-major block table: layer `l`'s token `t`
 //! goes to row `t % 64` of page `table[l * ceil(n / 64) + t / 64]`.
 
+use rayon::prelude::*;
+
 use crate::error::{KernelError, check_len};
 use crate::layout::{D_QK, PAGE_TOKENS, check_pages};
 use crate::rope::Rope;
@@ -147,7 +149,12 @@ impl<'a> SpliceJob<'a> {
             .iter()
             .map(|d| distinct.binary_search(d).unwrap_or(0))
             .collect();
-        let tables = distinct.iter().map(|&d| self.rope.table(d)).collect();
+        // A delta per token means a table (32 f64 sin_cos) per token: built on every core.
+        let tables = distinct
+            .par_iter()
+            .with_min_len(64)
+            .map(|&d| self.rope.table(d))
+            .collect();
         (which, tables)
     }
 

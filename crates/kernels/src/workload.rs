@@ -238,10 +238,12 @@ impl SpliceWorkload {
     }
 
     /// The same workload with stored positions `3 i`: a distinct delta (and angle table) per
-    /// token.
+    /// token. Its pool starts with the rows in it (as fetch's writes leave them), so an
+    /// in-place job rotates real values, not zeros.
     pub fn scattered() -> Result<Self, KernelError> {
         let mut w = Self::new()?;
         w.from = (0..SPLICE_TOKENS as i64).map(|i| i * 3).collect();
+        w.copy_rows();
         Ok(w)
     }
 
