@@ -12,12 +12,19 @@ pub fn to_f32(bits: u16) -> f32 {
 #[inline]
 pub fn from_f32(x: f32) -> u16 {
     let bits = x.to_bits();
-    let lsb = (bits >> 16) & 1;
-    let rounded = (bits.wrapping_add(0x7fff + lsb) >> 16) as u16;
     // A NaN becomes a quiet NaN with the sign kept (rounding could carry it into infinity).
     // A select, not a branch, so loops over slices vectorise.
     let nan = ((bits >> 16) as u16) | 0x0040;
-    if x.is_nan() { nan } else { rounded }
+    if x.is_nan() { nan } else { from_f32_not_nan(x) }
+}
+
+/// [`from_f32`] for an `x` known not to be NaN (a NaN's rounding may carry into infinity):
+/// the rounding alone, for hot loops that deal with NaN elsewhere.
+#[inline]
+pub(crate) fn from_f32_not_nan(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let lsb = (bits >> 16) & 1;
+    (bits.wrapping_add(0x7fff + lsb) >> 16) as u16
 }
 
 /// f64 to bf16 bits with a single rounding (through f32 would round twice).

@@ -43,14 +43,21 @@ pub const SPLICE_LAYERS: usize = 27;
 /// Tokens of the spliced chunk.
 pub const SPLICE_TOKENS: usize = 2048;
 
+/// One step of the 64-bit LCG (Knuth's MMIX constants) behind every deterministic input of
+/// this crate: advances `state` and returns it (the high bits are the good ones).
+pub(crate) fn lcg(state: &mut u64) -> u64 {
+    *state = state
+        .wrapping_mul(6_364_136_223_846_793_005)
+        .wrapping_add(1_442_695_040_888_963_407);
+    *state
+}
+
 /// Deterministic bf16 rows ~ U(-2, 2), `n` of 576.
 pub fn rows(n: usize, seed: u64) -> Vec<u16> {
     let mut s = seed;
     (0..n * D_QK)
         .map(|_| {
-            s = s
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
+            let s = lcg(&mut s);
             crate::bf16::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0)
         })
         .collect()

@@ -43,12 +43,8 @@ fn bf16_round_once(x: f64) -> u16 {
     // Rounded away from zero: step the magnitude back one ulp (toward zero).
     bits -= u32::from(back.abs() > x.abs());
     bits |= u32::from(back != x);
-    let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
-    if x.is_nan() {
-        ((nearest.to_bits() >> 16) as u16) | 0x0040
-    } else {
-        rounded
-    }
+    // A NaN stays a NaN through the steps above; `from_f32` quiets it, keeping its sign.
+    crate::bf16::from_f32(f32::from_bits(bits))
 }
 
 /// The guard's bound on `|f32 result - f64 result|`, relative to `|x| + |y|` (see
@@ -72,13 +68,6 @@ fn near_a_boundary(r: f32, e: f32) -> bool {
     // False for a NaN bound (a NaN or infinite input): unsure.
     let sure = e < distance * ulp;
     (exp < 24) | (exp == 255) | !sure
-}
-
-/// f32 bits rounded to the nearest bf16, ties to even (finite inputs).
-#[inline(always)]
-fn bf16_round_f32(r: f32) -> u16 {
-    let bits = r.to_bits();
-    (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16
 }
 
 /// Rotates one RoPE band (64 bf16) by `t`, pairs laid out as `layout` says, bit-identical to
@@ -123,8 +112,9 @@ fn rotate_band(band: &mut [u16], t: &AngleTable, layout: RopeLayout) {
         let zeros = (x[i] == 0.0) & (y[i] == 0.0);
         let u = (near_a_boundary(a, e) | near_a_boundary(b, e)) & !zeros;
         unsure |= u32::from(u) << i;
-        out[0][i] = bf16_round_f32(a);
-        out[1][i] = bf16_round_f32(b);
+        // A NaN result is unsure, so redone below.
+        out[0][i] = crate::bf16::from_f32_not_nan(a);
+        out[1][i] = crate::bf16::from_f32_not_nan(b);
     }
     if unsure != 0 {
         redo_in_f64(&mut out, unsure, band, t, layout);
@@ -281,26 +271,16 @@ mod tests {
     use super::*;
     use crate::layout::D_ROPE;
     use crate::rope::{Rope, Yarn, rotate_row_f64};
-
-    struct Lcg(u64);
-
-    impl Lcg {
-        fn next(&mut self) -> u64 {
-            self.0 = self
-                .0
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            self.0 >> 16
-        }
-    }
+    use crate::workload::lcg;
 
     /// The guarded f32 rotation against the reference's f64 one, bit for bit, on bands built to
-    /// find a guard that is too loose: any bf16 bit pattern (subnormals, infinities, NaN,
-    /// the largest finite values), pairs that nearly cancel, signed zeros, at positions up to 160K, both layouts, plain RoPE and YaRN.
-    /// With the guard's bound cut 256-fold this test finds mismatches.
+    /// find a guard that is too loose: any bf16 bit pattern (subnormals, infinities, NaN, the
+    /// largest finite values), pairs that nearly cancel, signed zeros; deltas up to 160K, both
+    /// layouts, plain RoPE and YaRN. With the guard's bound cut 256-fold this test finds
+    /// mismatches.
     #[test]
     fn guarded_f32_rotation_is_bit_identical_to_the_f64_reference() {
-        let mut rng = Lcg(7);
+        let mut rng = 7u64;
         let mut redone = 0usize;
         let mut values = 0usize;
         for layout in [RopeLayout::Interleaved, RopeLayout::Half] {
@@ -309,12 +289,12 @@ mod tests {
                 Rope::yarn(10_000.0, Yarn::DEEPSEEK, layout).unwrap(),
             ] {
                 for case in 0..6_000u64 {
-                    let delta = (rng.next() % 320_001) as i64 - 160_000;
+                    let delta = ((lcg(&mut rng) >> 16) % 320_001) as i64 - 160_000;
                     let table = rope.table(delta);
                     let mut row = vec![0u16; D_QK];
                     let band = &mut row[D_LATENT..];
                     for (i, v) in band.iter_mut().enumerate() {
-                        let r = rng.next();
+                        let r = lcg(&mut rng) >> 16;
                         *v = match case % 5 {
                             // Signed zeros (and the odd tiny value).
                             4 => (r as u16) & if r.is_multiple_of(7) { 0x8001 } else { 0x8000 },
@@ -392,11 +372,9 @@ mod tests {
             f64::NEG_INFINITY,
             1e-320,
         ];
-        let mut z = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
         for _ in 0..200_000 {
-            z = z
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
+            let z = lcg(&mut state);
             let mantissa = (z >> 11) as f64 / (1u64 << 53) as f64;
             let exp = ((z >> 3) % 300) as i32 - 150;
             cases.push((mantissa - 0.5) * 2f64.powi(exp));
