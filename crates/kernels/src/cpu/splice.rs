@@ -8,7 +8,7 @@
 use rayon::prelude::*;
 
 use super::Isa;
-use crate::layout::{D_LATENT, D_QK, RopeLayout};
+use crate::layout::{D_LATENT, D_QK, D_ROPE, RopeLayout};
 use crate::rope::{AngleTable, PAIRS};
 use crate::splice::SpliceJob;
 
@@ -50,24 +50,36 @@ fn bf16_round_once(x: f64) -> u16 {
 /// The guard's bound on `|f32 result - f64 result|`, relative to `|x| + |y|` (see
 /// [`rotate_band`]): 2^-21, twice the 2^-22 the error analysis gives.
 const GUARD: f32 = 1.0 / (1u32 << 21) as f32;
+/// Below this `|x| + |y|` (and above zero) a pair is always redone: underflow in the products
+/// adds an absolute error the relative bound does not cover (2^-100: the guard's interval,
+/// at least 2^-122 wide, dwarfs the 2^-149 steps of f32 subnormals).
+const TINY: f32 = 1.0 / (1u128 << 100) as f32;
 
-/// Whether rounding the f32 rotation result `r` to bf16 can differ from rounding the f64 result
-/// that lies within `e` of it: true when `r` is not finite, is below 2^-103 (where the f32 ulp
-/// stops scaling), or when a bf16 rounding boundary (a midpoint between two bf16 values, low 16
-/// bits of the f32 pattern 0x8000) may lie within `e` of `r`. The distance to the nearest
-/// midpoint is at least `min(|low16 - 0x8000|, 0x4000)` f32 ulps of `r` (the cap covers the
-/// binade below, whose bf16 steps are half as wide). Branch-free, so the loop vectorises.
+/// Whether the pair `(x, y)` must be redone in f64 whatever its result, given `s = |x| + |y|`:
+/// below [`TINY`] (but two zeros are exact in f32 as in f64, the same signed zeros), and for
+/// an infinity or a NaN. A finite pair whose f32 result overflows needs no exception: that
+/// takes an exact sum of at least 2^128 (1 - 2^-25), which leaves the f64 result far above
+/// the largest value bf16 rounds down from (2^128 (1 - 2^-9)): both round to the same infinity.
+#[inline(always)]
+fn unsure_pair(s: f32) -> bool {
+    // A NaN fails every comparison: unsure.
+    !((TINY..f32::INFINITY).contains(&s) | (s == 0.0))
+}
+
+/// Whether a bf16 rounding boundary (the midpoint of two adjacent bf16 values: an f32 whose
+/// low 16 bits are 0x8000) lies in `[|r| - e, |r| + e]`, the interval holding the f64 result,
+/// evaluated in f32: when none does, `r` rounds to bf16 as the f64 result does. Rounding the
+/// ends in f32 pulls them inward by half an ulp at most, less than the slack between
+/// [`GUARD`] and the proven bound (for `|x| + |y| >= 2^-100`, see [`TINY`]), and positive f32
+/// bit patterns are ordered as their values, so the count of midpoints up to a
+/// pattern `b` is `(b + 0x8000) >> 16`; an interval reaching below zero (a negative lower end
+/// has the sign bit set) is unsure. Branch-free, so the loop vectorises.
 #[inline(always)]
 fn near_a_boundary(r: f32, e: f32) -> bool {
-    let bits = r.to_bits();
-    let exp = (bits >> 23) & 0xff;
-    let low = (bits & 0xffff) as i32;
-    let distance = (low - 0x8000).abs().min(0x4000) as f32;
-    // The f32 ulp of `r`: 2^(exp - 150), a normal f32 for exp >= 24.
-    let ulp = f32::from_bits((exp.max(24) - 23) << 23);
-    // False for a NaN bound (a NaN or infinite input): unsure.
-    let sure = e < distance * ulp;
-    (exp < 24) | (exp == 255) | !sure
+    let m = r.abs();
+    let (lo, hi) = ((m - e).to_bits(), (m + e).to_bits());
+    // `lo` is at most 0xff7f_ffff (a finite negative), so neither sum wraps.
+    (hi + 0x8000) >> 16 != (lo + 0x7fff) >> 16
 }
 
 /// Rotates one RoPE band (64 bf16) by `t`, pairs laid out as `layout` says, bit-identical to
@@ -76,15 +88,16 @@ fn near_a_boundary(r: f32, e: f32) -> bool {
 /// The rotation runs in f32 first: 16 lanes where f64 has 8, and no f64 -> bf16 rounding.
 /// Error analysis (x, y bf16, so exact in f32; `c32 = fl32(cos)`, `s32 = fl32(sin)`; u = 2^-24):
 /// the table rounding costs at most `u (|x| + |y|)`, the two products and the sum at most
-/// `u (|x c| + |y s| + |r|) <= 2u (|x| + |y|)` (|cos|, |sin| <= 1, |r| <= |x| + |y|), and the
-/// reference's own f64 result is within `2^-52 (|x| + |y|)` of the exact one, so the f32 and
-/// f64 results differ by less than `2^-22 (|x| + |y|)`. Whenever no bf16 rounding boundary
-/// lies within [`GUARD`]` (|x| + |y|)` of the f32 result, both round to the same bf16; the
-/// pairs where one might ([`near_a_boundary`]: about 1 value in 600 on typical rows, the unit
-/// test measures it; every value below 2^-103) are redone in f64, as the reference does. A pair of
-/// zeros is exact either way.
+/// `u (|x c| + |y s| + |r|) <= 2u (|x| + |y|)` (|cos|, |sin| <= 1, |r| <= |x| + |y|; a fused
+/// multiply-add, as the AVX-512 path uses, rounds once less), and the reference's own f64
+/// result is within `2^-52 (|x| + |y|)` of the exact one, so the f32 and f64 results differ by
+/// less than `2^-22 (|x| + |y|)`. Whenever no bf16 rounding boundary lies within
+/// [`GUARD`]` (|x| + |y|)` of the f32 result ([`near_a_boundary`]), both round to the same
+/// bf16; the values where one might (about 1 in 650 on typical rows, the unit test measures
+/// it) and the pairs [`unsure_pair`] names are redone in f64, as the reference does.
 #[inline(always)]
 fn rotate_band(band: &mut [u16], t: &AngleTable, layout: RopeLayout) {
+    // The layout is matched outside the loops so that each one vectorises.
     let (mut x, mut y) = ([0f32; PAIRS], [0f32; PAIRS]);
     match layout {
         RopeLayout::Interleaved => {
@@ -107,44 +120,47 @@ fn rotate_band(band: &mut [u16], t: &AngleTable, layout: RopeLayout) {
     let mut out = [[0u16; PAIRS]; 2];
     let mut unsure = 0u32;
     for i in 0..PAIRS {
-        let (a, b, e) = rotate_f32(x[i], y[i], t.cos32[i], t.sin32[i]);
-        // Two zeros rotate to zeros, the same signed zeros in f32 as in f64.
-        let zeros = (x[i] == 0.0) & (y[i] == 0.0);
-        let u = (near_a_boundary(a, e) | near_a_boundary(b, e)) & !zeros;
+        let (a, b, e, pair) = rotate_f32(x[i], y[i], t.cos32[i], t.sin32[i]);
+        let u = pair | near_a_boundary(a, e) | near_a_boundary(b, e);
         unsure |= u32::from(u) << i;
-        // A NaN result is unsure, so redone below.
+        // A NaN result comes from an unsure pair, so is redone below.
         out[0][i] = crate::bf16::from_f32_not_nan(a);
         out[1][i] = crate::bf16::from_f32_not_nan(b);
     }
-    if unsure != 0 {
-        redo_in_f64(&mut out, unsure, band, t, layout);
-    }
+    let mut new = [0u16; D_ROPE];
     match layout {
         RopeLayout::Interleaved => {
             for i in 0..PAIRS {
-                (band[2 * i], band[2 * i + 1]) = (out[0][i], out[1][i]);
+                (new[2 * i], new[2 * i + 1]) = (out[0][i], out[1][i]);
             }
         }
         RopeLayout::Half => {
-            band[..PAIRS].copy_from_slice(&out[0]);
-            band[PAIRS..].copy_from_slice(&out[1]);
+            new[..PAIRS].copy_from_slice(&out[0]);
+            new[PAIRS..].copy_from_slice(&out[1]);
         }
     }
+    if unsure != 0 {
+        redo_in_f64(&mut new, unsure, band, t, layout);
+    }
+    band.copy_from_slice(&new);
 }
 
-/// One pair rotated in f32: `(x cos - y sin, x sin + y cos)` and the guard's bound.
+/// One pair rotated in f32: `(x cos - y sin, x sin + y cos)`, the guard's bound, and whether
+/// the pair is unsure whatever its result ([`unsure_pair`]).
 #[inline(always)]
-fn rotate_f32(x: f32, y: f32, c: f32, s: f32) -> (f32, f32, f32) {
-    (x * c - y * s, x * s + y * c, (x.abs() + y.abs()) * GUARD)
+fn rotate_f32(x: f32, y: f32, c: f32, s: f32) -> (f32, f32, f32, bool) {
+    let sum = x.abs() + y.abs();
+    (x * c - y * s, x * s + y * c, sum * GUARD, unsure_pair(sum))
 }
 
-/// The pairs the f32 guard was unsure of (bit `i` of `unsure`), read again from the band (not
-/// yet written) and computed as the reference does: two f64 products, one sum, no fused
-/// multiply-add, one rounding to bf16.
+/// The pairs the f32 guard was unsure of (bit `i` of `unsure`), read again from `band` (the
+/// rotation's input) and computed as the reference does: two f64 products, one sum, no fused
+/// multiply-add, one rounding to bf16; written into `new` (the rotated band) in place of the
+/// f32 results.
 #[cold]
 #[inline(never)]
 fn redo_in_f64(
-    out: &mut [[u16; PAIRS]; 2],
+    new: &mut [u16; D_ROPE],
     mut unsure: u32,
     band: &[u16],
     t: &AngleTable,
@@ -156,8 +172,116 @@ fn redo_in_f64(
         let (a, b) = layout.pair(i);
         let x = f64::from(crate::bf16::to_f32(band[a]));
         let y = f64::from(crate::bf16::to_f32(band[b]));
-        out[0][i] = bf16_round_once(x * t.cos[i] - y * t.sin[i]);
-        out[1][i] = bf16_round_once(x * t.sin[i] + y * t.cos[i]);
+        new[a] = bf16_round_once(x * t.cos[i] - y * t.sin[i]);
+        new[b] = bf16_round_once(x * t.sin[i] + y * t.cos[i]);
+    }
+}
+
+/// [`rotate_band`] written out for AVX-512: the same guard and the same results, bit for bit,
+/// with the pairs' unsure flags kept in mask registers (the portable loop's bit mask costs a
+/// horizontal reduction per band) and no shuffles. A 64-byte load holds 32 bf16 as 16 u32:
+/// `w << 16` is the low halves as f32, `w & 0xffff_0000` the high halves. Interleaved, word
+/// `k` holds pairs `16k..16k + 16` (x low, y high); half-split, word 0 holds the x and word 1
+/// the y of the even pairs (low halves) and of the odd pairs (high halves), so the angle
+/// tables are split into even and odd lanes to match.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma")]
+#[inline]
+fn rotate_band_avx512(band: &mut [u16], t: &AngleTable, layout: RopeLayout) {
+    use std::arch::x86_64::*;
+    assert_eq!(band.len(), D_ROPE);
+    // SAFETY: loads and stores stay inside `band` (64 u16 = two 64-byte vectors, checked
+    // above) and the 32-entry tables; the closures inherit this function's features.
+    unsafe {
+        let p = band.as_mut_ptr().cast::<__m512i>();
+        let (w0, w1) = (_mm512_loadu_si512(p), _mm512_loadu_si512(p.add(1)));
+        let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+        let lo = |w: __m512i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w));
+        let hi = |w: __m512i| _mm512_castsi512_ps(_mm512_and_si512(w, high));
+        let table = |v: &[f32; PAIRS]| {
+            let (a, b) = (
+                _mm512_loadu_ps(v.as_ptr()),
+                _mm512_loadu_ps(v.as_ptr().add(16)),
+            );
+            match layout {
+                RopeLayout::Interleaved => (a, b),
+                RopeLayout::Half => {
+                    let even =
+                        _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+                    let odd =
+                        _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+                    (
+                        _mm512_permutex2var_ps(a, even, b),
+                        _mm512_permutex2var_ps(a, odd, b),
+                    )
+                }
+            }
+        };
+        let ((c0, c1), (s0, s1)) = (table(&t.cos32), table(&t.sin32));
+        let (x0, y0, x1, y1) = match layout {
+            RopeLayout::Interleaved => (lo(w0), hi(w0), lo(w1), hi(w1)),
+            RopeLayout::Half => (lo(w0), lo(w1), hi(w0), hi(w1)),
+        };
+        let abs = _mm512_set1_epi32(0x7fff_ffff);
+        let near = |r: __m512, e: __m512| {
+            let m = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), abs));
+            let up = _mm512_castps_si512(_mm512_add_ps(m, e));
+            let down = _mm512_castps_si512(_mm512_sub_ps(m, e));
+            let up = _mm512_add_epi32(up, _mm512_set1_epi32(0x8000));
+            let down = _mm512_add_epi32(down, _mm512_set1_epi32(0x7fff));
+            // Different counts of midpoints: the high 16 bits differ.
+            _mm512_cmpge_epu32_mask(_mm512_xor_si512(up, down), _mm512_set1_epi32(0x1_0000))
+        };
+        let rotate = |x: __m512, y: __m512, c: __m512, s: __m512| {
+            let a = _mm512_fmsub_ps(x, c, _mm512_mul_ps(y, s));
+            let b = _mm512_fmadd_ps(x, s, _mm512_mul_ps(y, c));
+            let sum = _mm512_add_ps(
+                _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs)),
+                _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(y), abs)),
+            );
+            let e = _mm512_mul_ps(sum, _mm512_set1_ps(GUARD));
+            // `unsure_pair`: below TINY but not zero, or not finite (NaN fails every ordered compare).
+            let fine = _mm512_mask_cmp_ps_mask::<_CMP_LT_OQ>(
+                _mm512_cmp_ps_mask::<_CMP_GE_OQ>(sum, _mm512_set1_ps(TINY)),
+                sum,
+                _mm512_set1_ps(f32::INFINITY),
+            ) | _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(sum, _mm512_setzero_ps());
+            let unsure = !fine | near(a, e) | near(b, e);
+            (a, b, unsure)
+        };
+        let (a0, b0, u0) = rotate(x0, y0, c0, s0);
+        let (a1, b1, u1) = rotate(x1, y1, c1, s1);
+        // Round to nearest even: bits + 0x7fff + (bit 16), then the high 16 bits.
+        let round = |r: __m512| {
+            let b = _mm512_castps_si512(r);
+            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+            _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), odd)
+        };
+        // Low half from `l`, high half from `h`: `(l >> 16) | (h & 0xffff_0000)`.
+        let pack = |l: __m512, h: __m512| {
+            _mm512_ternarylogic_epi32::<0xf8>(_mm512_srli_epi32::<16>(round(l)), round(h), high)
+        };
+        let (n0, n1) = match layout {
+            RopeLayout::Interleaved => (pack(a0, b0), pack(a1, b1)),
+            RopeLayout::Half => (pack(a0, a1), pack(b0, b1)),
+        };
+        if u0 | u1 != 0 {
+            let mut new = [0u16; D_ROPE];
+            let q = new.as_mut_ptr().cast::<__m512i>();
+            _mm512_storeu_si512(q, n0);
+            _mm512_storeu_si512(q.add(1), n1);
+            let unsure = match layout {
+                RopeLayout::Interleaved => u32::from(u0) | u32::from(u1) << 16,
+                RopeLayout::Half => (0..16).fold(0, |acc, j| {
+                    acc | u32::from(u0 >> j & 1) << (2 * j) | u32::from(u1 >> j & 1) << (2 * j + 1)
+                }),
+            };
+            redo_in_f64(&mut new, unsure, band, t, layout);
+            band.copy_from_slice(&new);
+        } else {
+            _mm512_storeu_si512(p, n0);
+            _mm512_storeu_si512(p.add(1), n1);
+        }
     }
 }
 
@@ -165,11 +289,22 @@ fn redo_in_f64(
 /// of each are touched in place, a stride the hardware prefetchers do not follow far enough.
 const PREFETCH_ROWS: usize = 8;
 
-/// A hint to load row `t` of `layer`'s RoPE band into cache.
+/// A hint to load into cache the RoPE band [`PREFETCH_ROWS`] rows after `(layer, t)` in
+/// [`tokens`]' order (tokens `t0..t1` of one layer, then of the next).
 #[inline(always)]
-fn prefetch_band(job: &SpliceJob<'_>, pool: Pool, layer: usize, t: usize, t1: usize) {
+fn prefetch_band(
+    job: &SpliceJob<'_>,
+    pool: Pool,
+    layer: usize,
+    t: usize,
+    (t0, t1): (usize, usize),
+) {
+    let (mut layer, mut t) = (layer, t + PREFETCH_ROWS);
+    if t >= t1 {
+        (layer, t) = (layer + 1, t0 + (t - t1));
+    }
     #[cfg(target_arch = "x86_64")]
-    if t < t1 {
+    if layer < job.layers && t < t1 {
         use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
         let band = pool.base().wrapping_add(job.dst_start(layer, t) + D_LATENT);
         // SAFETY: a prefetch is a hint; it never faults or changes memory.
@@ -180,24 +315,24 @@ fn prefetch_band(job: &SpliceJob<'_>, pool: Pool, layer: usize, t: usize, t1: us
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (job, pool, layer, t, t1);
+    let _ = (job, pool, layer, t);
 }
 
-/// Tokens `t0..t1` of every layer.
+/// Tokens `t0..t1` of every layer, each RoPE band rotated by `rotate`.
 #[inline(always)]
 fn tokens(
     job: &SpliceJob<'_>,
     pool: Pool,
     which: &[usize],
     tables: &[AngleTable],
-    t0: usize,
-    t1: usize,
+    (t0, t1): (usize, usize),
+    rotate: impl Fn(&mut [u16], &AngleTable, RopeLayout),
 ) {
     let layout = job.rope.layout();
     let pool_len = job.pool.len();
     for layer in 0..job.layers {
         for t in t0..t1 {
-            prefetch_band(job, pool, layer, t + PREFETCH_ROWS, t1);
+            prefetch_band(job, pool, layer, t, (t0, t1));
             let start = job.dst_start(layer, t);
             assert!(start + D_QK <= pool_len, "validated by SpliceJob::new");
             // SAFETY: `start..start + 576` is inside the pool (checked above) and is this
@@ -207,7 +342,7 @@ fn tokens(
             if !job.is_in_place() {
                 dst.copy_from_slice(job.src_row(layer, t));
             }
-            rotate_band(&mut dst[D_LATENT..], &tables[which[t]], layout);
+            rotate(&mut dst[D_LATENT..], &tables[which[t]], layout);
         }
     }
 }
@@ -219,10 +354,11 @@ fn tokens_avx512(
     pool: Pool,
     which: &[usize],
     tables: &[AngleTable],
-    t0: usize,
-    t1: usize,
+    range: (usize, usize),
 ) {
-    tokens(job, pool, which, tables, t0, t1);
+    tokens(job, pool, which, tables, range, |band, t, layout| {
+        rotate_band_avx512(band, t, layout)
+    });
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -232,10 +368,12 @@ fn tokens_avx2(
     pool: Pool,
     which: &[usize],
     tables: &[AngleTable],
-    t0: usize,
-    t1: usize,
+    range: (usize, usize),
 ) {
-    tokens(job, pool, which, tables, t0, t1);
+    // A closure, not the fn item: its `Fn::call` shim was not inlined into this function.
+    tokens(job, pool, which, tables, range, |b, t, l| {
+        rotate_band(b, t, l)
+    });
 }
 
 pub(crate) fn splice(job: &mut SpliceJob<'_>, isa: Isa) {
@@ -254,14 +392,14 @@ pub(crate) fn splice(job: &mut SpliceJob<'_>, isa: Isa) {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa` is only used when `Isa::is_available` found its features at run time.
                 Isa::Avx512Bf16 | Isa::Avx512 if isa.is_available() => unsafe {
-                    tokens_avx512(job, pool, &which, &tables, t0, t1)
+                    tokens_avx512(job, pool, &which, &tables, (t0, t1))
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
                 Isa::Avx2 if isa.is_available() => unsafe {
-                    tokens_avx2(job, pool, &which, &tables, t0, t1)
+                    tokens_avx2(job, pool, &which, &tables, (t0, t1))
                 },
-                _ => tokens(job, pool, &which, &tables, t0, t1),
+                _ => tokens(job, pool, &which, &tables, (t0, t1), rotate_band),
             }
         });
 }
@@ -269,9 +407,24 @@ pub(crate) fn splice(job: &mut SpliceJob<'_>, isa: Isa) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::D_ROPE;
     use crate::rope::{Rope, Yarn, rotate_row_f64};
     use crate::workload::lcg;
+
+    type Rotate = fn(&mut [u16], &AngleTable, RopeLayout);
+
+    /// The band rotations this machine can run: the portable loop, and the AVX-512 one where
+    /// the CPU has it (named, so a machine without it shows what it did not check).
+    fn paths() -> Vec<(&'static str, Rotate)> {
+        let mut paths: Vec<(&'static str, Rotate)> = vec![("portable", rotate_band)];
+        #[cfg(target_arch = "x86_64")]
+        if Isa::Avx512.is_available() {
+            // SAFETY: the features were found at run time.
+            paths.push(("avx512", |b, t, l| unsafe { rotate_band_avx512(b, t, l) }));
+        } else {
+            eprintln!("no AVX-512 here: only the portable band rotation is checked");
+        }
+        paths
+    }
 
     /// The guarded f32 rotation against the reference's f64 one, bit for bit, on bands built to
     /// find a guard that is too loose: any bf16 bit pattern (subnormals, infinities, NaN, the
@@ -288,14 +441,18 @@ mod tests {
                 Rope::plain(10_000.0, layout).unwrap(),
                 Rope::yarn(10_000.0, Yarn::DEEPSEEK, layout).unwrap(),
             ] {
-                for case in 0..6_000u64 {
+                for case in 0..8_400u64 {
                     let delta = ((lcg(&mut rng) >> 16) % 320_001) as i64 - 160_000;
                     let table = rope.table(delta);
                     let mut row = vec![0u16; D_QK];
                     let band = &mut row[D_LATENT..];
                     for (i, v) in band.iter_mut().enumerate() {
                         let r = lcg(&mut rng) >> 16;
-                        *v = match case % 5 {
+                        *v = match case % 7 {
+                            // bf16 subnormals and the smallest normals: f32 products underflow.
+                            6 => (r as u16) & 0x80ff,
+                            // The largest exponents: sums overflow f32.
+                            5 => (r as u16) & 0x807f | 0x7f00,
                             // Signed zeros (and the odd tiny value).
                             4 => (r as u16) & if r.is_multiple_of(7) { 0x8001 } else { 0x8000 },
                             // Any bit pattern.
@@ -318,16 +475,18 @@ mod tests {
                     let mut want = row.clone();
                     let angles = rope.angles(delta);
                     rotate_row_f64(&mut want, &angles, layout);
-                    let mut got = row.clone();
-                    rotate_band(&mut got[D_LATENT..], &table, layout);
-                    for i in 0..D_ROPE {
-                        let (w, g) = (want[D_LATENT + i], got[D_LATENT + i]);
-                        let both_nan =
-                            crate::bf16::to_f32(w).is_nan() && crate::bf16::to_f32(g).is_nan();
-                        assert!(
-                            w == g || both_nan,
-                            "delta {delta}, case {case}, dim {i}: {w:#06x} != {g:#06x}"
-                        );
+                    for (path, rotate) in paths() {
+                        let mut got = row.clone();
+                        rotate(&mut got[D_LATENT..], &table, layout);
+                        for i in 0..D_ROPE {
+                            let (w, g) = (want[D_LATENT + i], got[D_LATENT + i]);
+                            let both_nan =
+                                crate::bf16::to_f32(w).is_nan() && crate::bf16::to_f32(g).is_nan();
+                            assert!(
+                                w == g || both_nan,
+                                "{path}, delta {delta}, case {case}, dim {i}: {w:#06x} != {g:#06x}"
+                            );
+                        }
                     }
                     for i in 0..PAIRS {
                         let (a, b) = layout.pair(i);
@@ -336,12 +495,13 @@ mod tests {
                             crate::bf16::to_f32(row[D_LATENT + b]),
                         );
                         // The rate is asked of typical values only (cases 1 and 2).
-                        if !matches!(case % 5, 1 | 2) {
+                        if !matches!(case % 7, 1 | 2) {
                             continue;
                         }
-                        let (a, b, e) = rotate_f32(x, y, table.cos32[i], table.sin32[i]);
-                        redone +=
-                            usize::from(near_a_boundary(a, e)) + usize::from(near_a_boundary(b, e));
+                        let (a, b, e, pair) = rotate_f32(x, y, table.cos32[i], table.sin32[i]);
+                        redone += 2 * usize::from(pair)
+                            + usize::from(near_a_boundary(a, e))
+                            + usize::from(near_a_boundary(b, e));
                         values += 2;
                     }
                 }
@@ -352,6 +512,36 @@ mod tests {
             redone * 100 < values,
             "{redone} of {values} values redone in f64"
         );
+    }
+
+    /// A product that underflows f32 to zero where f64 keeps its sign: `(0, 2^-133)` rotated by
+    /// one position under YaRN has `y sin` of about 2^-150 in its highest pairs, so the f64
+    /// result rounds to bf16 -0 and the f32 one to +0. An exhaustive search over every pair
+    /// of bf16 subnormals and eight deltas found only such signed zeros; [`TINY`] sends these
+    /// pairs to f64 (without it, this test fails).
+    #[test]
+    fn underflowing_products_keep_the_sign_of_zero() {
+        let rope = Rope::yarn(10_000.0, Yarn::DEEPSEEK, RopeLayout::Interleaved).unwrap();
+        let (table, angles) = (rope.table(1), rope.angles(1));
+        for (x, y) in [
+            (0x0000, 0x0001),
+            (0x0000, 0x0002),
+            (0x8001, 0x0000),
+            (0x8002, 0x0000),
+        ] {
+            let mut row = vec![0u16; D_QK];
+            for pair in row[D_LATENT..].chunks_exact_mut(2) {
+                (pair[0], pair[1]) = (x, y);
+            }
+            let mut want = row.clone();
+            rotate_row_f64(&mut want, &angles, RopeLayout::Interleaved);
+            assert!(want[D_LATENT..].contains(&0x8000), "the case lost its -0");
+            for (path, rotate) in paths() {
+                let mut got = row.clone();
+                rotate(&mut got[D_LATENT..], &table, RopeLayout::Interleaved);
+                assert_eq!(got, want, "{path}: ({x:#06x}, {y:#06x})");
+            }
+        }
     }
 
     #[test]
