@@ -562,7 +562,11 @@ pub struct SweepArgs {
     #[arg(long, default_value = "auto")]
     pub provider: String,
     /// Query rows per route request, comma separated.
-    #[arg(long, default_value = "1,4,16,64,256,1024,4096", value_delimiter = ',')]
+    #[arg(
+        long,
+        default_value = "1,4,16,64,256,512,1024,2048,4096",
+        value_delimiter = ','
+    )]
     pub mq: Vec<u32>,
     /// Chunk tokens the route sweep attends (one layer), and the decode point's ct.
     #[arg(long, default_value_t = 2048)]

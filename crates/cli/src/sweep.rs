@@ -18,8 +18,10 @@
 //!   the paper's c = 1 us per token-layer, a model line, never a measurement.
 //!
 //! The fit is the paper's affine model `T = T_probe + Mq (q + p) / BW` (section 4.3) over the
-//! route round trip minus the holder's kernel time (the model prices compute separately), with
-//! MAPE over the amortised regime (Mq >= 512) and over every sample.
+//! route round trip minus the holder's kernel time (the model prices compute separately),
+//! fitted to one point per Mq (the median of its repetitions: the paper's figure 2b has one
+//! measured point per Mq), with MAPE over the amortised regime (Mq >= 512) and over every
+//! point, and the same line's MAPE over every repetition, which adds this machine's noise.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -30,7 +32,7 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvroute_costmodel::crossover::byte_crossover_rows;
 use kvroute_costmodel::fit::{
-    FabricFit, RoundTripSample, TransferSample, Weighting, fit_round_trips, fit_transfers,
+    Mape, RoundTripSample, TransferSample, Weighting, fit_round_trips, fit_transfers, mape,
 };
 use kvroute_costmodel::{CostModel, CostParams, Fabric, Request, model_preset};
 use kvroute_kernels::layout::{D_LATENT, D_QK, PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
@@ -61,6 +63,10 @@ pub struct RouteSample {
     pub reply_bytes: usize,
     /// Raw write round trip of the same bytes, microseconds.
     pub raw_us: f64,
+    /// The same raw round trip with a pong the holder has just written ([`wire::Pong::Written`],
+    /// as a route's reply rows always are), the holder's writing taken out, microseconds.
+    #[serde(default)]
+    pub written_raw_us: f64,
     /// Route round trip, submit to decoded partial, microseconds.
     pub route_us: f64,
     /// The holder's kernel time for this request, microseconds.
@@ -161,6 +167,11 @@ pub struct RoutePoint {
     pub copy_floor_us: f64,
     /// The zero-copy route ([`RouteSample::zero_copy_us`]).
     pub zero_copy_us: f64,
+    /// Raw round trip with a freshly written pong ([`RouteSample::written_raw_us`]).
+    pub written_raw_us: f64,
+    /// `zero_copy_us - written_raw_us -` its kernel: the host overhead against a baseline
+    /// whose reply bytes are as fresh as the route's.
+    pub zero_copy_written_overhead_us: f64,
     /// Its host overhead: zero-copy route - raw - its kernel (median of per-sample values).
     pub zero_copy_overhead_us: f64,
     /// The merge of its partial from wire rows ([`RouteSample::merge_us`]).
@@ -264,11 +275,11 @@ pub struct SweepReport {
     /// Every route sample.
     pub route_samples: Vec<RouteSample>,
     /// The paper's affine model fitted to route minus kernel.
-    pub fit: Option<FabricFit>,
+    pub fit: Option<SweepFit>,
     /// Why [`SweepReport::fit`] is missing, when it is.
     pub fit_error: Option<String>,
     /// The same model fitted to the raw write round trips.
-    pub raw_fit: Option<FabricFit>,
+    pub raw_fit: Option<SweepFit>,
     /// Worst `max |o - o_local|` of the routed partials against the same kernel run here.
     pub route_max_abs: f32,
     /// Per ct.
@@ -287,6 +298,67 @@ pub struct SweepReport {
     pub plots: Vec<PathBuf>,
     /// The raw report, as JSON.
     pub json: PathBuf,
+}
+
+/// The paper's affine model fitted to a route sweep: to one point per Mq (the median of its
+/// repetitions), scored on those points and on every repetition.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct SweepFit {
+    /// Fixed cost, microseconds.
+    pub probe_us: f64,
+    /// Bandwidth, GB/s.
+    pub bw_gbps: f64,
+    /// MAPE over the per-Mq medians the line was fitted to.
+    pub mape: Mape,
+    /// MAPE of the same line over every repetition (the run's noise included).
+    pub sample_mape: Mape,
+}
+
+impl SweepFit {
+    /// The model's round trip at `mq` rows, microseconds.
+    pub fn model_us(&self, mq: u32) -> f64 {
+        self.probe_us + f64::from(mq) * ROW_BYTES as f64 / (self.bw_gbps * 1e3)
+    }
+}
+
+/// Fits `T = T_probe + Mq (q + p) / BW` to `medians` (one point per Mq) and scores it on
+/// those and on `every` repetition; `Err` says why there is no fit.
+fn fit_medians(
+    medians: &[RoundTripSample],
+    every: &[RoundTripSample],
+) -> std::result::Result<SweepFit, String> {
+    if medians.len() < 2 {
+        return Err("fewer than two distinct Mq".to_owned());
+    }
+    let fit =
+        fit_round_trips(medians, ROW_BYTES, Weighting::Relative).map_err(|e| e.to_string())?;
+    let fabric = Fabric {
+        probe_us: fit.probe_us,
+        bw_gbps: fit.bw_gbps,
+        turnaround_us: 0.0,
+        link_gbps: None,
+    };
+    let sample_mape = mape(&fabric, ROW_BYTES, every).map_err(|e| e.to_string())?;
+    Ok(SweepFit {
+        probe_us: fit.probe_us,
+        bw_gbps: fit.bw_gbps,
+        mape: fit.mape,
+        sample_mape,
+    })
+}
+
+/// `(Mq, value)` pairs as the cost model's round-trip samples.
+fn round_trips<T>(
+    of: &[T],
+    mq: impl Fn(&T) -> u32,
+    us: impl Fn(&T) -> f64,
+) -> Vec<RoundTripSample> {
+    of.iter()
+        .map(|x| RoundTripSample {
+            mq_rows: mq(x),
+            round_trip_us: us(x),
+        })
+        .collect()
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -399,45 +471,6 @@ pub(crate) fn run(args: &SweepArgs) -> Result<SweepReport> {
     let (concurrency_samples, kernel_alone) = concurrency_sweep(args, &provider, &bar)?;
     bar.finish_and_clear();
 
-    // Fits: route minus kernel (the model's transport), and the raw pings.
-    let transport: Vec<RoundTripSample> = route_samples
-        .iter()
-        .map(|s| RoundTripSample {
-            mq_rows: s.mq,
-            round_trip_us: s.route_us - s.kernel_us,
-        })
-        .collect();
-    let raw: Vec<RoundTripSample> = route_samples
-        .iter()
-        .map(|s| RoundTripSample {
-            mq_rows: s.mq,
-            round_trip_us: s.raw_us,
-        })
-        .collect();
-    let distinct = args
-        .mq
-        .iter()
-        .collect::<std::collections::BTreeSet<_>>()
-        .len();
-    // Why there is no fit, when there is none (too few Mq, or noise gave no positive slope).
-    let fitted = if distinct >= 2 {
-        fit_round_trips(&transport, ROW_BYTES, Weighting::Relative).map_err(|e| e.to_string())
-    } else {
-        Err("fewer than two distinct Mq".to_owned())
-    };
-    let fit_error = fitted.as_ref().err().cloned();
-    let fit = fitted.ok();
-    let raw_fit = (distinct >= 2)
-        .then(|| fit_round_trips(&raw, ROW_BYTES, Weighting::Relative))
-        .transpose()
-        .ok()
-        .flatten();
-    let model = |mq: u32| {
-        fit.map_or(f64::NAN, |f| {
-            f.probe_us + f64::from(mq) * ROW_BYTES as f64 / (f.bw_gbps * 1e3)
-        })
-    };
-
     let mut route = Vec::new();
     for &mq in &args.mq {
         let s: Vec<&RouteSample> = route_samples.iter().filter(|s| s.mq == mq).collect();
@@ -456,9 +489,31 @@ pub(crate) fn run(args: &SweepArgs) -> Result<SweepReport> {
             copy_floor_us: pick(&|x| x.copy_floor_us),
             zero_copy_us: pick(&|x| x.zero_copy_us),
             zero_copy_overhead_us: pick(&|x| x.zero_copy_us - x.raw_us - x.zero_copy_kernel_us),
+            written_raw_us: pick(&|x| x.written_raw_us),
+            zero_copy_written_overhead_us: pick(&|x| {
+                x.zero_copy_us - x.written_raw_us - x.zero_copy_kernel_us
+            }),
             merge_us: pick(&|x| x.merge_us),
-            model_us: model(mq),
+            model_us: f64::NAN,
         });
+    }
+    // Fits: route minus kernel (the model's transport), and the raw pings; each to one point
+    // per Mq (the median of its repetitions, as paper 000's figure 2b has one point per Mq),
+    // then scored against every repetition too.
+    let (fit, fit_error) = match fit_medians(
+        &round_trips(&route, |p| p.mq, |p| p.transport_us),
+        &round_trips(&route_samples, |s| s.mq, |s| s.route_us - s.kernel_us),
+    ) {
+        Ok(fit) => (Some(fit), None),
+        Err(e) => (None, Some(e)),
+    };
+    let raw_fit = fit_medians(
+        &round_trips(&route, |p| p.mq, |p| p.raw_us),
+        &round_trips(&route_samples, |s| s.mq, |s| s.raw_us),
+    )
+    .ok();
+    for p in &mut route {
+        p.model_us = fit.as_ref().map_or(f64::NAN, |f| f.model_us(p.mq));
     }
 
     let mut fetch = Vec::new();
@@ -600,7 +655,8 @@ fn route_sweep(
             sparse: None,
         };
         s.requester.route(&[call]).remove(0)?;
-        s.requester.ping(0, wire::PING_HEADER, 1)?;
+        s.requester
+            .ping(0, wire::PING_HEADER, 1, wire::Pong::Staged)?;
     }
     for &mq in &args.mq {
         bar.set_message(format!("Mq = {mq}"));
@@ -626,10 +682,18 @@ fn route_sweep(
         // The baseline first: its cache eviction must not slow the pings and routes. One ping
         // afterwards, not counted, warms up the transport again.
         let floors: Vec<f64> = (0..args.reps).map(|_| floor.us(mq as usize)).collect();
-        s.requester.ping(0, request_bytes, reply_bytes)?;
+        s.requester
+            .ping(0, request_bytes, reply_bytes, wire::Pong::Staged)?;
         for copy_floor_us in floors {
-            let raw = s.requester.ping(0, request_bytes, reply_bytes)?;
+            let raw = s
+                .requester
+                .ping(0, request_bytes, reply_bytes, wire::Pong::Staged)?;
+            let unwritten = s.requester.holder_stats(0)?;
+            let written = s
+                .requester
+                .ping(0, request_bytes, reply_bytes, wire::Pong::Written)?;
             let before = s.requester.holder_stats(0)?;
+            let pong_write_us = before.pong_write_us - unwritten.pong_write_us;
             let codec = s.requester.codec_times();
             let started = Instant::now();
             let done = s.requester.route_into(&[call], &mut got).remove(0);
@@ -651,6 +715,7 @@ fn route_sweep(
                 request_bytes,
                 reply_bytes,
                 raw_us: raw.as_secs_f64() * 1e6,
+                written_raw_us: written.as_secs_f64() * 1e6 - pong_write_us,
                 route_us,
                 kernel_us: after.kernel_us - before.kernel_us,
                 serve_us: after.serve_us - before.serve_us,
@@ -877,6 +942,7 @@ impl fmt::Display for SweepReport {
                 "-".to_owned()
             }
         };
+        let pct = |m: Option<f64>| m.map_or("-".to_owned(), |m| format!("{m:.1}%"));
         writeln!(
             f,
             "kvroute sweep over {} ({} progress), one holder process and this requester",
@@ -890,12 +956,14 @@ impl fmt::Display for SweepReport {
              memcpy = a cold copy of as many bytes as codec moves, this run, rest = overhead - \
              codec; zc = the zero-copy route right after it: query rows written into staging \
              by their producer, reply checked in place, zc-ovh = zc-route - raw - its kernel, \
-             merge = merging its wire rows into f32, not in zc-route):",
+             raw-w = raw with a pong the holder has just written, its writing taken out, \
+             zc-wovh = zc-route - raw-w - its kernel, merge = merging its wire rows into f32, \
+             not in zc-route):",
             self.route_ct
         )?;
         writeln!(
             f,
-            "{:>6} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>9} {:>9} {:>8} {:>8}",
+            "{:>6} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8}",
             "Mq",
             "route",
             "raw",
@@ -909,12 +977,14 @@ impl fmt::Display for SweepReport {
             "model",
             "zc-route",
             "zc-ovh",
+            "raw-w",
+            "zc-wovh",
             "merge"
         )?;
         for p in &self.route {
             writeln!(
                 f,
-                "{:>6} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>9} {:>9} {:>8} {:>8}",
+                "{:>6} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8}",
                 p.mq,
                 us(p.route_us),
                 us(p.raw_us),
@@ -928,6 +998,8 @@ impl fmt::Display for SweepReport {
                 us(p.model_us),
                 us(p.zero_copy_us),
                 us(p.zero_copy_overhead_us),
+                us(p.written_raw_us),
+                us(p.zero_copy_written_overhead_us),
                 us(p.merge_us)
             )?;
         }
@@ -940,16 +1012,18 @@ impl fmt::Display for SweepReport {
             match fit {
                 Some(fit) => writeln!(
                     f,
-                    "fit T = T_probe + Mq (q + p) / BW to {name}: T_probe {:.1} us, BW {:.2} GB/s; \
-                     MAPE {} amortised (Mq >= 512, {} samples), {:.1}% over all {}",
+                    "fit T = T_probe + Mq (q + p) / BW to {name} (medians per Mq): T_probe {:.1} \
+                     us, BW {:.2} GB/s; MAPE {} amortised (Mq >= 512, {} points), {:.1}% over \
+                     all {}; over every repetition: {} amortised, {:.1}% over all {}",
                     fit.probe_us,
                     fit.bw_gbps,
-                    fit.mape
-                        .amortised_pct
-                        .map_or("-".to_owned(), |m| format!("{m:.1}%")),
+                    pct(fit.mape.amortised_pct),
                     fit.mape.amortised_samples,
                     fit.mape.all_pct,
-                    fit.mape.samples
+                    fit.mape.samples,
+                    pct(fit.sample_mape.amortised_pct),
+                    fit.sample_mape.all_pct,
+                    fit.sample_mape.samples
                 )?,
                 None => writeln!(
                     f,
@@ -1470,5 +1544,42 @@ mod plots {
         }
         finish(&mut chart, &root, SeriesLabelPosition::UpperLeft)?;
         Ok(path.to_path_buf())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The line goes through the medians, not the repetitions: a sweep whose repetitions
+    /// scatter +-20% around a line gets that line back, MAPE 0 on its medians and about 14%
+    /// on the repetitions; one Mq gives no fit, with the reason.
+    #[test]
+    fn the_fit_is_to_the_medians_and_scored_on_both() {
+        let line = |mq: u32| 20.0 + f64::from(mq) * ROW_BYTES as f64 / 4e3;
+        let mqs = [1u32, 64, 512, 1024, 2048, 4096];
+        let medians = round_trips(&mqs, |&m| m, |&m| line(m));
+        let every: Vec<RoundTripSample> = mqs
+            .iter()
+            .flat_map(|&m| [0.8, 1.0, 1.2].map(|k| (m, k * line(m))))
+            .map(|(m, us)| RoundTripSample {
+                mq_rows: m,
+                round_trip_us: us,
+            })
+            .collect();
+        let fit = fit_medians(&medians, &every).expect("a fit");
+        assert!((fit.probe_us - 20.0).abs() < 1e-6, "{fit:?}");
+        assert!((fit.bw_gbps - 4.0).abs() < 1e-9, "{fit:?}");
+        assert!(fit.mape.amortised_pct.expect("amortised points") < 1e-6);
+        assert_eq!(fit.mape.amortised_samples, 4);
+        let scattered = fit.sample_mape.amortised_pct.expect("amortised samples");
+        // |model - y| / y at y = 0.8, 1.0, 1.2 times the line: 25%, 0, 16.7%.
+        assert!(
+            (scattered - (25.0 + 50.0 / 3.0) / 3.0).abs() < 1e-6,
+            "{scattered}"
+        );
+        assert_eq!(fit.sample_mape.samples, 18);
+        let one = fit_medians(&medians[..1], &every).expect_err("one Mq");
+        assert!(one.contains("Mq"), "{one}");
     }
 }

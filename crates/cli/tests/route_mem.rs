@@ -473,7 +473,7 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
     // slot that holds no ping header. Both are refused without a write.
     let before = req.holder_stats(0)?;
     let mut ping = [0u8; wire::PING_HEADER];
-    wire::encode_ping(&mut ping, u32::MAX, 0);
+    wire::encode_ping(&mut ping, u32::MAX, 0, wire::Pong::Staged);
     buf.write_at(0, &ping)?;
     let ping_imm = wire::ping_imm(welcome.session, 1);
     rogue.submit_single_write(
@@ -588,19 +588,32 @@ fn ping_is_a_raw_round_trip_of_the_asked_sizes() -> Result<()> {
         (300_000, 264_000),
         (1 << 20, 1 << 20),
     ] {
-        let rtt = req.ping(0, out, back)?;
-        assert!(rtt > Duration::ZERO);
+        for pong in [wire::Pong::Staged, wire::Pong::Written] {
+            let rtt = req.ping(0, out, back, pong)?;
+            assert!(rtt > Duration::ZERO);
+        }
     }
-    assert_eq!(req.holder_stats(0)?.pings, 3);
+    let stats = req.holder_stats(0)?;
+    assert_eq!(stats.pings, 6);
+    assert!(stats.pong_write_us > 0.0, "written pongs are timed");
     assert_eq!(req.holder_stats(0)?.requests, 0, "a ping is not a request");
     // Sizes the link or the holder cannot take are refused before anything is sent.
-    assert!(matches!(req.ping(0, 8, 1), Err(RouteError::TooLarge(8))));
-    assert!(matches!(req.ping(0, 64, 0), Err(RouteError::TooLarge(0))));
     assert!(matches!(
-        req.ping(0, 64, (1 << 20) + 1),
+        req.ping(0, 8, 1, wire::Pong::Staged),
+        Err(RouteError::TooLarge(8))
+    ));
+    assert!(matches!(
+        req.ping(0, 64, 0, wire::Pong::Written),
+        Err(RouteError::TooLarge(0))
+    ));
+    assert!(matches!(
+        req.ping(0, 64, (1 << 20) + 1, wire::Pong::Written),
         Err(RouteError::TooLarge(_))
     ));
-    assert!(matches!(req.ping(7, 64, 64), Err(RouteError::NoHolder(_))));
+    assert!(matches!(
+        req.ping(7, 64, 64, wire::Pong::Staged),
+        Err(RouteError::NoHolder(_))
+    ));
     // And routing still works on the same link afterwards.
     let q = vec![0x3f80u16; D_QK];
     let call = Call {

@@ -37,6 +37,7 @@ fn check(provider: &str) {
     assert_eq!(samples.len(), 3 * 2);
     for s in samples {
         assert!(f(&s["raw_us"]) > 0.0 && f(&s["kernel_us"]) > 0.0, "{s}");
+        assert!(f(&s["written_raw_us"]) > 0.0, "{s}");
         assert!(
             f(&s["route_us"]) > f(&s["kernel_us"]),
             "route includes the kernel: {s}"
@@ -98,6 +99,7 @@ fn check(provider: &str) {
             "{fit}"
         );
         assert!(f(&fit["mape"]["all_pct"]) >= 0.0, "{fit}");
+        assert!(f(&fit["sample_mape"]["all_pct"]) >= 0.0, "{fit}");
         assert!(r["fit_error"].is_null(), "{r}");
     }
     assert_eq!(r["fetch"].as_array().map(Vec::len), Some(2));

@@ -408,7 +408,8 @@ impl Shared {
     }
 
     /// Answers a ping: the requested number of bytes from the session's staging into its
-    /// reply region, with its reply immediate. No parsing beyond the 16-byte header, no kernel.
+    /// reply region, with its reply immediate. No parsing beyond the 16-byte header, no kernel;
+    /// for a [`wire::Pong::Written`] ping, every byte of the pong is written first (timed).
     fn pong(&self, slot: usize) {
         let Some(session) = lock(&self.sessions)[slot].clone() else {
             lock(&self.stats).stray_imms += 1;
@@ -420,19 +421,33 @@ impl Shared {
             .read_at(slot * self.config.slot_bytes, &mut header)
             .ok()
             .and_then(|()| wire::parse_ping(&header));
-        let Some((len, offset)) =
-            parsed.filter(|(len, _)| (1..=self.config.reply_bytes).contains(len))
+        let Some((len, offset, pong)) =
+            parsed.filter(|(len, ..)| (1..=self.config.reply_bytes).contains(len))
         else {
             lock(&self.stats).refused += 1;
             return;
         };
+        let source = slot * self.config.reply_bytes;
+        if pong == wire::Pong::Written {
+            let started = Instant::now();
+            // SAFETY: the slot's own reply staging (`len` is within it, checked above); no
+            // write from it is in flight, as the requester waits for each pong or reply
+            // before it sends again.
+            let written = unsafe { self.staging.bytes_mut(source, len) }.map(|out| {
+                let value = (len as u8) | 1;
+                out.fill(value);
+            });
+            let mut stats = lock(&self.stats);
+            stats.pong_write_us += started.elapsed().as_secs_f64() * 1e6;
+            if written.is_err() {
+                stats.refused += 1;
+                return;
+            }
+        }
         let result = self.engine.submit_single_write(
             len as u64,
             Some(session.hello.reply_imm),
-            (
-                self.staging.handle(),
-                (slot * self.config.reply_bytes) as u64,
-            ),
+            (self.staging.handle(), source as u64),
             (&session.hello.reply, offset),
             OnDone::nothing(),
         );

@@ -551,13 +551,15 @@ impl Requester {
     /// given to [`Requester::connect`]): `request_len` bytes out into its inbox slot and
     /// `reply_len` bytes back into the reply region, each one write with an immediate, through
     /// the same engines, buffers and serving thread as [`Requester::route`] but with no
-    /// encoding, parsing or kernel. Route's round trip minus this, minus the holder's kernel
-    /// time, is the protocol's host overhead (what `kvroute sweep` reports).
+    /// encoding, parsing or kernel; the holder sends the pong from `pong`. Route's round trip
+    /// minus this, minus the holder's kernel time, is the protocol's host overhead (what
+    /// `kvroute sweep` reports).
     pub fn ping(
         &mut self,
         holder: usize,
         request_len: usize,
         reply_len: usize,
+        pong: wire::Pong,
     ) -> Result<Duration, RouteError> {
         let link_bytes = self.config.link_bytes;
         let l = self
@@ -597,7 +599,7 @@ impl Requester {
         let sent_flag = DoneFlag::new();
         // SAFETY: as in `exchange`: this link's staging range, no write from it in flight.
         let submitted = unsafe { self.send.bytes_mut(staged, wire::PING_HEADER) }
-            .map(|buf| wire::encode_ping(buf, reply_len as u32, staged as u64))
+            .map(|buf| wire::encode_ping(buf, reply_len as u32, staged as u64, pong))
             .map_err(|e| e.to_string())
             .and_then(|()| {
                 self.engine

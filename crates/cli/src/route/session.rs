@@ -97,6 +97,10 @@ pub struct HolderStats {
     /// Pings answered (raw write round trips, no kernel).
     #[serde(default)]
     pub pings: u64,
+    /// Time writing the bytes of [`super::wire::Pong::Written`] pongs before sending them,
+    /// microseconds.
+    #[serde(default)]
+    pub pong_write_us: f64,
     /// Requests or segments refused as malformed.
     pub refused: u64,
     /// Immediates that named no session.

@@ -61,8 +61,10 @@ fn parse_tagged_imm(tag: u32, imm: u32) -> Option<(u16, u64)> {
     Some(((imm & 0xffff) as u16, u64::from((imm >> 16) & 0x3) + 1))
 }
 
-/// "KVPG", little-endian: the header of a ping.
+/// "KVPG", little-endian: the header of a ping whose pong is sent from staging as it is.
 pub const PING_MAGIC: u32 = u32::from_le_bytes(*b"KVPG");
+/// "KVPW", little-endian: the header of a ping whose pong bytes the holder writes first.
+pub const PING_WRITTEN_MAGIC: u32 = u32::from_le_bytes(*b"KVPW");
 /// Bytes of a ping header: magic, reply length (u32), reply offset (u64).
 pub const PING_HEADER: usize = 16;
 
@@ -79,20 +81,42 @@ pub fn parse_ping_imm(imm: u32) -> Option<(u16, u64)> {
     parse_tagged_imm(PING_TAG, imm)
 }
 
+/// Where a pong's bytes come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pong {
+    /// Staging as it is: the lines the previous pong's copy left in cache (the transport's
+    /// plain raw round trip).
+    Staged,
+    /// Staging the holder's serving thread has just written, every byte: a route's reply
+    /// rows are always freshly written (by the kernel), so this is the raw round trip for
+    /// bytes in the same state. The holder times the writing ([`super::HolderStats`]'s
+    /// `pong_write_us`), so it can be taken out of the round trip.
+    Written,
+}
+
 /// Writes a ping header into the first [`PING_HEADER`] bytes of `out`: answer with
-/// `reply_len` bytes at `reply_offset` of the reply region.
-pub fn encode_ping(out: &mut [u8], reply_len: u32, reply_offset: u64) {
-    out[..4].copy_from_slice(&PING_MAGIC.to_le_bytes());
+/// `reply_len` bytes at `reply_offset` of the reply region, from `pong`.
+pub fn encode_ping(out: &mut [u8], reply_len: u32, reply_offset: u64, pong: Pong) {
+    let magic = match pong {
+        Pong::Staged => PING_MAGIC,
+        Pong::Written => PING_WRITTEN_MAGIC,
+    };
+    out[..4].copy_from_slice(&magic.to_le_bytes());
     out[4..8].copy_from_slice(&reply_len.to_le_bytes());
     out[8..16].copy_from_slice(&reply_offset.to_le_bytes());
 }
 
-/// Parses a ping header: `(reply_len, reply_offset)`, or `None` if it is not one.
-pub fn parse_ping(bytes: &[u8]) -> Option<(usize, u64)> {
-    if bytes.len() < PING_HEADER || u32_at(bytes, 0) != PING_MAGIC {
+/// Parses a ping header: `(reply_len, reply_offset, pong)`, or `None` if it is not one.
+pub fn parse_ping(bytes: &[u8]) -> Option<(usize, u64, Pong)> {
+    if bytes.len() < PING_HEADER {
         return None;
     }
-    Some((u32_at(bytes, 4) as usize, u64_at(bytes, 8)))
+    let pong = match u32_at(bytes, 0) {
+        PING_MAGIC => Pong::Staged,
+        PING_WRITTEN_MAGIC => Pong::Written,
+        _ => return None,
+    };
+    Some((u32_at(bytes, 4) as usize, u64_at(bytes, 8), pong))
 }
 
 /// What a segment asks for.
@@ -906,8 +930,10 @@ mod tests {
     #[test]
     fn pings_round_trip_and_other_bytes_are_not_pings() {
         let mut b = [0u8; PING_HEADER];
-        encode_ping(&mut b, 123_456, 1 << 40);
-        assert_eq!(parse_ping(&b), Some((123_456, 1 << 40)));
+        for pong in [Pong::Staged, Pong::Written] {
+            encode_ping(&mut b, 123_456, 1 << 40, pong);
+            assert_eq!(parse_ping(&b), Some((123_456, 1 << 40, pong)));
+        }
         assert_eq!(parse_ping(&b[..PING_HEADER - 1]), None);
         assert_eq!(parse_ping(&sample()), None, "a request is not a ping");
     }
