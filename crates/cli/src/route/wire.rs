@@ -89,7 +89,7 @@ pub enum Pong {
     Staged,
     /// Staging the holder's serving thread has just written, every byte: a route's reply
     /// rows are always freshly written (by the kernel), so this is the raw round trip for
-    /// bytes in the same state. The holder times the writing ([`super::HolderStats`]'s
+    /// bytes in the same state. The holder times the writing ([`super::session::HolderStats`]'s
     /// `pong_write_us`), so it can be taken out of the round trip.
     Written,
 }
