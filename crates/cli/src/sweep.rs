@@ -32,7 +32,7 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvroute_costmodel::crossover::byte_crossover_rows;
 use kvroute_costmodel::fit::{
-    Mape, RoundTripSample, TransferSample, Weighting, fit_round_trips, fit_transfers, mape,
+    Mape, RoundTripSample, TransferSample, Weighting, fit_round_trips, fit_transfers,
 };
 use kvroute_costmodel::{CostModel, CostParams, Fabric, Request, model_preset};
 use kvroute_kernels::layout::{D_LATENT, D_QK, PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
@@ -316,8 +316,8 @@ pub struct SweepFit {
 
 impl SweepFit {
     /// The model's round trip at `mq` rows, microseconds.
-    pub fn model_us(&self, mq: u32) -> f64 {
-        self.probe_us + f64::from(mq) * ROW_BYTES as f64 / (self.bw_gbps * 1e3)
+    pub fn model_us(&self, mq: f64) -> f64 {
+        self.probe_us + mq * ROW_BYTES as f64 / (self.bw_gbps * 1e3)
     }
 }
 
@@ -332,13 +332,7 @@ fn fit_medians(
     }
     let fit =
         fit_round_trips(medians, ROW_BYTES, Weighting::Relative).map_err(|e| e.to_string())?;
-    let fabric = Fabric {
-        probe_us: fit.probe_us,
-        bw_gbps: fit.bw_gbps,
-        turnaround_us: 0.0,
-        link_gbps: None,
-    };
-    let sample_mape = mape(&fabric, ROW_BYTES, every).map_err(|e| e.to_string())?;
+    let sample_mape = fit.score(ROW_BYTES, every).map_err(|e| e.to_string())?;
     Ok(SweepFit {
         probe_us: fit.probe_us,
         bw_gbps: fit.bw_gbps,
@@ -513,7 +507,9 @@ pub(crate) fn run(args: &SweepArgs) -> Result<SweepReport> {
     )
     .ok();
     for p in &mut route {
-        p.model_us = fit.as_ref().map_or(f64::NAN, |f| f.model_us(p.mq));
+        p.model_us = fit
+            .as_ref()
+            .map_or(f64::NAN, |f| f.model_us(f64::from(p.mq)));
     }
 
     let mut fetch = Vec::new();
@@ -1116,7 +1112,7 @@ mod plots {
     use plotters::style::{FontStyle, register_font};
 
     use super::{
-        OnceLock, Path, PathBuf, ROW_BYTES, Result, SweepReport, anyhow, bail, byte_crossover_rows,
+        OnceLock, Path, PathBuf, Result, SweepReport, anyhow, bail, byte_crossover_rows,
         model_preset,
     };
 
@@ -1297,10 +1293,7 @@ mod plots {
             let line: Vec<(f64, f64)> = (0..=60)
                 .map(|i| {
                     let mq = x0 * (x1 / x0).powf(f64::from(i) / 60.0);
-                    (
-                        mq,
-                        fit.probe_us + mq * ROW_BYTES as f64 / (fit.bw_gbps * 1e3),
-                    )
+                    (mq, fit.model_us(mq))
                 })
                 .collect();
             let color = RGBColor(0, 90, 200);

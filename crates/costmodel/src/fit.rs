@@ -133,6 +133,28 @@ impl FabricFit {
     pub fn fabric(&self) -> Result<Fabric> {
         Fabric::measured(self.probe_us, self.bw_gbps)
     }
+
+    /// How well the fitted line matches `samples` (for example every repetition of a sweep
+    /// whose medians it was fitted to), scored as [`FabricFit::mape`] is: a line whose
+    /// intercept came out <= 0 is scored too, where [`mape`] refuses it.
+    pub fn score(&self, row_bytes: u64, samples: &[RoundTripSample]) -> Result<Mape> {
+        validate_round_trips(samples)?;
+        Ok(score(
+            &line(self.probe_us, self.bw_gbps),
+            row_bytes as f64,
+            samples,
+        ))
+    }
+}
+
+/// A fitted line as a [`Fabric`], unchecked (its intercept may be <= 0), for scoring only.
+fn line(probe_us: f64, bw_gbps: f64) -> Fabric {
+    Fabric {
+        probe_us,
+        bw_gbps,
+        turnaround_us: 0.0,
+        link_gbps: None,
+    }
 }
 
 /// Fits `round_trip = probe + Mq row_bytes / BW` to a route sweep.
@@ -151,16 +173,10 @@ pub fn fit_round_trips(
         weighting,
     )?;
     let bw_gbps = bandwidth_from_slope(line.slope)?;
-    let fabric = Fabric {
-        probe_us: line.intercept,
-        bw_gbps,
-        turnaround_us: 0.0,
-        link_gbps: None,
-    };
     Ok(FabricFit {
         probe_us: line.intercept,
         bw_gbps,
-        mape: score(&fabric, row_bytes, samples),
+        mape: score(&self::line(line.intercept, bw_gbps), row_bytes, samples),
     })
 }
 
@@ -327,6 +343,33 @@ mod tests {
             },
         ];
         assert!(fit_round_trips(&zero_rows, 2184, Weighting::Relative).is_err());
+    }
+
+    /// A fitted line is scored on other samples as on its own, even when its intercept came
+    /// out <= 0 (which `mape`, for measured constants, refuses), and bad samples are refused.
+    #[test]
+    fn a_fit_scores_other_samples_as_its_own() {
+        let samples = sweep(16.0, 25.0);
+        let fit = fit_round_trips(&samples, 2184, Weighting::Relative).unwrap();
+        assert_eq!(fit.score(2184, &samples).unwrap(), fit.mape);
+        let below = FabricFit {
+            probe_us: -4.0,
+            ..fit
+        };
+        let scored = below.score(2184, &samples).unwrap();
+        assert!(scored.all_pct > 0.0 && scored.samples == samples.len());
+        assert!(
+            mape(
+                &Fabric {
+                    probe_us: -4.0,
+                    ..fit.fabric().unwrap()
+                },
+                2184,
+                &samples
+            )
+            .is_err()
+        );
+        assert!(fit.score(2184, &[]).is_err());
     }
 
     #[test]
