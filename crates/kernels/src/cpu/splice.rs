@@ -222,9 +222,8 @@ fn rotate_band_avx512(band: &mut [u16], t: &AngleTable, layout: RopeLayout) {
             RopeLayout::Interleaved => (lo(w0), hi(w0), lo(w1), hi(w1)),
             RopeLayout::Half => (lo(w0), lo(w1), hi(w0), hi(w1)),
         };
-        let abs = _mm512_set1_epi32(0x7fff_ffff);
         let near = |r: __m512, e: __m512| {
-            let m = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), abs));
+            let m = _mm512_abs_ps(r);
             let up = _mm512_castps_si512(_mm512_add_ps(m, e));
             let down = _mm512_castps_si512(_mm512_sub_ps(m, e));
             let up = _mm512_add_epi32(up, _mm512_set1_epi32(0x8000));
@@ -235,10 +234,7 @@ fn rotate_band_avx512(band: &mut [u16], t: &AngleTable, layout: RopeLayout) {
         let rotate = |x: __m512, y: __m512, c: __m512, s: __m512| {
             let a = _mm512_fmsub_ps(x, c, _mm512_mul_ps(y, s));
             let b = _mm512_fmadd_ps(x, s, _mm512_mul_ps(y, c));
-            let sum = _mm512_add_ps(
-                _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs)),
-                _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(y), abs)),
-            );
+            let sum = _mm512_add_ps(_mm512_abs_ps(x), _mm512_abs_ps(y));
             let e = _mm512_mul_ps(sum, _mm512_set1_ps(GUARD));
             // `unsure_pair`: below TINY but not zero, or not finite (NaN fails every ordered compare).
             let fine = _mm512_mask_cmp_ps_mask::<_CMP_LT_OQ>(
