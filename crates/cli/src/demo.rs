@@ -22,8 +22,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use kvroute_costmodel::fit::{RoundTripSample, Weighting, fit_round_trips};
 use kvroute_costmodel::{CostModel, CostParams, Primitive, Request, model_preset};
+use kvroute_kernels::layout::D_QK;
 use kvroute_kernels::{
-    Backend, Cache, Partial, Queries, Selection, merge, partial_dense, partial_sparse,
+    Backend, Cache, Partial, Queries, Selection, merge, merge_wire, partial_dense, partial_sparse,
 };
 use kvroute_kvstore::corpus::queries;
 use kvroute_kvstore::{ChunkId, CorpusSpec, FullBlock};
@@ -36,6 +37,7 @@ use crate::args::{
 };
 use crate::route::{
     Call, GatherPart, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse,
+    StagedCall,
 };
 
 /// DeepSeek-V2-Lite's softmax scale (kernels' `deepseek_softmax_scale(192, 40, 0.707)`).
@@ -434,42 +436,75 @@ fn check(checks: &mut Vec<Check>, name: String, got: &Partial, want: &Partial, t
     });
 }
 
-/// Routes `calls`; calls whose holder failed are retried once on the chunk's next replica.
-fn route_with_fallback(
+/// Routes `calls` the way a decode step should (paper 000 section 5.3's reductions, carried
+/// to both ends): each call's query rows are written straight into registered staging
+/// ([`Requester::stage`]; here by copying them, where a model's query projection would write
+/// them), and the replies are merged from the bf16 rows where they landed
+/// ([`StagedRoute::route_wire`](crate::route::StagedRoute::route_wire),
+/// [`merge_wire`]), with no decode pass. Calls whose holder failed are re-staged once on their
+/// chunk's next replica. Returns one merged partial per attempt that brought rows back (one,
+/// or two after a fallback), for the caller to merge with its other parts; any other
+/// failure is an error naming the chunk.
+fn route_merged(
     req: &mut Requester,
     calls: &[Call<'_>],
     failures: &mut Vec<String>,
 ) -> Result<Vec<Partial>> {
-    let mut out = req.route(calls);
-    let retry: Vec<usize> = (0..calls.len())
-        .filter(|&i| matches!(out[i], Err(RouteError::HolderFailed { .. })))
-        .collect();
-    if !retry.is_empty() {
-        for &i in &retry {
-            if let Err(e) = &out[i] {
-                failures.push(format!(
-                    "{}: {e}; retrying on another replica",
-                    calls[i].chunk
-                ));
+    let mut merged = Vec::new();
+    let mut pending: Vec<usize> = (0..calls.len()).collect();
+    for retry in [false, true] {
+        if pending.is_empty() {
+            break;
+        }
+        let plan: Vec<StagedCall<'_>> = pending
+            .iter()
+            .map(|&i| StagedCall {
+                chunk: calls[i].chunk,
+                layer: calls[i].layer,
+                // Not whole rows: staged as no rows, which `stage` refuses.
+                rows: if calls[i].queries.len().is_multiple_of(D_QK) {
+                    calls[i].queries.len() / D_QK
+                } else {
+                    0
+                },
+                sparse: calls[i].sparse,
+            })
+            .collect();
+        let mut staged = req.stage(&plan);
+        for (j, &i) in pending.iter().enumerate() {
+            if let Some(rows) = staged.queries_mut(j) {
+                rows.copy_from_slice(calls[i].queries);
             }
         }
-        let again = req.route(&retry.iter().map(|&i| calls[i]).collect::<Vec<_>>());
-        for (&i, r) in retry.iter().zip(again) {
-            out[i] = r;
-        }
-    }
-    out.into_iter()
-        .zip(calls)
-        .map(|(r, c)| {
-            r.with_context(|| {
-                format!(
-                    "routing {} (failures so far: {})",
-                    c.chunk,
+        let routed = staged.route_wire();
+        let mut parts = Vec::with_capacity(pending.len());
+        let mut failed = Vec::new();
+        for (j, &i) in pending.iter().enumerate() {
+            match routed.partial(j) {
+                Ok(p) => parts.push(p),
+                Err(e @ RouteError::HolderFailed { .. }) if !retry => {
+                    failures.push(format!(
+                        "{}: {e}; retrying on another replica",
+                        calls[i].chunk
+                    ));
+                    failed.push(i);
+                }
+                Err(e) => bail!(
+                    "routing {}: {e} (failures so far: {})",
+                    calls[i].chunk,
                     failures.join("; ")
-                )
-            })
-        })
-        .collect()
+                ),
+            }
+        }
+        if !parts.is_empty() {
+            let mut out = Partial::empty(0);
+            merge_wire(&parts, &mut out)
+                .with_context(|| format!("merging the replies of {} calls", parts.len()))?;
+            merged.push(out);
+        }
+        pending = failed;
+    }
+    Ok(merged)
 }
 
 /// The primitive `--force` names.
@@ -593,9 +628,7 @@ fn decode_steps(
         let mut best = f64::INFINITY;
         for _ in 0..3 {
             let t = Instant::now();
-            req.route(&call)
-                .pop()
-                .ok_or_else(|| anyhow!("no result"))??;
+            route_merged(&mut req, &call, &mut Vec::new())?;
             best = best.min(t.elapsed().as_secs_f64() * 1e6);
         }
         probe_sweep.push((mq, best));
@@ -685,7 +718,7 @@ fn decode_steps(
             let got = if calls.is_empty() {
                 Vec::new()
             } else {
-                route_with_fallback(&mut req, &calls, &mut report.failures)?
+                route_merged(&mut req, &calls, &mut report.failures)?
             };
             if !calls.is_empty() {
                 report.route_us.push(started.elapsed().as_secs_f64() * 1e6);
@@ -894,7 +927,7 @@ fn decode_steps(
                 }),
             })
             .collect();
-        let parts = route_with_fallback(&mut req, &calls, &mut report.failures)?;
+        let parts = route_merged(&mut req, &calls, &mut report.failures)?;
         let whole = sparse_whole(layer)?;
         let mut before = Vec::new();
         for call in &calls {

@@ -130,10 +130,10 @@ struct Prepared {
 }
 
 impl<'r> StagedRoute<'r> {
-    /// Call `c`'s query rows (`rows * 576` bf16 bits, little-endian on the wire: write
-    /// `bits.to_le()`), in registered staging, for its producer to fill; `None` where the call
-    /// cannot be sent (its error comes back from `route_into`). Rows not written keep what
-    /// staging held.
+    /// Call `c`'s query rows (`rows * 576` bf16 bits as native words; the wire is
+    /// little-endian and the send puts them in its order), in registered staging, for its
+    /// producer to fill; `None` where the call cannot be sent (its error comes back from
+    /// `route_into` or `route_wire`). Rows not written keep what staging held.
     pub fn queries_mut(&mut self, c: usize) -> Option<&mut [u16]> {
         let (b, seg) = *self.calls.get(c)?.as_ref().ok()?;
         let p = &self.prepared[b];
