@@ -314,11 +314,13 @@ fn gather_lands_the_selected_rows_of_every_holder_bit_exact() -> Result<()> {
     }
     req.release_gathered(gathered)?;
     assert_eq!(req.free_pool_pages(), free, "no pages leak");
-    // A token outside the chunk (200 tokens) is refused before anything is written. The
-    // requester cannot tell which of a batch's row writes will still come, so it waits out its
-    // deadline for them and gives the link up (a later count on its fetch immediate could
-    // otherwise include stale rows): the refusal reaches it as the holder's failure.
+    // Refusals cost nothing else. A token outside the chunk (200 tokens) is refused before
+    // anything is written; a layer past the chunk's 3 is refused while the same request's
+    // layer 0 is served. The requester expects rows only from the segments the holder served
+    // (its reply says which), so it learns of the refusal from the reply, not by waiting out
+    // its 2 s deadline, keeps the link, and gets every page back.
     let bad = [3i32, 200];
+    let started = std::time::Instant::now();
     let refused = req.gather(
         &[GatherPart {
             chunk: ChunkId(0),
@@ -332,10 +334,45 @@ fn gather_lands_the_selected_rows_of_every_holder_bit_exact() -> Result<()> {
             Err(RouteError::Refused {
                 status: wire::Status::BadIndex,
                 ..
-            }) | Err(RouteError::HolderFailed { .. })
+            })
         ),
         "{refused:?}"
     );
+    let some_served = req.gather(&parts[..1], &[0, 7]);
+    assert!(
+        matches!(
+            some_served,
+            Err(RouteError::Refused {
+                status: wire::Status::BadLayer,
+                ..
+            })
+        ),
+        "{some_served:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "a refusal waited {:?}",
+        started.elapsed()
+    );
+    assert_eq!(req.live_holders(), 2, "a refusal gave a link up");
+    assert_eq!(req.free_pool_pages(), free, "a refused gather's pages leak");
+    // The same link then gathers the right rows: no arrival of the refused requests was left
+    // over to count toward this one.
+    for _ in 0..3 {
+        let again = req.gather(&parts, &[1])?;
+        let full = kvroute_kvstore::FullBlock::new(&blocks[0], s.layout())?;
+        let rows = full.layer(1)?.rows();
+        let cache = req.gathered_cache(&again, 0)?;
+        for (j, &t) in t0.iter().enumerate() {
+            assert_eq!(
+                cache.row(j),
+                &rows[t as usize * D_QK..(t as usize + 1) * D_QK],
+                "row {j} after a refusal"
+            );
+        }
+        req.release_gathered(again)?;
+    }
+    assert_eq!(req.free_pool_pages(), free);
     Ok(())
 }
 

@@ -820,25 +820,40 @@ impl Shared {
             return Status::FetchRefused;
         }
         *used += bytes;
-        for w in wire::gather_writes(first, tokens.len()) {
-            let Some(dst) = pages
-                .get(w.page)
-                .map(|&p| u64::from(p) * PAGE_BYTES as u64 + (w.row * ROW_BYTES) as u64)
-            else {
-                return Status::FetchRefused;
-            };
-            if let Err(e) = self.engine.submit_single_write(
-                (w.rows * ROW_BYTES) as u64,
-                Some(session.hello.fetch_imm),
-                (
-                    self.gather_staging.handle(),
+        // All or nothing: every write's destination is checked before the first is sent, so
+        // a refused segment sent none and the requester expects no rows from it.
+        let writes: Option<Vec<(u64, u64, u64)>> = wire::gather_writes(first, tokens.len())
+            .map(|w| {
+                let len = (w.rows * ROW_BYTES) as u64;
+                let dst = u64::from(*pages.get(w.page)?)
+                    .checked_mul(PAGE_BYTES as u64)?
+                    .checked_add((w.row * ROW_BYTES) as u64)?;
+                (dst.checked_add(len)? <= pool.len).then_some((
                     (staged + w.from * ROW_BYTES) as u64,
-                ),
+                    dst,
+                    len,
+                ))
+            })
+            .collect();
+        let Some(writes) = writes else {
+            return Status::FetchRefused;
+        };
+        for (n, &(src, dst, len)) in writes.iter().enumerate() {
+            if let Err(e) = self.engine.submit_single_write(
+                len,
+                Some(session.hello.fetch_imm),
+                (self.gather_staging.handle(), src),
                 (pool, dst),
                 OnDone::nothing(),
             ) {
-                tracing::debug!(%e, "gather refused");
-                return Status::FetchRefused;
+                tracing::debug!(%e, "gather failed");
+                // Its checks passed, so every write fails alike (an engine shutting down):
+                // only a failure after the first leaves some rows sent.
+                return if n == 0 {
+                    Status::FetchRefused
+                } else {
+                    Status::TransferFailed
+                };
             }
         }
         Status::Ok

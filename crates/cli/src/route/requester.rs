@@ -122,8 +122,9 @@ struct Prepared {
     staged: usize,
     len: usize,
     reply_len: usize,
-    /// Fetch-immediate arrivals the request brings (fetch and gather).
-    fetch_arrivals: u64,
+    /// Per segment: the fetch-immediate arrivals it brings if the holder serves it (fetch and
+    /// gather; 0 for routed segments).
+    fetch_arrivals: Vec<u64>,
     /// Per segment, where its in-place query rows go in the request; or why it was not
     /// encoded.
     in_place: Result<Vec<usize>, RouteError>,
@@ -679,12 +680,13 @@ impl Requester {
         let _ = self.links[link].control.shutdown(std::net::Shutdown::Both);
     }
 
-    /// Sends one request of `segments` to `link` and waits for its reply (and, for a fetch or
-    /// gather, that many arrivals of the link's fetch immediate). Returns where each reply
-    /// landed: (offset, length) in `replies`.
+    /// Sends one request of `segments` to each `link` and waits for its reply and, for its
+    /// fetch and gather segments the holder served, their arrivals of the link's fetch
+    /// immediate (the third element: per segment, the arrivals it brings if served). Returns
+    /// where each reply landed: (offset, length) in `replies`.
     fn exchange(
         &mut self,
-        batches: Vec<(usize, Vec<SegmentSpec<'_>>, u64)>,
+        batches: Vec<(usize, Vec<SegmentSpec<'_>>, Vec<u64>)>,
     ) -> Vec<Result<(usize, usize), RouteError>> {
         let prepared = self.prepare(batches);
         self.send(&prepared)
@@ -692,7 +694,7 @@ impl Requester {
 
     /// Encodes each batch's request into its link's send staging (the first half of
     /// [`Requester::exchange`]); [`QueryRows::InPlace`] rows are left for the caller to write.
-    fn prepare(&mut self, batches: Vec<(usize, Vec<SegmentSpec<'_>>, u64)>) -> Vec<Prepared> {
+    fn prepare(&mut self, batches: Vec<(usize, Vec<SegmentSpec<'_>>, Vec<u64>)>) -> Vec<Prepared> {
         let mut out = Vec::with_capacity(batches.len());
         for (link, segments, fetch_arrivals) in batches {
             let l = &mut self.links[link];
@@ -765,15 +767,6 @@ impl Requester {
                 arrivals,
                 OnDone::flag(&reply_flag).cancellable(&token),
             );
-            let fetch_flag = (p.fetch_arrivals > 0).then(|| {
-                let flag = DoneFlag::new();
-                self.engine.expect_imm_count(
-                    l.fetch_imm,
-                    p.fetch_arrivals,
-                    OnDone::flag(&flag).cancellable(&token),
-                );
-                flag
-            });
             let shards = self
                 .engine
                 .expected_arrivals(TransferShape::SingleWrite { len: p.len as u64 });
@@ -789,7 +782,7 @@ impl Requester {
             match submitted {
                 Ok(()) => {
                     out.push(Ok((reply_offset as usize, p.reply_len)));
-                    waits.push(Some((sent_flag, reply_flag, fetch_flag, token)));
+                    waits.push(Some((sent_flag, reply_flag, token)));
                 }
                 Err(e) => {
                     token.cancel();
@@ -802,23 +795,22 @@ impl Requester {
             }
         }
         for (i, wait) in waits.into_iter().enumerate() {
-            let Some((sent, reply, fetch, token)) = wait else {
+            let Some((sent, reply, token)) = wait else {
                 continue;
             };
             let link = prepared[i].link;
-            let mut flags = vec![&sent, &reply];
-            if let Some(f) = &fetch {
-                flags.push(f);
-            }
-            let failure = match wait_all(&self.engine, &flags, deadline, self.config.spin) {
+            let failure = match wait_all(&self.engine, &[&sent, &reply], deadline, self.config.spin)
+            {
                 Err(which) => Some(format!(
                     "no {} within {:?}",
-                    ["send completion", "reply", "fetch pages"][which],
+                    ["send completion", "reply"][which],
                     self.config.timeout
                 )),
                 Ok(()) => match sent.result() {
                     Some(Err(e)) => Some(format!("request write failed: {e}")),
-                    _ => None,
+                    _ => self
+                        .await_fetch_writes(&prepared[i], deadline, &token)
+                        .err(),
                 },
             };
             if let Some(why) = failure {
@@ -831,6 +823,58 @@ impl Requester {
             }
         }
         out
+    }
+
+    /// Waits for the fetch-immediate arrivals of the segments of `p` that the holder served,
+    /// as its reply (landed) says. A holder submits all of a served fetch or gather segment's
+    /// writes before it replies and none of a refused one's, so a refused segment costs
+    /// nothing: the expectation is for exactly the writes that were sent, and no arrival is
+    /// left over to be counted toward a later fetch. A reply that cannot be read, or that says
+    /// some writes of a segment may have gone out ([`Status::TransferFailed`]), leaves the count
+    /// unknown: an error, and the caller gives the link up.
+    fn await_fetch_writes(
+        &self,
+        p: &Prepared,
+        deadline: Instant,
+        token: &CancellationToken,
+    ) -> Result<(), String> {
+        if p.fetch_arrivals.iter().all(|&n| n == 0) {
+            return Ok(());
+        }
+        let l = &self.links[p.link];
+        // SAFETY: as in `reply_bytes`: the reply's immediate has been counted.
+        let bytes = unsafe { self.replies.bytes(p.staged, p.reply_len) }
+            .map_err(|e| format!("reading the reply: {e}"))?;
+        let header = wire::decode_reply_header(bytes)
+            .filter(|h| h.seq == l.seq)
+            .ok_or("a reply with fetch writes outstanding has no header for this request")?;
+        let expected: u64 = if header.status != Status::Ok {
+            // Refused as a whole: nothing was served.
+            0
+        } else if header.statuses.len() != p.fetch_arrivals.len() {
+            return Err("a reply's status count differs from the segments sent".into());
+        } else if header.statuses.contains(&Status::TransferFailed) {
+            return Err("the holder could not send every write of a segment".into());
+        } else {
+            header
+                .statuses
+                .iter()
+                .zip(&p.fetch_arrivals)
+                .filter(|(s, _)| **s == Status::Ok)
+                .map(|(_, n)| n)
+                .sum()
+        };
+        if expected == 0 {
+            return Ok(());
+        }
+        let flag = DoneFlag::new();
+        self.engine.expect_imm_count(
+            l.fetch_imm,
+            expected,
+            OnDone::flag(&flag).cancellable(token),
+        );
+        wait_all(&self.engine, &[&flag], deadline, self.config.spin)
+            .map_err(|_| format!("no fetch pages within {:?}", self.config.timeout))
     }
 
     /// The bytes of a reply [`Requester::exchange`] reported, borrowed in place.
@@ -956,8 +1000,9 @@ impl Requester {
                             pages: &[],
                         }
                     })
-                    .collect();
-                (*link, segs, 0)
+                    .collect::<Vec<_>>();
+                let none = vec![0; segs.len()];
+                (*link, segs, none)
             })
             .collect();
         let prepared = self.prepare(batches);
@@ -1010,7 +1055,7 @@ impl Requester {
         let arrivals = self.engine.expected_arrivals(TransferShape::PagedWrites {
             pages: pages.len() as u64,
         });
-        let reply = self.exchange(vec![(link, vec![seg], arrivals)]).pop();
+        let reply = self.exchange(vec![(link, vec![seg], vec![arrivals])]).pop();
         let reply = reply.unwrap_or(Err(RouteError::NoHolder(chunk)));
         let seq = self.links[link].seq;
         let status = reply
@@ -1101,9 +1146,9 @@ impl Requester {
             }
         }
         let started = Instant::now();
-        // link -> (segments, arrivals of its fetch immediate: one write per page a segment
-        // touches, as the holder packs them, each maybe sharded over NICs)
-        let mut batches: Vec<(usize, Vec<SegmentSpec<'_>>, u64)> = Vec::new();
+        // link -> (segments, per segment the arrivals of its fetch immediate: one write per
+        // page it touches, as the holder packs them, each maybe sharded over NICs)
+        let mut batches: Vec<(usize, Vec<SegmentSpec<'_>>, Vec<u64>)> = Vec::new();
         let mut at = 0;
         for (p, &link) in parts.iter().zip(&links) {
             let n = p.tokens.len();
@@ -1128,11 +1173,11 @@ impl Requester {
                         pages: &table[first_page..end_page],
                     };
                     match batches.iter_mut().find(|(b, _, _)| *b == link) {
-                        Some((_, segs, count)) => {
+                        Some((_, segs, counts)) => {
                             segs.push(seg);
-                            *count += arrivals;
+                            counts.push(arrivals);
                         }
-                        None => batches.push((link, vec![seg], arrivals)),
+                        None => batches.push((link, vec![seg], vec![arrivals])),
                     }
                 }
             }

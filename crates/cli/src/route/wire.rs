@@ -376,6 +376,10 @@ pub enum Status {
     FetchRefused = 8,
     /// A gathered token index is outside the chunk.
     BadIndex = 9,
+    /// Some but maybe not all of a fetch or gather segment's writes were sent (the holder's
+    /// engine failed between two of them): the requester's count of its fetch immediate is
+    /// lost and it gives the link up. A segment refused with any other status sent none.
+    TransferFailed = 10,
     /// A status this build does not know (from a newer peer).
     Unknown = 0xffff_ffff,
 }
@@ -394,6 +398,7 @@ impl Status {
             7 => Self::ReplyTooLarge,
             8 => Self::FetchRefused,
             9 => Self::BadIndex,
+            10 => Self::TransferFailed,
             _ => Self::Unknown,
         }
     }
