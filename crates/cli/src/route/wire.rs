@@ -858,6 +858,27 @@ mod tests {
         );
     }
 
+    /// Each of the 11 statuses survives its word (0 to 10, none skipped); every other word is
+    /// `Unknown`.
+    #[test]
+    fn status_words_round_trip() {
+        let mut known = 0;
+        for v in 0..64u32 {
+            let s = Status::from_u32(v);
+            if s == Status::Unknown {
+                continue;
+            }
+            assert_eq!(s as u32, v);
+            known += 1;
+        }
+        assert_eq!(known, 11, "statuses 0..=10 (TransferFailed is the last)");
+        assert_eq!(
+            Status::from_u32(Status::TransferFailed as u32),
+            Status::TransferFailed
+        );
+        assert_eq!(Status::from_u32(u32::MAX), Status::Unknown);
+    }
+
     #[test]
     fn reply_header_round_trips() {
         let statuses = [Status::Ok, Status::UnknownChunk, Status::Ok];
