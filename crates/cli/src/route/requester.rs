@@ -1071,7 +1071,12 @@ impl Requester {
                 });
             }
             Err(e) => {
-                // Pages a late write may still land in are quarantined, not reused.
+                // Once the exchange returned, every write the holder sent has been counted
+                // (`await_fetch_writes`); only a link given up may still have writes in
+                // flight, and pages they may land in are quarantined, not reused.
+                if !matches!(e, RouteError::HolderFailed { .. }) {
+                    let _ = self.pool.release(&pages);
+                }
                 return Err(e);
             }
         }
@@ -1208,7 +1213,8 @@ impl Requester {
                     }
                 }
                 Err(e) => {
-                    late_writes_possible = true;
+                    // As in `fetch`: only a link given up may still have writes in flight.
+                    late_writes_possible |= matches!(e, RouteError::HolderFailed { .. });
                     failure.get_or_insert(e);
                 }
             }
