@@ -178,7 +178,7 @@ unsafe fn all_scores<const DP: bool>(q: &QRows<'_>, keys: &[&[u16]], scale: f32,
     let key = |j: usize| keys[j.min(n - 1)].as_ptr();
     let raw = |r: usize| q.raw[r * D_QK..].as_ptr();
     let split = |r: usize| q.split[r * D_QK..].as_ptr();
-    const RB: usize = 8;
+    const RB: usize = 4;
     const JB: usize = 16 / RB;
     let quads = rows / RB * RB;
     let mut out = [0f32; 16];
