@@ -16,14 +16,40 @@ use crate::partial::{Partial, WirePartial};
 pub fn merge(parts: &[&Partial]) -> Result<Partial, KernelError> {
     let mq = check_parts(parts)?;
     let mut out = Partial::empty(mq);
-    for r in 0..mq {
+    match Isa::detect() {
+        // SAFETY: `Isa::detect` found the CPU has the features.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { merge_avx512(parts, &mut out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { merge_avx2(parts, &mut out) },
+        _ => merge_rows(parts, &mut out),
+    }
+    Ok(out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn merge_avx512(parts: &[&Partial], out: &mut Partial) {
+    merge_rows(parts, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn merge_avx2(parts: &[&Partial], out: &mut Partial) {
+    merge_rows(parts, out);
+}
+
+/// [`merge`]'s rows (the same code on every instruction set: the f64 sums vectorise).
+#[inline(always)]
+fn merge_rows(parts: &[&Partial], out: &mut Partial) {
+    for r in 0..out.rows() {
         // `o` is normalised, so a part's values weigh `l` times its share.
         let rows = parts.iter().map(|p| (p.m[r], p.l[r], p.o_row(r), p.l[r]));
         let (m, l) = combine_row(rows, &mut out.o[r * D_LATENT..(r + 1) * D_LATENT]);
         out.m[r] = m;
         out.l[r] = l;
     }
-    Ok(out)
 }
 
 /// [`merge`] of partials in their wire encoding, read where they landed (a requester's reply
@@ -142,6 +168,7 @@ fn same_rows(rows: impl Iterator<Item = usize>) -> Result<usize, KernelError> {
     }
 }
 
+#[inline(always)]
 pub(crate) fn combine_row<'a>(
     parts: impl Iterator<Item = (f32, f32, &'a [f32], f32)> + Clone,
     o: &mut [f32],
@@ -164,8 +191,13 @@ pub(crate) fn combine_row<'a>(
             *a += w * f64::from(x);
         }
     }
+    // One f64 reciprocal instead of 512 divisions (a division per value cost this loop as
+    // much as all the sums). `a * (1 / l)` is within 2^-52 relative of `a / l`, so its f32
+    // rounding is the same except for values that close to an f32 rounding boundary (about
+    // 1 in 2^27), which move by 1 ulp.
+    let inv = 1.0 / l;
     for (dst, a) in o.iter_mut().zip(&acc) {
-        *dst = (a / l) as f32;
+        *dst = (a * inv) as f32;
     }
     (big_m, l as f32)
 }

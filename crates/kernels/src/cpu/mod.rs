@@ -88,8 +88,34 @@ fn scaled_rows(q: &[u16], scale: f32) -> Vec<f32> {
 }
 
 /// Folds the split states of one row block into rows `r0..` of `out` ([`crate::merge`]'s
-/// combine; here the accumulators are not yet normalised, so values weigh 1).
+/// combine; here the accumulators are not yet normalised, so values weigh 1), on the best
+/// instruction set (the f64 sums vectorise).
 fn finish(states: &[RowState], r0: usize, out: &mut Partial) {
+    match Isa::detect() {
+        // SAFETY: `Isa::detect` found the CPU has the features.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { finish_avx512(states, r0, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { finish_avx2(states, r0, out) },
+        _ => finish_rows(states, r0, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn finish_avx512(states: &[RowState], r0: usize, out: &mut Partial) {
+    finish_rows(states, r0, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn finish_avx2(states: &[RowState], r0: usize, out: &mut Partial) {
+    finish_rows(states, r0, out);
+}
+
+#[inline(always)]
+fn finish_rows(states: &[RowState], r0: usize, out: &mut Partial) {
     for r in 0..states[0].m.len() {
         let o = &mut out.o[(r0 + r) * D_LATENT..(r0 + r + 1) * D_LATENT];
         if states.iter().any(|s| s.m[r].is_nan()) {
