@@ -3,8 +3,8 @@
 //! For a row with parts `(o_i, m_i, l_i)`: `M = max m_i` over the non-empty parts,
 //! `w_i = l_i exp(m_i - M)`, `l = sum w_i`, `o = sum w_i o_i / l`, `m = M`. Empty parts
 //! (`l = 0`, `m = -inf`) are skipped, so `-inf - -inf` is never evaluated and an empty part is
-//! the identity. Sums run in f64 and round once, so the result depends on the parts' order only
-//! through that final rounding (in practice not at all).
+//! the identity. Sums run in f64 and are rounded to f32 once at the end, so the result depends
+//! on the parts' order only through f64 round-off (in practice not at all).
 
 use crate::cpu::Isa;
 use crate::error::KernelError;
@@ -144,7 +144,7 @@ fn merge_wire_rows(parts: &[WirePartial<'_>], out: &mut Partial) -> Result<(), K
 /// is `(m, l, values, value_weight)`, contributing `exp(m - M) * l` to the denominator and
 /// `exp(m - M) * value_weight * values` to the numerator (`value_weight` is `l` for a
 /// normalised `o`, 1 for a raw accumulator). Empty parts (`l = 0`) are skipped; if all are
-/// empty, `o` is left alone and `(-inf, 0)` returned. Sums in f64, one rounding.
+/// empty, `o` is left alone and `(-inf, 0)` returned. Sums in f64, rounded to f32 at the end.
 /// Checks `parts` can be merged (at least one, equal rows, each valid); returns their rows.
 pub(crate) fn check_parts(parts: &[&Partial]) -> Result<usize, KernelError> {
     let mq = same_rows(parts.iter().map(|p| p.rows()))?;
