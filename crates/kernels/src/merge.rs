@@ -97,23 +97,31 @@ fn merge_wire_avx2(parts: &[WirePartial<'_>], out: &mut Partial) -> Result<(), K
 
 #[inline(always)]
 fn merge_wire_rows(parts: &[WirePartial<'_>], out: &mut Partial) -> Result<(), KernelError> {
+    // Per row: each live part and its weight `l_i exp(m_i - M)` (computed once).
+    let mut live: Vec<(&WirePartial<'_>, f64)> = Vec::with_capacity(parts.len());
     for (r, o) in out.o.chunks_exact_mut(D_LATENT).enumerate() {
-        let live = parts.iter().filter(|p| p.l(r) > 0.0);
+        live.clear();
+        live.extend(parts.iter().filter(|p| p.l(r) > 0.0).map(|p| (p, 0.0)));
         let big_m = live
-            .clone()
-            .map(|p| p.m(r))
+            .iter()
+            .map(|(p, _)| p.m(r))
             .fold(f32::NEG_INFINITY, f32::max);
         if big_m == f32::NEG_INFINITY {
             o.fill(0.0);
             (out.m[r], out.l[r]) = (f32::NEG_INFINITY, 0.0);
             continue;
         }
-        let weight =
-            |p: &WirePartial<'_>| f64::from(p.l(r)) * (f64::from(p.m(r)) - f64::from(big_m)).exp();
-        let l: f64 = live.clone().map(weight).sum();
+        let mut l = 0f64;
+        for (p, w) in &mut live {
+            // `exp(0)` is exactly 1: the part that holds the maximum (every part, when there
+            // is one) skips the call.
+            let d = f64::from(p.m(r)) - f64::from(big_m);
+            *w = f64::from(p.l(r)) * if d == 0.0 { 1.0 } else { d.exp() };
+            l += *w;
+        }
         let mut worst = 0u16;
-        for (i, p) in live.enumerate() {
-            let w = (weight(p) / l) as f32;
+        for (i, &(p, w)) in live.iter().enumerate() {
+            let w = (w / l) as f32;
             let src = &p.row(r)[..D_LATENT * 2];
             if i == 0 {
                 for (x, b) in o.iter_mut().zip(src.chunks_exact(2)) {
