@@ -19,8 +19,11 @@ use kvroute_kernels::layout::{D_QK, PAGE_TOKENS, PARTIAL_ROW_BYTES, QUERY_ROW_BY
 pub const REQUEST_MAGIC: u32 = u32::from_le_bytes(*b"KVRQ");
 /// "KVRP", little-endian.
 pub const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"KVRP");
-/// The protocol version this build speaks.
-pub const VERSION: u16 = 2;
+/// The protocol version this build speaks. 2: reply rows sit where the request fixes them
+/// ([`reply_row_layout`]). 3: a fetch or gather segment is all or nothing (a refused one sent
+/// no writes; [`Status::TransferFailed`] otherwise), which the requester's exact count of
+/// fetch arrivals relies on, so a version-2 peer is refused.
+pub const VERSION: u16 = 3;
 /// Bytes of a request header.
 pub const REQUEST_HEADER: usize = 48;
 /// Bytes of one segment descriptor.
