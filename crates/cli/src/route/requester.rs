@@ -845,25 +845,8 @@ impl Requester {
         // SAFETY: as in `reply_bytes`: the reply's immediate has been counted.
         let bytes = unsafe { self.replies.bytes(p.staged, p.reply_len) }
             .map_err(|e| format!("reading the reply: {e}"))?;
-        let header = wire::decode_reply_header(bytes)
-            .filter(|h| h.seq == l.seq)
-            .ok_or("a reply with fetch writes outstanding has no header for this request")?;
-        let expected: u64 = if header.status != Status::Ok {
-            // Refused as a whole: nothing was served.
-            0
-        } else if header.statuses.len() != p.fetch_arrivals.len() {
-            return Err("a reply's status count differs from the segments sent".into());
-        } else if header.statuses.contains(&Status::TransferFailed) {
-            return Err("the holder could not send every write of a segment".into());
-        } else {
-            header
-                .statuses
-                .iter()
-                .zip(&p.fetch_arrivals)
-                .filter(|(s, _)| **s == Status::Ok)
-                .map(|(_, n)| n)
-                .sum()
-        };
+        let header = wire::decode_reply_header(bytes).filter(|h| h.seq == l.seq);
+        let expected = wire::served_arrivals(header.as_ref(), &p.fetch_arrivals)?;
         if expected == 0 {
             return Ok(());
         }

@@ -697,6 +697,34 @@ pub fn decode_reply_header(bytes: &[u8]) -> Option<ReplyHeader> {
     })
 }
 
+/// How many arrivals of its fetch immediate a requester still expects for a request, from
+/// the request's reply (`None`: no reply header for this request could be read) and, per
+/// segment, the arrivals it brings if served (0 for routed segments). Only the served
+/// segments' writes were sent (protocol version 3: a segment is all or nothing), so that is
+/// their sum; a request refused as a whole sent none. An error where the count cannot be
+/// known: no header, a status count that differs from the segments sent, or a segment that
+/// sent only some of its writes ([`Status::TransferFailed`]).
+pub fn served_arrivals(reply: Option<&ReplyHeader>, per_segment: &[u64]) -> Result<u64, String> {
+    let header =
+        reply.ok_or("a reply with fetch writes outstanding has no header for this request")?;
+    if header.status != Status::Ok {
+        return Ok(0);
+    }
+    if header.statuses.len() != per_segment.len() {
+        return Err("a reply's status count differs from the segments sent".into());
+    }
+    if header.statuses.contains(&Status::TransferFailed) {
+        return Err("the holder could not send every write of a segment".into());
+    }
+    Ok(header
+        .statuses
+        .iter()
+        .zip(per_segment)
+        .filter(|(s, _)| **s == Status::Ok)
+        .map(|(_, n)| n)
+        .sum())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -880,6 +908,67 @@ mod tests {
             Status::TransferFailed
         );
         assert_eq!(Status::from_u32(u32::MAX), Status::Unknown);
+    }
+
+    /// The arrivals a requester waits for are exactly the served segments' own, whatever
+    /// the mix of statuses; a count it cannot know is an error, never a guess.
+    #[test]
+    fn served_arrivals_count_only_served_segments() {
+        let header = |status, statuses: Vec<Status>| ReplyHeader {
+            status,
+            seq: 1,
+            statuses,
+            rows: 0,
+        };
+        let per = [5u64, 0, 7, 3];
+        let all_ok = header(Status::Ok, vec![Status::Ok; 4]);
+        assert_eq!(served_arrivals(Some(&all_ok), &per), Ok(15));
+        let mixed = header(
+            Status::Ok,
+            vec![Status::Ok, Status::Kernel, Status::BadIndex, Status::Ok],
+        );
+        assert_eq!(served_arrivals(Some(&mixed), &per), Ok(8));
+        let refused = header(Status::ReplyTooLarge, vec![]);
+        assert_eq!(served_arrivals(Some(&refused), &per), Ok(0));
+        assert!(served_arrivals(None, &per).is_err());
+        let short = header(Status::Ok, vec![Status::Ok; 3]);
+        assert!(served_arrivals(Some(&short), &per).is_err());
+        let partly = header(
+            Status::Ok,
+            vec![Status::Ok, Status::Ok, Status::TransferFailed, Status::Ok],
+        );
+        assert!(served_arrivals(Some(&partly), &per).is_err());
+    }
+
+    proptest! {
+        /// Refusing one more segment lowers the count by exactly that segment's arrivals,
+        /// whichever refusal it is; a partly sent segment anywhere makes it unknown.
+        #[test]
+        fn refusing_a_segment_removes_exactly_its_arrivals(
+            words in proptest::collection::vec(0u32..10, 1..12),
+            counts in proptest::collection::vec(0u64..1000, 12),
+            pick in 0usize..12,
+            refusal in 1u32..10,
+        ) {
+            let statuses: Vec<Status> = words.iter().map(|&w| Status::from_u32(w)).collect();
+            let per = &counts[..statuses.len()];
+            let at = pick % statuses.len();
+            let reply = |statuses: Vec<Status>| ReplyHeader {
+                status: Status::Ok,
+                seq: 0,
+                statuses,
+                rows: 0,
+            };
+            let mut served = statuses.clone();
+            served[at] = Status::Ok;
+            let mut refused = statuses;
+            refused[at] = Status::from_u32(refusal);
+            let before = served_arrivals(Some(&reply(served.clone())), per);
+            let after = served_arrivals(Some(&reply(refused)), per);
+            prop_assert_eq!(after.map(|n| n + per[at]), before);
+            served[at] = Status::TransferFailed;
+            prop_assert!(served_arrivals(Some(&reply(served)), per).is_err());
+        }
     }
 
     #[test]
