@@ -9,7 +9,7 @@
 //!   engines, slot, reply region and serving thread, no parsing and no kernel), then the
 //!   route round trip (submit to decoded partial), then the holder's own account of the
 //!   kernel and serving time for that request. Host overhead = route - ping - kernel.
-//! - **fetch** over ct (every layer, paged writes into the requester's pool, then the in-place
+//! - **fetch** over ct (every layer, written into the requester's pool pages, then the in-place
 //!   delta-rotation splice to new positions).
 //! - **holder capacity**: N requesters (one shared engine, a thread each) route a decode
 //!   token's rows at once; the holder's kernel time per call against N, beside one in-process
@@ -1031,7 +1031,7 @@ impl fmt::Display for SweepReport {
         if !self.fetch.is_empty() {
             writeln!(
                 f,
-                "\nfetch, every layer by paged writes, then the in-place splice (medians):"
+                "\nfetch, every layer into pool pages, then the in-place splice (medians):"
             )?;
             writeln!(
                 f,
@@ -1354,7 +1354,7 @@ mod plots {
         let mut chart = log_chart(
             &root,
             format!(
-                "fetch vs ct ({}, 27 layers, paged writes + splice)",
+                "fetch vs ct ({}, 27 layers, pool pages + splice)",
                 r.provider
             ),
             ((x0, x1), "ct (chunk tokens)"),

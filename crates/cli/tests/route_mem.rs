@@ -255,19 +255,56 @@ fn fetch_splices_to_the_requesters_positions() -> Result<()> {
     )?;
     kvroute_kernels::splice(Backend::Reference, job)?;
     let q = queries(16, 5300, &rope, 9);
-    for layer in 0..3usize {
-        let got = partial_dense(
-            Backend::Cpu,
-            &Queries::new(&q)?,
-            &req.fetched_cache(&fetched, layer)?,
-            SCALE,
-        )?;
-        let want_cache = Cache::paged(&pool, &table[layer * 4..layer * 4 + 4], 200)?;
-        let want = partial_dense(Backend::Reference, &Queries::new(&q)?, &want_cache, SCALE)?;
-        let err = max_abs(&got.o, &want.o);
-        assert!(err < 1e-3, "layer {layer}: {err}");
-    }
+    let check = |req: &Requester, fetched: &kvroute_cli::route::Fetched| -> Result<()> {
+        for layer in 0..3usize {
+            let got = partial_dense(
+                Backend::Cpu,
+                &Queries::new(&q)?,
+                &req.fetched_cache(fetched, layer)?,
+                SCALE,
+            )?;
+            let want_cache = Cache::paged(&pool, &table[layer * 4..layer * 4 + 4], 200)?;
+            let want = partial_dense(Backend::Reference, &Queries::new(&q)?, &want_cache, SCALE)?;
+            let err = max_abs(&got.o, &want.o);
+            assert!(err < 1e-3, "layer {layer}: {err}");
+        }
+        Ok(())
+    };
+    check(&req, &fetched)?;
     req.release(fetched)?;
+    assert_eq!(req.free_pool_pages(), free, "no pages leak");
+    // A fragmented pool: one-page gathers hold pages 0-7, every other one is released, so the
+    // fetch's 12 pages are 0, 2, 4, 6, 8-15: five runs of consecutive pages, five writes
+    // (`wire::fetch_runs`) instead of one, landing where the page table says.
+    let one = [0i32];
+    let part = [GatherPart {
+        chunk: ChunkId(1),
+        tokens: &one,
+    }];
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(req.gather(&part, &[0])?);
+    }
+    let mut kept = Vec::new();
+    for (i, g) in held.into_iter().enumerate() {
+        if i % 2 == 0 {
+            req.release_gathered(g)?;
+        } else {
+            kept.push(g);
+        }
+    }
+    let fetched = req.fetch(ChunkId(1), &to, rope, Backend::Cpu)?;
+    assert_eq!(
+        kvroute_cli::route::wire::fetch_runs(&fetched.pages).count(),
+        5,
+        "pages {:?}",
+        fetched.pages
+    );
+    check(&req, &fetched)?;
+    req.release(fetched)?;
+    for g in kept {
+        req.release_gathered(g)?;
+    }
     assert_eq!(req.free_pool_pages(), free, "no pages leak");
     Ok(())
 }

@@ -21,7 +21,7 @@ use kvroute_kernels::{
     Backend, Cache, Queries, Selection, WireOut, partial_dense_wire, partial_sparse_wire,
 };
 use kvroute_kvstore::{ChunkEntry, ChunkId, CorpusSpec, FullBlock, PAGE_BYTES, ROW_BYTES};
-use kvroute_transport::{Access, MrDesc, OnDone, Pages, RegisteredBuffer, TransferEngine};
+use kvroute_transport::{Access, MrDesc, OnDone, RegisteredBuffer, TransferEngine};
 
 use super::session::{Answer, Control, Hello, HolderStats, Welcome};
 use super::wire::{self, Request, SegmentKind, Status};
@@ -740,6 +740,10 @@ impl Shared {
         Ok(())
     }
 
+    /// Fetch: writes the chunk's pages (consecutive in the store) into the requester's pool
+    /// `pages`, one write per run of consecutive pool pages ([`wire::fetch_runs`]), each
+    /// carrying the session's fetch immediate. All or nothing: every run's destination is
+    /// checked against the pool before the first write is sent.
     fn fetch(&self, session: &Session, chunk: u32, pages: &[u32]) -> Status {
         let layout = self.config.corpus.layout();
         let Some(pool) = &session.hello.pool else {
@@ -748,26 +752,40 @@ impl Shared {
         if pages.len() != layout.pages() {
             return Status::FetchRefused;
         }
-        let base = (self.chunk_index[&chunk] * layout.pages()) as u32;
-        let src = Pages::new(
-            (base..base + layout.pages() as u32).collect::<Vec<_>>(),
-            PAGE_BYTES as u64,
-            0,
-        );
-        let dst = Pages::new(pages.to_vec(), PAGE_BYTES as u64, 0);
-        match self.engine.submit_paged_writes(
-            PAGE_BYTES as u64,
-            Some(session.hello.fetch_imm),
-            (self.store.handle(), &src),
-            (pool, &dst),
-            OnDone::nothing(),
-        ) {
-            Ok(()) => Status::Ok,
-            Err(e) => {
-                tracing::debug!(%e, "fetch refused");
-                Status::FetchRefused
+        let page = PAGE_BYTES as u64;
+        let base = (self.chunk_index[&chunk] * layout.pages()) as u64 * page;
+        let writes: Option<Vec<(u64, u64, u64)>> = wire::fetch_runs(pages)
+            .map(|(first, count)| {
+                let len = count as u64 * page;
+                let dst = u64::from(pages[first]).checked_mul(page)?;
+                (dst.checked_add(len)? <= pool.len).then_some((
+                    base + first as u64 * page,
+                    dst,
+                    len,
+                ))
+            })
+            .collect();
+        let Some(writes) = writes else {
+            return Status::FetchRefused;
+        };
+        for (n, &(src, dst, len)) in writes.iter().enumerate() {
+            if let Err(e) = self.engine.submit_single_write(
+                len,
+                Some(session.hello.fetch_imm),
+                (self.store.handle(), src),
+                (pool, dst),
+                OnDone::nothing(),
+            ) {
+                tracing::debug!(%e, "fetch failed");
+                // As in `gather`: only a failure after the first write leaves some sent.
+                return if n == 0 {
+                    Status::FetchRefused
+                } else {
+                    Status::TransferFailed
+                };
             }
         }
+        Status::Ok
     }
 
     /// Sparse fetch: writes the rows of `tokens` (layer `layer` of `chunk`) into the

@@ -1005,8 +1005,8 @@ impl Requester {
         }
     }
 
-    /// Fetches `chunk` from a live holder into the pool (paged writes, one immediate
-    /// expectation for the whole pull) and re-rotates it in place to `to` (the requester's
+    /// Fetches `chunk` from a live holder into the pool (one write per run of consecutive
+    /// pool pages, [`wire::fetch_runs`]; one immediate expectation for the whole pull) and re-rotates it in place to `to` (the requester's
     /// positions for its tokens), with `rope`, the rotation the chunk was stored with.
     pub fn fetch(
         &mut self,
@@ -1035,9 +1035,13 @@ impl Requester {
             indices: &[],
             pages: &pages,
         };
-        let arrivals = self.engine.expected_arrivals(TransferShape::PagedWrites {
-            pages: pages.len() as u64,
-        });
+        let arrivals: u64 = wire::fetch_runs(&pages)
+            .map(|(_, count)| {
+                self.engine.expected_arrivals(TransferShape::SingleWrite {
+                    len: (count * PAGE_BYTES) as u64,
+                })
+            })
+            .sum();
         let reply = self.exchange(vec![(link, vec![seg], vec![arrivals])]).pop();
         let reply = reply.unwrap_or(Err(RouteError::NoHolder(chunk)));
         let seq = self.links[link].seq;

@@ -7,8 +7,9 @@
 //! batching). The **reply** is one write into the requester's reply region, also with an
 //! immediate: a 24-byte header, one status word per segment, then every partial row of every
 //! dense or sparse segment in order (1032 B each: o as bf16, m and l as f32). A fetch segment
-//! answers with its status only; its bytes arrive as paged writes with their own immediate,
-//! and so does a gather segment (sparse fetch: selected rows, one write each).
+//! answers with its status only; its bytes arrive as writes into the requester's pool pages,
+//! one per run of consecutive pages ([`fetch_runs`]), with their own immediate, and so do a
+//! gather segment's (sparse fetch: selected rows, one write per page they touch).
 //!
 //! Everything a holder reads comes from a peer: [`Request::parse`] checks every length, offset
 //! and count before anything is used, and a malformed request gets a status, never a panic.
@@ -22,7 +23,8 @@ pub const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"KVRP");
 /// The protocol version this build speaks. 2: reply rows sit where the request fixes them
 /// ([`reply_row_layout`]). 3: a fetch or gather segment is all or nothing (a refused one sent
 /// no writes; [`Status::TransferFailed`] otherwise), which the requester's exact count of
-/// fetch arrivals relies on, so a version-2 peer is refused.
+/// fetch arrivals relies on, and a fetch is one write per run of consecutive pages
+/// ([`fetch_runs`]), not per page; a version-2 peer is refused.
 pub const VERSION: u16 = 3;
 /// Bytes of a request header.
 pub const REQUEST_HEADER: usize = 48;
@@ -144,6 +146,32 @@ pub enum SegmentKind {
         /// Where in the first listed page the first row goes (0 to 63).
         first: u32,
     },
+}
+
+/// The most pool pages one fetch write covers (64 pages of 72 KiB: 4.5 MiB).
+pub const FETCH_RUN_PAGES: usize = 64;
+
+/// The writes a fetch into `pages` (the requester's pool pages, in the order of the chunk's
+/// pages) is sent as: `(first, count)` for each run of consecutive page numbers, at most
+/// [`FETCH_RUN_PAGES`] long, as indices into `pages`. The chunk's own pages are consecutive in
+/// the holder's store, so each run is one write of `count` pages. Holder and requester both
+/// derive them from `pages`, so both know how many immediates come. A pool that hands out
+/// ascending free pages (as `kvstore::PagedPool` does) makes a fetch a few large writes
+/// instead of one per page, which providers with a per-message cost (`tcp;ofi_rxm`) need.
+pub fn fetch_runs(pages: &[u32]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        let first = at;
+        let start = *pages.get(first)?;
+        let mut count = 1;
+        while count < FETCH_RUN_PAGES
+            && pages.get(first + count).copied() == start.checked_add(count as u32)
+        {
+            count += 1;
+        }
+        at += count;
+        Some((first, count))
+    })
 }
 
 /// Pool pages a gather of `rows` rows starting at row `first` of its first page spans.
@@ -375,7 +403,7 @@ pub enum Status {
     Kernel = 6,
     /// The reply would not fit the requester's reply region.
     ReplyTooLarge = 7,
-    /// The fetch's pages do not fit the requester's pool, or the paged writes failed to start.
+    /// The fetch's pages do not fit the requester's pool, or its writes failed to start.
     FetchRefused = 8,
     /// A gathered token index is outside the chunk.
     BadIndex = 9,
@@ -815,6 +843,53 @@ mod tests {
             (vec![3, 0, 3], vec![4, 5])
         );
         assert!(segs[3].queries().is_empty() && segs[3].query_words().is_none());
+    }
+
+    #[test]
+    fn fetch_runs_cover_every_page_once_in_consecutive_runs() {
+        let runs = |pages: &[u32]| fetch_runs(pages).collect::<Vec<_>>();
+        assert_eq!(runs(&[]), vec![]);
+        assert_eq!(runs(&[7]), vec![(0, 1)]);
+        assert_eq!(
+            runs(&[3, 4, 5, 9, 10, 2, 1]),
+            vec![(0, 3), (3, 2), (5, 1), (6, 1)]
+        );
+        // A run never wraps past u32::MAX, and never exceeds FETCH_RUN_PAGES.
+        assert_eq!(runs(&[u32::MAX, 0]), vec![(0, 1), (1, 1)]);
+        let long: Vec<u32> = (100..100 + 2 * FETCH_RUN_PAGES as u32 + 5).collect();
+        assert_eq!(
+            runs(&long),
+            vec![
+                (0, FETCH_RUN_PAGES),
+                (FETCH_RUN_PAGES, FETCH_RUN_PAGES),
+                (2 * FETCH_RUN_PAGES, 5)
+            ]
+        );
+    }
+
+    proptest! {
+        /// Any page list: the runs tile it in order, each run's pages are consecutive, and
+        /// two neighbouring runs could not have been one (unless the first is full).
+        #[test]
+        fn fetch_runs_tile_any_page_list(pages in proptest::collection::vec(0u32..40, 0..200)) {
+            let mut next = 0;
+            let mut last: Option<(usize, usize)> = None;
+            for (first, count) in fetch_runs(&pages) {
+                prop_assert_eq!(first, next);
+                prop_assert!((1..=FETCH_RUN_PAGES).contains(&count));
+                for i in 1..count {
+                    prop_assert_eq!(pages[first + i], pages[first] + i as u32);
+                }
+                if let Some((f, c)) = last {
+                    prop_assert!(
+                        c == FETCH_RUN_PAGES || pages[f + c - 1].checked_add(1) != Some(pages[first])
+                    );
+                }
+                last = Some((first, count));
+                next = first + count;
+            }
+            prop_assert_eq!(next, pages.len());
+        }
     }
 
     #[test]
