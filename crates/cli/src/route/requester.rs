@@ -513,7 +513,7 @@ impl Requester {
                 alive: true,
             });
         }
-        Ok(Self {
+        let mut requester = Self {
             engine,
             config,
             send,
@@ -523,7 +523,16 @@ impl Requester {
             links,
             registry,
             codec: CodecTimes::default(),
-        })
+        };
+        // One small ping per holder opens the data path both ways now, not on the first
+        // route or fetch: providers connect lazily (`tcp;ofi_rxm` set up its connection in
+        // the first fetch's 30 ms; `shm` mapped its peer in the first fetch's 5.6 ms).
+        for (holder, addr) in holders.iter().enumerate() {
+            requester
+                .ping(holder, wire::PING_HEADER, 64, wire::Pong::Staged)
+                .with_context(|| format!("opening the data path to {addr}"))?;
+        }
+        Ok(requester)
     }
 
     /// The chunk registry the holders' welcomes built.
