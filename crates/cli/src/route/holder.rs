@@ -21,7 +21,7 @@ use kvroute_kernels::{
     Backend, Cache, Queries, Selection, WireOut, partial_dense_wire, partial_sparse_wire,
 };
 use kvroute_kvstore::{ChunkEntry, ChunkId, CorpusSpec, FullBlock, PAGE_BYTES, ROW_BYTES};
-use kvroute_transport::{Access, MrDesc, OnDone, RegisteredBuffer, TransferEngine};
+use kvroute_transport::{Access, MrDesc, MrHandle, OnDone, RegisteredBuffer, TransferEngine};
 
 use super::session::{Answer, Control, Hello, HolderStats, Welcome};
 use super::wire::{self, Request, SegmentKind, Status};
@@ -742,8 +742,8 @@ impl Shared {
 
     /// Fetch: writes the chunk's pages (consecutive in the store) into the requester's pool
     /// `pages`, one write per run of consecutive pool pages ([`wire::fetch_runs`]), each
-    /// carrying the session's fetch immediate. All or nothing: every run's destination is
-    /// checked against the pool before the first write is sent.
+    /// carrying the session's fetch immediate. All or nothing ([`Shared::send_all`]): every
+    /// run's destination is checked against the pool before the first write is sent.
     fn fetch(&self, session: &Session, chunk: u32, pages: &[u32]) -> Status {
         let layout = self.config.corpus.layout();
         let Some(pool) = &session.hello.pool else {
@@ -765,19 +765,35 @@ impl Shared {
                 ))
             })
             .collect();
+        self.send_all(writes, self.store.handle(), (pool, session.hello.fetch_imm))
+    }
+
+    /// Sends a fetch or gather segment's `writes` (source offset in `src`, destination offset
+    /// in `pool`, length), each with the fetch immediate `imm`, or none of them: `None` (a
+    /// write that would not fit the pool, found by the caller before anything was sent) is
+    /// `FetchRefused`. The writes' checks have passed, so a submission fails only as every
+    /// other would (an engine shutting down): a failure at the first sent nothing
+    /// (`FetchRefused`), a later one left some sent (`TransferFailed`: the requester's count
+    /// is lost and it gives the link up).
+    fn send_all(
+        &self,
+        writes: Option<Vec<(u64, u64, u64)>>,
+        src: &MrHandle,
+        (pool, imm): (&MrDesc, u32),
+    ) -> Status {
         let Some(writes) = writes else {
             return Status::FetchRefused;
         };
-        for (n, &(src, dst, len)) in writes.iter().enumerate() {
-            if let Err(e) = self.engine.submit_single_write(
+        for (n, &(from, to, len)) in writes.iter().enumerate() {
+            let sent = self.engine.submit_single_write(
                 len,
-                Some(session.hello.fetch_imm),
-                (self.store.handle(), src),
-                (pool, dst),
+                Some(imm),
+                (src, from),
+                (pool, to),
                 OnDone::nothing(),
-            ) {
-                tracing::debug!(%e, "fetch failed");
-                // As in `gather`: only a failure after the first write leaves some sent.
+            );
+            if let Err(e) = sent {
+                tracing::debug!(%e, "fetch or gather write failed");
                 return if n == 0 {
                     Status::FetchRefused
                 } else {
@@ -853,28 +869,11 @@ impl Shared {
                 ))
             })
             .collect();
-        let Some(writes) = writes else {
-            return Status::FetchRefused;
-        };
-        for (n, &(src, dst, len)) in writes.iter().enumerate() {
-            if let Err(e) = self.engine.submit_single_write(
-                len,
-                Some(session.hello.fetch_imm),
-                (self.gather_staging.handle(), src),
-                (pool, dst),
-                OnDone::nothing(),
-            ) {
-                tracing::debug!(%e, "gather failed");
-                // Its checks passed, so every write fails alike (an engine shutting down):
-                // only a failure after the first leaves some rows sent.
-                return if n == 0 {
-                    Status::FetchRefused
-                } else {
-                    Status::TransferFailed
-                };
-            }
-        }
-        Status::Ok
+        self.send_all(
+            writes,
+            self.gather_staging.handle(),
+            (pool, session.hello.fetch_imm),
+        )
     }
 
     /// Finishes one request's reply in the session's staging (the kernels wrote the rows of
