@@ -135,7 +135,7 @@ impl fmt::Display for DemoReport {
             .collect();
         writeln!(
             f,
-            "probe sweep (route round trip incl. holder kernel): {}",
+            "probe sweep (route, submit to merged output, incl. holder kernel): {}",
             sweep.join(", ")
         )?;
         writeln!(
@@ -160,7 +160,7 @@ impl fmt::Display for DemoReport {
             v.sort_by(f64::total_cmp);
             writeln!(
                 f,
-                "route round trips: {} , median {:.0} us",
+                "route round trips (all of a step's routed chunks, submit to merged output): {}, median {:.0} us",
                 v.len(),
                 v[v.len() / 2]
             )?;
