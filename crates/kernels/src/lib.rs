@@ -174,20 +174,28 @@ pub fn partial_sparse(
     if q.is_empty() {
         return Err(KernelError::Empty("query rows"));
     }
-    // Re-check against these queries and this cache (a selection built for others must not
-    // read out of bounds).
-    let sel = Selection::new(
-        sel.raw(),
-        sel.k(),
-        sel.rows_per_token(),
-        q.len(),
-        cache.tokens(),
-    )?;
+    let sel = selection_for(sel, q, cache)?;
     Ok(match engine(backend)? {
         Engine::Cpu(isa) => cpu::partial_sparse(q, cache, &sel, scale, isa),
         Engine::Reference => reference::partial_sparse(q, cache, &sel, scale),
         Engine::Cuda(gpu) => gpu.partial_sparse(q, cache, &sel, scale)?,
     })
+}
+
+/// `sel` checked again against these queries and this cache: a selection built for others
+/// must not read out of bounds.
+fn selection_for<'a>(
+    sel: &Selection<'a>,
+    q: &Queries<'_>,
+    cache: &Cache<'_>,
+) -> Result<Selection<'a>, KernelError> {
+    Selection::new(
+        sel.raw(),
+        sel.k(),
+        sel.rows_per_token(),
+        q.len(),
+        cache.tokens(),
+    )
 }
 
 /// [`partial_dense`] written straight into its wire encoding (`out`: [`WireOut`], `q.len()`
@@ -224,13 +232,7 @@ pub fn partial_sparse_wire(
     match engine(backend)? {
         Engine::Cpu(isa) => {
             check_scale(scale)?;
-            let sel = Selection::new(
-                sel.raw(),
-                sel.k(),
-                sel.rows_per_token(),
-                q.len(),
-                cache.tokens(),
-            )?;
+            let sel = selection_for(sel, q, cache)?;
             cpu::partial_sparse_wire(q, cache, &sel, scale, isa, out);
             Ok(())
         }
