@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use kvroute_costmodel::fit::{RoundTripSample, Weighting, fit_round_trips};
 use kvroute_costmodel::{CostModel, CostParams, Primitive, Request, model_preset};
-use kvroute_kernels::layout::D_QK;
 use kvroute_kernels::{
     Backend, Cache, Partial, Queries, Selection, merge, merge_wire, partial_dense, partial_sparse,
 };
@@ -37,7 +36,6 @@ use crate::args::{
 };
 use crate::route::{
     Call, GatherPart, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse,
-    StagedCall,
 };
 
 /// DeepSeek-V2-Lite's softmax scale (kernels' `deepseek_softmax_scale(192, 40, 0.707)`).
@@ -438,8 +436,8 @@ fn check(checks: &mut Vec<Check>, name: String, got: &Partial, want: &Partial, t
 
 /// Routes `calls` the way a decode step should (paper 000 section 5.3's reductions, carried
 /// to both ends): each call's query rows are written straight into registered staging
-/// ([`Requester::stage`]; here by copying them, where a model's query projection would write
-/// them), and the replies are merged from the bf16 rows where they landed
+/// ([`Requester::stage_copied`]; here by copying them, where a model's query projection would
+/// write them through [`Requester::stage`]), and the replies are merged from the bf16 rows where they landed
 /// ([`StagedRoute::route_wire`](crate::route::StagedRoute::route_wire),
 /// [`merge_wire`]), with no decode pass. Calls whose holder failed are re-staged once on their
 /// chunk's next replica. Returns one merged partial per attempt that brought rows back (one,
@@ -456,27 +454,8 @@ fn route_merged(
         if pending.is_empty() {
             break;
         }
-        let plan: Vec<StagedCall<'_>> = pending
-            .iter()
-            .map(|&i| StagedCall {
-                chunk: calls[i].chunk,
-                layer: calls[i].layer,
-                // Not whole rows: staged as no rows, which `stage` refuses.
-                rows: if calls[i].queries.len().is_multiple_of(D_QK) {
-                    calls[i].queries.len() / D_QK
-                } else {
-                    0
-                },
-                sparse: calls[i].sparse,
-            })
-            .collect();
-        let mut staged = req.stage(&plan);
-        for (j, &i) in pending.iter().enumerate() {
-            if let Some(rows) = staged.queries_mut(j) {
-                rows.copy_from_slice(calls[i].queries);
-            }
-        }
-        let routed = staged.route_wire();
+        let subset: Vec<Call<'_>> = pending.iter().map(|&i| calls[i]).collect();
+        let routed = req.stage_copied(&subset).route_wire();
         let mut parts = Vec::with_capacity(pending.len());
         let mut failed = Vec::new();
         for (j, &i) in pending.iter().enumerate() {

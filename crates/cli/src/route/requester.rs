@@ -909,13 +909,25 @@ impl Requester {
         out: &mut [Partial],
     ) -> Vec<Result<(), RouteError>> {
         assert_eq!(calls.len(), out.len(), "one partial per call");
+        let mut results = self.stage_copied(calls).route_into(out);
+        for (r, call) in results.iter_mut().zip(calls) {
+            if matches!(r, Err(RouteError::TooLarge(0))) {
+                *r = Err(RouteError::TooLarge(call.queries.len()));
+            }
+        }
+        results
+    }
+
+    /// [`Requester::stage`] with each call's query rows copied into its staging (the copy is
+    /// timed as encoding): for callers that hold the rows already. A call whose rows are not
+    /// whole 576-wide rows is staged as no rows, which `stage` refuses (`TooLarge(0)`).
+    pub fn stage_copied<'r>(&'r mut self, calls: &[Call<'_>]) -> StagedRoute<'r> {
         let plan: Vec<StagedCall<'_>> = calls
             .iter()
             .map(|c| StagedCall {
                 chunk: c.chunk,
                 layer: c.layer,
-                // Not whole rows: staged as no rows, which `stage` refuses.
-                rows: if c.queries.len() % D_QK == 0 {
+                rows: if c.queries.len().is_multiple_of(D_QK) {
                     c.queries.len() / D_QK
                 } else {
                     0
@@ -931,13 +943,7 @@ impl Requester {
             }
         }
         staged.requester.codec.encode_us += started.elapsed().as_secs_f64() * 1e6;
-        let mut results = staged.route_into(out);
-        for (r, call) in results.iter_mut().zip(calls) {
-            if matches!(r, Err(RouteError::TooLarge(0))) {
-                *r = Err(RouteError::TooLarge(call.queries.len()));
-            }
-        }
-        results
+        staged
     }
 
     /// Prepares a decode step's calls for their producer to write the query rows in place:
