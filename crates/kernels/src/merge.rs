@@ -6,7 +6,7 @@
 //! the identity. Sums run in f64 and are rounded to f32 once at the end, so the result depends
 //! on the parts' order only through f64 round-off (in practice not at all).
 
-use crate::cpu::Isa;
+use crate::cpu::vectorised;
 use crate::error::KernelError;
 use crate::layout::D_LATENT;
 use crate::partial::{Partial, WirePartial};
@@ -16,28 +16,11 @@ use crate::partial::{Partial, WirePartial};
 pub fn merge(parts: &[&Partial]) -> Result<Partial, KernelError> {
     let mq = check_parts(parts)?;
     let mut out = Partial::empty(mq);
-    match Isa::detect() {
-        // SAFETY: `Isa::detect` found the CPU has the features.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { merge_avx512(parts, &mut out) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { merge_avx2(parts, &mut out) },
-        _ => merge_rows(parts, &mut out),
-    }
+    vectorised(
+        #[inline(always)]
+        || merge_rows(parts, &mut out),
+    );
     Ok(out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn merge_avx512(parts: &[&Partial], out: &mut Partial) {
-    merge_rows(parts, out);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn merge_avx2(parts: &[&Partial], out: &mut Partial) {
-    merge_rows(parts, out);
 }
 
 /// [`merge`]'s rows (the same code on every instruction set: the f64 sums vectorise).
@@ -66,33 +49,16 @@ pub fn merge_wire(parts: &[WirePartial<'_>], out: &mut Partial) -> Result<(), Ke
     out.o.resize(mq * D_LATENT, 0.0);
     out.m.resize(mq, f32::NEG_INFINITY);
     out.l.resize(mq, 0.0);
-    let merged = match Isa::detect() {
-        // SAFETY: `Isa::detect` found the CPU has the features.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { merge_wire_avx512(parts, out) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { merge_wire_avx2(parts, out) },
-        _ => merge_wire_rows(parts, out),
-    };
+    let merged = vectorised(
+        #[inline(always)]
+        || merge_wire_rows(parts, out),
+    );
     if merged.is_err() {
         out.o.fill(0.0);
         out.m.fill(f32::NEG_INFINITY);
         out.l.fill(0.0);
     }
     merged
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-fn merge_wire_avx512(parts: &[WirePartial<'_>], out: &mut Partial) -> Result<(), KernelError> {
-    merge_wire_rows(parts, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn merge_wire_avx2(parts: &[WirePartial<'_>], out: &mut Partial) -> Result<(), KernelError> {
-    merge_wire_rows(parts, out)
 }
 
 #[inline(always)]

@@ -7,7 +7,7 @@
 //! A partial over nothing is `(o = 0, m = -inf, l = 0)`: the identity of [`crate::merge`].
 
 use crate::bf16;
-use crate::cpu::Isa;
+use crate::cpu::vectorised;
 use crate::error::{KernelError, check_len};
 use crate::layout::{D_LATENT, D_QK, PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
 
@@ -123,15 +123,10 @@ impl Partial {
             &self.m[rows.clone()],
             &self.l[rows],
         );
-        match Isa::detect() {
-            // SAFETY: `Isa::detect` found the CPU has the features.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Bf16 => unsafe { encode_avx512(o, m, l, out) },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { encode_avx2(o, m, l, out) },
-            _ => encode(o, m, l, out),
-        }
+        vectorised(
+            #[inline(always)]
+            || encode(o, m, l, out),
+        );
         Ok(())
     }
 
@@ -164,15 +159,10 @@ impl Partial {
         // One pass converts and, per row, reduces the largest bf16 magnitude (exponent all
         // ones = infinity or NaN); `validate`'s remaining row checks are scalar per row.
         let mut worst = vec![0u16; mq];
-        match Isa::detect() {
-            // SAFETY: `Isa::detect` found the CPU has the features.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Bf16 => unsafe { decode_avx512(bytes, self, &mut worst) },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { decode_avx2(bytes, self, &mut worst) },
-            _ => decode(bytes, self, &mut worst),
-        }
+        vectorised(
+            #[inline(always)]
+            || decode(bytes, self, &mut worst),
+        );
         let checked = match worst.iter().position(|&w| w >= 0x7f80) {
             Some(row) => Err(KernelError::InvalidPartial {
                 row,
@@ -339,55 +329,14 @@ fn decode(bytes: &[u8], p: &mut Partial, worst: &mut [u16]) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-fn encode_avx512(o: &[f32], m: &[f32], l: &[f32], out: &mut [u8]) {
-    encode(o, m, l, out);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn encode_avx2(o: &[f32], m: &[f32], l: &[f32], out: &mut [u8]) {
-    encode(o, m, l, out);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-fn decode_avx512(bytes: &[u8], p: &mut Partial, worst: &mut [u16]) {
-    decode(bytes, p, worst);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn decode_avx2(bytes: &[u8], p: &mut Partial, worst: &mut [u16]) {
-    decode(bytes, p, worst);
-}
-
 /// Whether every value is finite: an integer reduction with no early exit over the exponent
 /// bits, which the compiler turns into vector compares (the check runs on every partial a
 /// requester receives).
 fn all_finite(values: &[f32]) -> bool {
-    match Isa::detect() {
-        // SAFETY: `Isa::detect` found the CPU has the features.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { all_finite_avx512(values) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { all_finite_avx2(values) },
-        _ => all_finite_in(values),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-fn all_finite_avx512(values: &[f32]) -> bool {
-    all_finite_in(values)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn all_finite_avx2(values: &[f32]) -> bool {
-    all_finite_in(values)
+    vectorised(
+        #[inline(always)]
+        || all_finite_in(values),
+    )
 }
 
 #[inline(always)]

@@ -9,6 +9,7 @@ mod splice;
 mod tile;
 
 pub use isa::Isa;
+pub(crate) use isa::vectorised;
 pub(crate) use splice::splice;
 
 use rayon::prelude::*;
@@ -91,27 +92,10 @@ fn scaled_rows(q: &[u16], scale: f32) -> Vec<f32> {
 /// combine; here the accumulators are not yet normalised, so values weigh 1), on the best
 /// instruction set (the f64 sums vectorise).
 fn finish(states: &[RowState], r0: usize, out: &mut Partial) {
-    match Isa::detect() {
-        // SAFETY: `Isa::detect` found the CPU has the features.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { finish_avx512(states, r0, out) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { finish_avx2(states, r0, out) },
-        _ => finish_rows(states, r0, out),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn finish_avx512(states: &[RowState], r0: usize, out: &mut Partial) {
-    finish_rows(states, r0, out);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn finish_avx2(states: &[RowState], r0: usize, out: &mut Partial) {
-    finish_rows(states, r0, out);
+    vectorised(
+        #[inline(always)]
+        || finish_rows(states, r0, out),
+    );
 }
 
 #[inline(always)]
