@@ -62,6 +62,18 @@ fn requester(fabric: &MemFabric, holders: &[&Holder]) -> Result<Requester> {
     )
 }
 
+/// One dense call per chunk in `chunks`, all with the query rows `q`, at `layer`.
+fn dense_calls(q: &[u16], layer: u16, chunks: std::ops::Range<u32>) -> Vec<Call<'_>> {
+    chunks
+        .map(|c| Call {
+            chunk: ChunkId(c),
+            layer,
+            queries: q,
+            sparse: None,
+        })
+        .collect()
+}
+
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
@@ -84,14 +96,7 @@ fn staged_queries_and_wire_partials_merge_like_the_copying_path() -> Result<()> 
     let s = spec();
     let q = queries(16, 900, &s.rope()?, 5);
     let layer = 2;
-    let copied: Vec<Call<'_>> = (0..4)
-        .map(|c| Call {
-            chunk: ChunkId(c),
-            layer,
-            queries: &q,
-            sparse: None,
-        })
-        .collect();
+    let copied = dense_calls(&q, layer, 0..4);
     let parts: Vec<_> = req.route(&copied).into_iter().collect::<Result<_, _>>()?;
     let want = merge(&parts.iter().collect::<Vec<_>>())?;
     // Chunk 7 is held by nobody: its call is refused before anything is staged.
@@ -143,14 +148,7 @@ fn dense_route_over_two_holders_matches_one_instance() -> Result<()> {
         .collect::<Result<_, _>>()?;
     let q = queries(16, 900, &s.rope()?, 5);
     for layer in 0..3u16 {
-        let calls: Vec<_> = (0..4)
-            .map(|c| Call {
-                chunk: ChunkId(c),
-                layer,
-                queries: &q,
-                sparse: None,
-            })
-            .collect();
+        let calls = dense_calls(&q, layer, 0..4);
         let parts: Vec<_> = req.route(&calls).into_iter().collect::<Result<_, _>>()?;
         let merged = merge(&parts.iter().collect::<Vec<_>>())?;
         let doc = s.document_layer(&blocks, u32::from(layer))?;
