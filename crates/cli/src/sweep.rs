@@ -9,6 +9,8 @@
 //!   engines, slot, reply region and serving thread, no parsing and no kernel), then the
 //!   route round trip (submit to decoded partial), then the holder's own account of the
 //!   kernel and serving time for that request. Host overhead = route - ping - kernel.
+//!   Repetitions interleave the Mq points (one sample of each per repetition), so a slow
+//!   spell of this shared machine spreads over every point's repetitions.
 //! - **fetch** over ct (every layer, written into the requester's pool pages, then the in-place
 //!   delta-rotation splice to new positions).
 //! - **holder capacity**: N requesters (one shared engine, a thread each) route a decode
@@ -654,85 +656,131 @@ fn route_sweep(
         s.requester
             .ping(0, wire::PING_HEADER, 1, wire::Pong::Staged)?;
     }
-    for &mq in &args.mq {
-        bar.set_message(format!("Mq = {mq}"));
-        let q = queries(
-            mq as usize,
-            i64::from(args.route_ct),
-            &rope,
-            args.seed ^ u64::from(mq),
-        );
-        let call = Call {
-            chunk: ChunkId(0),
-            layer: 0,
-            queries: &q,
-            sparse: None,
-        };
-        let request_bytes = wire::REQUEST_HEADER + wire::SEGMENT_BYTES + q.len() * 2;
-        let reply_bytes = wire::reply_len(1, mq as usize);
-        let local = partial_dense(Backend::Cpu, &Queries::new(&q)?, &cache, SCALE)?;
-        // Decoded into the same partial every repetition, as a decode loop would: the first
-        // repetition of each Mq pays for growing it.
-        let mut got = [Partial::empty(mq as usize)];
-        let mut merged = Partial::empty(mq as usize);
-        // The baseline first: its cache eviction must not slow the pings and routes. One ping
-        // afterwards, not counted, warms up the transport again.
-        let floors: Vec<f64> = (0..args.reps).map(|_| floor.us(mq as usize)).collect();
-        s.requester
-            .ping(0, request_bytes, reply_bytes, wire::Pong::Staged)?;
-        for copy_floor_us in floors {
-            let raw = s
-                .requester
-                .ping(0, request_bytes, reply_bytes, wire::Pong::Staged)?;
-            let unwritten = s.requester.holder_stats(0)?;
-            let written = s
-                .requester
-                .ping(0, request_bytes, reply_bytes, wire::Pong::Written)?;
-            let before = s.requester.holder_stats(0)?;
-            let pong_write_us = before.pong_write_us - unwritten.pong_write_us;
-            let codec = s.requester.codec_times();
-            let started = Instant::now();
-            let done = s.requester.route_into(&[call], &mut got).remove(0);
-            let route_us = started.elapsed().as_secs_f64() * 1e6;
-            let codec_after = s.requester.codec_times();
-            let after = s.requester.holder_stats(0)?;
-            done?;
-            worst = worst.max(max_abs(&got[0], &local));
-            ensure!(
-                after.requests == before.requests + 1,
-                "the holder served {} requests for one route",
-                after.requests - before.requests
+    // Every Mq's rows, its local reference, and the partials it decodes into (reused every
+    // repetition, as a decode loop would; the first repetition of each Mq pays for growing
+    // them).
+    let mut points = args
+        .mq
+        .iter()
+        .map(|&mq| {
+            let q = queries(
+                mq as usize,
+                i64::from(args.route_ct),
+                &rope,
+                args.seed ^ u64::from(mq),
             );
-            let zero_copy = zero_copy_route(&mut s.requester, &q, &mut merged)?;
-            let after_zc = s.requester.holder_stats(0)?;
-            worst = worst.max(max_abs(&merged, &local));
-            samples.push(RouteSample {
+            let local = partial_dense(Backend::Cpu, &Queries::new(&q)?, &cache, SCALE)?;
+            Ok(RoutePointState {
                 mq,
-                request_bytes,
-                reply_bytes,
-                raw_us: raw.as_secs_f64() * 1e6,
-                written_raw_us: written.as_secs_f64() * 1e6 - pong_write_us,
-                route_us,
-                kernel_us: after.kernel_us - before.kernel_us,
-                serve_us: after.serve_us - before.serve_us,
-                holder_encode_us: after.encode_us - before.encode_us,
-                requester_encode_us: codec_after.encode_us - codec.encode_us,
-                requester_decode_us: codec_after.decode_us - codec.decode_us,
-                copy_floor_us,
-                zero_copy_us: zero_copy.route_us,
-                zero_copy_kernel_us: after_zc.kernel_us - after.kernel_us,
-                producer_us: zero_copy.producer_us,
-                merge_us: zero_copy.merge_us,
-            });
-            bar.inc(1);
-        }
+                q,
+                local,
+                got: [Partial::empty(mq as usize)],
+                merged: Partial::empty(mq as usize),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // The copy baselines first: their cache eviction must not slow the pings and routes. One
+    // ping afterwards, not counted, warms up the transport again.
+    let floors: Vec<Vec<f64>> = (0..args.reps)
+        .map(|_| points.iter().map(|p| floor.us(p.mq as usize)).collect())
+        .collect();
+    s.requester
+        .ping(0, wire::PING_HEADER, 1, wire::Pong::Staged)?;
+    // Repetitions interleave the Mq points, so a slow spell of this shared machine lands on a
+    // few repetitions of every point instead of on every repetition of one, where a median
+    // cannot remove it.
+    for (rep, i) in interleaved(floors.len(), points.len()) {
+        let p = &mut points[i];
+        bar.set_message(format!("Mq = {}, repetition {}", p.mq, rep + 1));
+        let (sample, diff) = route_sample(&mut s.requester, p, floors[rep][i])?;
+        worst = worst.max(diff);
+        samples.push(sample);
+        bar.inc(1);
     }
+    samples.sort_by_key(|x| x.mq);
     ensure!(
         worst <= BF16_TOL,
         "a routed partial differs from the local kernel by {worst} (tolerance {BF16_TOL})"
     );
     drop(s);
     Ok((samples, worst))
+}
+
+/// The order of `reps` repetitions over `points` points, as (repetition, point): one sample
+/// of every point per repetition, in alternating directions, so each point follows its
+/// neighbours (or itself) and never the far end of the sweep.
+fn interleaved(reps: usize, points: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..reps).flat_map(move |rep| {
+        (0..points).map(move |i| (rep, if rep % 2 == 0 { i } else { points - 1 - i }))
+    })
+}
+
+/// One Mq point of [`route_sweep`]: its rows, the local kernel's partial for them, and the
+/// partials its routes decode and merge into.
+struct RoutePointState {
+    mq: u32,
+    q: Vec<u16>,
+    local: Partial,
+    got: [Partial; 1],
+    merged: Partial,
+}
+
+/// One repetition at one Mq point: the staged ping, the written ping, the copying route, then
+/// the zero-copy route, each checked; with the worst difference from the local kernel.
+fn route_sample(
+    requester: &mut Requester,
+    p: &mut RoutePointState,
+    copy_floor_us: f64,
+) -> Result<(RouteSample, f32)> {
+    let mq = p.mq;
+    let call = Call {
+        chunk: ChunkId(0),
+        layer: 0,
+        queries: &p.q,
+        sparse: None,
+    };
+    let request_bytes = wire::REQUEST_HEADER + wire::SEGMENT_BYTES + p.q.len() * 2;
+    let reply_bytes = wire::reply_len(1, mq as usize);
+    let raw = requester.ping(0, request_bytes, reply_bytes, wire::Pong::Staged)?;
+    let unwritten = requester.holder_stats(0)?;
+    let written = requester.ping(0, request_bytes, reply_bytes, wire::Pong::Written)?;
+    let before = requester.holder_stats(0)?;
+    let pong_write_us = before.pong_write_us - unwritten.pong_write_us;
+    let codec = requester.codec_times();
+    let started = Instant::now();
+    let done = requester.route_into(&[call], &mut p.got).remove(0);
+    let route_us = started.elapsed().as_secs_f64() * 1e6;
+    let codec_after = requester.codec_times();
+    let after = requester.holder_stats(0)?;
+    done?;
+    let mut worst = max_abs(&p.got[0], &p.local);
+    ensure!(
+        after.requests == before.requests + 1,
+        "the holder served {} requests for one route",
+        after.requests - before.requests
+    );
+    let zero_copy = zero_copy_route(requester, &p.q, &mut p.merged)?;
+    let after_zc = requester.holder_stats(0)?;
+    worst = worst.max(max_abs(&p.merged, &p.local));
+    let sample = RouteSample {
+        mq,
+        request_bytes,
+        reply_bytes,
+        raw_us: raw.as_secs_f64() * 1e6,
+        written_raw_us: written.as_secs_f64() * 1e6 - pong_write_us,
+        route_us,
+        kernel_us: after.kernel_us - before.kernel_us,
+        serve_us: after.serve_us - before.serve_us,
+        holder_encode_us: after.encode_us - before.encode_us,
+        requester_encode_us: codec_after.encode_us - codec.encode_us,
+        requester_decode_us: codec_after.decode_us - codec.decode_us,
+        copy_floor_us,
+        zero_copy_us: zero_copy.route_us,
+        zero_copy_kernel_us: after_zc.kernel_us - after.kernel_us,
+        producer_us: zero_copy.producer_us,
+        merge_us: zero_copy.merge_us,
+    };
+    Ok((sample, worst))
 }
 
 /// Times of one [`zero_copy_route`].
@@ -1547,6 +1595,24 @@ mod tests {
     /// The line goes through the medians, not the repetitions: a sweep whose repetitions
     /// scatter +-20% around a line gets that line back, MAPE 0 on its medians and about 14%
     /// on the repetitions; one Mq gives no fit, with the reason.
+    #[test]
+    fn repetitions_visit_every_point_once_each_in_alternating_directions() {
+        let order: Vec<_> = interleaved(3, 4).collect();
+        assert_eq!(order.len(), 12);
+        for rep in 0..3 {
+            let mut seen: Vec<usize> = order.iter().filter(|o| o.0 == rep).map(|o| o.1).collect();
+            let walked = seen.clone();
+            seen.sort_unstable();
+            assert_eq!(seen, [0, 1, 2, 3], "repetition {rep}");
+            let forward = walked.windows(2).all(|w| w[0] < w[1]);
+            assert_eq!(forward, rep % 2 == 0, "repetition {rep} walks {walked:?}");
+        }
+        // No point follows the far end of the sweep.
+        assert!(order.windows(2).all(|w| w[0].1.abs_diff(w[1].1) <= 1));
+        assert_eq!(interleaved(0, 4).count(), 0);
+        assert_eq!(interleaved(2, 0).count(), 0);
+    }
+
     #[test]
     fn the_fit_is_to_the_medians_and_scored_on_both() {
         let line = |mq: u32| 20.0 + f64::from(mq) * ROW_BYTES as f64 / 4e3;
