@@ -660,6 +660,12 @@ impl Requester {
         self.pool.free_pages()
     }
 
+    /// The holder (an index into the holders given to [`Requester::connect`]) that a route
+    /// of `chunk` goes to now: the first live one holding it.
+    pub fn holder_for(&self, chunk: ChunkId) -> Result<usize, RouteError> {
+        self.link_for(chunk)
+    }
+
     /// The first live link holding `chunk`.
     fn link_for(&self, chunk: ChunkId) -> Result<usize, RouteError> {
         let holders = self
