@@ -570,12 +570,15 @@ const PROBE_MQ: [u32; 4] = [1, 16, 64, 256];
 const PROBE_REPS: usize = 5;
 /// Probe sweeps tried before giving up on a fit with a positive slope and intercept.
 const PROBE_ATTEMPTS: usize = 3;
+/// How long a probe waits for the holder's counters to count its route.
+const COUNTED: Duration = Duration::from_secs(1);
 
 /// The start-up probe sweep: the fabric constants of paper 000 section 4.3 (`T_probe`, `BW`)
 /// as this requester sees them. At each of [`PROBE_MQ`], the fastest of [`PROBE_REPS`]
 /// routes of chunk 0's layer 0, each timed from staging the rows to the checked reply,
 /// minus the holder's own kernel time for it: the cost model prices compute and merge in
-/// their own terms, so they must not be in the fabric's. Fitted to
+/// their own terms, so they must not be in the fabric's. A route whose holder served
+/// anything else meanwhile is not kept. Fitted to
 /// `T_probe + Mq (q + p) / BW` (relative error, as `kvroute sweep` fits). A sweep too noisy
 /// for a line with a positive slope and intercept is measured again, up to
 /// [`PROBE_ATTEMPTS`] times, then bounded from the last sweep (and said so).
@@ -603,16 +606,21 @@ fn probe_fabric(
             }];
             let mut best = f64::INFINITY;
             for _ in 0..PROBE_REPS {
-                let kernel_before = req.holder_stats(holder)?.kernel_us;
+                let before = req.holder_stats(holder)?;
                 let started = Instant::now();
                 let routed = req.stage_copied(&call).route_wire();
                 routed.partial(0)?;
                 drop(routed);
                 let us = started.elapsed().as_secs_f64() * 1e6;
-                let kernel_us = req.holder_stats(holder)?.kernel_us - kernel_before;
-                best = best.min(us - kernel_us);
+                let after = req.holder_stats_counting(holder, before.requests + 1, COUNTED)?;
+                // Another requester's request in between would bring its kernel time too.
+                if after.requests == before.requests + 1 {
+                    best = best.min(us - (after.kernel_us - before.kernel_us));
+                }
             }
-            points.push((mq, best));
+            if best.is_finite() {
+                points.push((mq, best));
+            }
         }
         let samples: Vec<RoundTripSample> = points
             .iter()

@@ -715,6 +715,9 @@ fn interleaved(reps: usize, points: usize) -> impl Iterator<Item = (usize, usize
     })
 }
 
+/// How long a sample waits for the holder's counters to count its route.
+const COUNTED: Duration = Duration::from_secs(1);
+
 /// One Mq point of [`route_sweep`]: its rows, the local kernel's partial for them, and the
 /// partials its routes decode and merge into.
 struct RoutePointState {
@@ -751,7 +754,7 @@ fn route_sample(
     let done = requester.route_into(&[call], &mut p.got).remove(0);
     let route_us = started.elapsed().as_secs_f64() * 1e6;
     let codec_after = requester.codec_times();
-    let after = requester.holder_stats(0)?;
+    let after = requester.holder_stats_counting(0, before.requests + 1, COUNTED)?;
     done?;
     let mut worst = max_abs(&p.got[0], &p.local);
     ensure!(
@@ -760,7 +763,12 @@ fn route_sample(
         after.requests - before.requests
     );
     let zero_copy = zero_copy_route(requester, &p.q, &mut p.merged)?;
-    let after_zc = requester.holder_stats(0)?;
+    let after_zc = requester.holder_stats_counting(0, after.requests + 1, COUNTED)?;
+    ensure!(
+        after_zc.requests == after.requests + 1,
+        "the holder served {} requests for one zero-copy route",
+        after_zc.requests - after.requests
+    );
     worst = worst.max(max_abs(&p.merged, &p.local));
     let sample = RouteSample {
         mq,
@@ -945,7 +953,10 @@ fn concurrency_sweep(
                 let before = control.requester.holder_stats(0);
                 barrier.wait();
                 barrier.wait();
-                let after = control.requester.holder_stats(0);
+                // Every requester has its reply; the holder may not have counted the last
+                // batch yet.
+                let counted = before.as_ref().map_or(0, |b| b.requests + u64::from(n));
+                let after = control.requester.holder_stats_counting(0, counted, COUNTED);
                 match (before, after) {
                     (Ok(b), Ok(a)) => rounds.push(ConcurrencySample {
                         n,

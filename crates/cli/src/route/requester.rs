@@ -557,6 +557,25 @@ impl Requester {
         recv_line(&mut link.reader, 1 << 20)
     }
 
+    /// Holder `holder`'s counters once they count at least `requests` requests, or as they
+    /// are after `wait`. A holder adds a batch to its counters just after sending the batch's
+    /// replies, so a read right after a reply lands can see them without it.
+    pub fn holder_stats_counting(
+        &mut self,
+        holder: usize,
+        requests: u64,
+        wait: Duration,
+    ) -> Result<HolderStats> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let stats = self.holder_stats(holder)?;
+            if stats.requests >= requests || Instant::now() >= deadline {
+                return Ok(stats);
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
     /// The transport's raw write round trip to holder `holder` (an index into the holders
     /// given to [`Requester::connect`]): `request_len` bytes out into its inbox slot and
     /// `reply_len` bytes back into the reply region, each one write with an immediate, through
