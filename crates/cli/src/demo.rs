@@ -99,7 +99,7 @@ pub struct DemoReport {
     pub chunk_tokens: u32,
     /// Layers per chunk.
     pub layers: u32,
-    /// The start-up probe sweep ([`probe_fabric`]): (Mq, route round trip minus the holder's
+    /// The start-up probe sweep: (Mq, route round trip minus the holder's
     /// kernel, us).
     pub probe_sweep: Vec<(u32, f64)>,
     /// The fitted T_probe (us) and BW (GB/s).
