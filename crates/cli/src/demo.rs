@@ -20,7 +20,7 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use kvroute_costmodel::fit::{RoundTripSample, Weighting, fit_round_trips};
+use kvroute_costmodel::fit::{Weighting, fit_round_trips};
 use kvroute_costmodel::{CostModel, CostParams, Fabric, Primitive, Request, model_preset};
 use kvroute_kernels::{
     Backend, Cache, Partial, Queries, Rope, Selection, merge, merge_wire, partial_dense,
@@ -38,6 +38,7 @@ use crate::args::{
 use crate::route::{
     Call, GatherPart, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse,
 };
+use crate::sweep::round_trips;
 
 /// DeepSeek-V2-Lite's softmax scale (kernels' `deepseek_softmax_scale(192, 40, 0.707)`).
 pub(crate) const SCALE: f32 = 0.1147;
@@ -141,18 +142,15 @@ impl fmt::Display for DemoReport {
             "probe sweep (route, staging to checked reply, minus the holder's kernel; best of {PROBE_REPS}): {}",
             sweep.join(", ")
         )?;
-        match &self.probe_fallback {
-            None => writeln!(
-                f,
-                "fitted: T_probe = {:.1} us, BW = {:.2} GB/s",
-                self.fitted.0, self.fitted.1
-            )?,
-            Some(why) => writeln!(
-                f,
-                "not fitted: {why}: T_probe = {:.1} us, BW = {:.2} GB/s",
-                self.fitted.0, self.fitted.1
-            )?,
-        }
+        let how = match &self.probe_fallback {
+            None => "fitted:".to_owned(),
+            Some(why) => format!("not fitted: {why}:"),
+        };
+        writeln!(
+            f,
+            "{how} T_probe = {:.1} us, BW = {:.2} GB/s",
+            self.fitted.0, self.fitted.1
+        )?;
         for d in &self.decisions {
             let what = if d.chunk == u32::MAX {
                 "sparse".to_owned()
@@ -570,8 +568,6 @@ const PROBE_MQ: [u32; 4] = [1, 16, 64, 256];
 const PROBE_REPS: usize = 5;
 /// Probe sweeps tried before giving up on a fit with a positive slope and intercept.
 const PROBE_ATTEMPTS: usize = 3;
-/// How long a probe waits for the holder's counters to count its route.
-const COUNTED: Duration = Duration::from_secs(1);
 
 /// The start-up probe sweep: the fabric constants of paper 000 section 4.3 (`T_probe`, `BW`)
 /// as this requester sees them. At each of [`PROBE_MQ`], the fastest of [`PROBE_REPS`]
@@ -612,7 +608,7 @@ fn probe_fabric(
                 routed.partial(0)?;
                 drop(routed);
                 let us = started.elapsed().as_secs_f64() * 1e6;
-                let after = req.holder_stats_counting(holder, before.requests + 1, COUNTED)?;
+                let after = req.holder_stats_counting(holder, before.requests + 1)?;
                 // Another requester's request in between would bring its kernel time too.
                 if after.requests == before.requests + 1 {
                     best = best.min(us - (after.kernel_us - before.kernel_us));
@@ -622,13 +618,7 @@ fn probe_fabric(
                 points.push((mq, best));
             }
         }
-        let samples: Vec<RoundTripSample> = points
-            .iter()
-            .map(|&(mq_rows, round_trip_us)| RoundTripSample {
-                mq_rows,
-                round_trip_us,
-            })
-            .collect();
+        let samples = round_trips(&points, |p| p.0, |p| p.1);
         match fit_round_trips(&samples, row_bytes, Weighting::Relative).and_then(|f| f.fabric()) {
             Ok(fabric) => {
                 return Ok(Probed {
@@ -1065,13 +1055,7 @@ mod tests {
     #[test]
     fn a_probe_sweep_no_line_fits_is_bounded_by_its_points() {
         let row_bytes = 2184;
-        let samples: Vec<RoundTripSample> = SHRINKING
-            .iter()
-            .map(|&(mq_rows, round_trip_us)| RoundTripSample {
-                mq_rows,
-                round_trip_us,
-            })
-            .collect();
+        let samples = round_trips(&SHRINKING, |p| p.0, |p| p.1);
         assert!(
             fit_round_trips(&samples, row_bytes, Weighting::Relative)
                 .and_then(|f| f.fabric())

@@ -344,7 +344,7 @@ fn fit_medians(
 }
 
 /// `(Mq, value)` pairs as the cost model's round-trip samples.
-fn round_trips<T>(
+pub(crate) fn round_trips<T>(
     of: &[T],
     mq: impl Fn(&T) -> u32,
     us: impl Fn(&T) -> f64,
@@ -715,9 +715,6 @@ fn interleaved(reps: usize, points: usize) -> impl Iterator<Item = (usize, usize
     })
 }
 
-/// How long a sample waits for the holder's counters to count its route.
-const COUNTED: Duration = Duration::from_secs(1);
-
 /// One Mq point of [`route_sweep`]: its rows, the local kernel's partial for them, and the
 /// partials its routes decode and merge into.
 struct RoutePointState {
@@ -754,7 +751,7 @@ fn route_sample(
     let done = requester.route_into(&[call], &mut p.got).remove(0);
     let route_us = started.elapsed().as_secs_f64() * 1e6;
     let codec_after = requester.codec_times();
-    let after = requester.holder_stats_counting(0, before.requests + 1, COUNTED)?;
+    let after = requester.holder_stats_counting(0, before.requests + 1)?;
     done?;
     let mut worst = max_abs(&p.got[0], &p.local);
     ensure!(
@@ -763,7 +760,7 @@ fn route_sample(
         after.requests - before.requests
     );
     let zero_copy = zero_copy_route(requester, &p.q, &mut p.merged)?;
-    let after_zc = requester.holder_stats_counting(0, after.requests + 1, COUNTED)?;
+    let after_zc = requester.holder_stats_counting(0, after.requests + 1)?;
     ensure!(
         after_zc.requests == after.requests + 1,
         "the holder served {} requests for one zero-copy route",
@@ -956,7 +953,7 @@ fn concurrency_sweep(
                 // Every requester has its reply; the holder may not have counted the last
                 // batch yet.
                 let counted = before.as_ref().map_or(0, |b| b.requests + u64::from(n));
-                let after = control.requester.holder_stats_counting(0, counted, COUNTED);
+                let after = control.requester.holder_stats_counting(0, counted);
                 match (before, after) {
                     (Ok(b), Ok(a)) => rounds.push(ConcurrencySample {
                         n,

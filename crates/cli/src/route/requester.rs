@@ -558,15 +558,11 @@ impl Requester {
     }
 
     /// Holder `holder`'s counters once they count at least `requests` requests, or as they
-    /// are after `wait`. A holder adds a batch to its counters just after sending the batch's
-    /// replies, so a read right after a reply lands can see them without it.
-    pub fn holder_stats_counting(
-        &mut self,
-        holder: usize,
-        requests: u64,
-        wait: Duration,
-    ) -> Result<HolderStats> {
-        let deadline = Instant::now() + wait;
+    /// are after the configured timeout. A holder adds a batch to its counters just after
+    /// sending the batch's replies, so a read right after a reply lands can see them without
+    /// it.
+    pub fn holder_stats_counting(&mut self, holder: usize, requests: u64) -> Result<HolderStats> {
+        let deadline = Instant::now() + self.config.timeout;
         loop {
             let stats = self.holder_stats(holder)?;
             if stats.requests >= requests || Instant::now() >= deadline {
