@@ -8,8 +8,7 @@
 //! `demo` and `holder` (the main job end to end) and `sweep` (route and fetch measured between
 //! processes, fitted and plotted).
 
-// `route` borrows registered memory without copies (each `unsafe` states its protocol reason).
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 pub mod args;
 mod bench;
@@ -21,8 +20,6 @@ mod npy;
 mod plan;
 mod predict;
 mod presets;
-#[allow(unsafe_code)]
-pub mod route;
 mod sweep;
 mod tour;
 mod units;

@@ -49,7 +49,8 @@ use crate::demo::{
     BF16_TOL, HolderProcess, SCALE, fabric_engine_with, max_abs, provider_for, spawn_holder,
     v2_lite_corpus,
 };
-use crate::route::{Call, Requester, RequesterConfig, StagedCall, wire};
+use kvroute_remote::probe::round_trips;
+use kvroute_remote::{Call, Requester, RequesterConfig, StagedCall, wire};
 
 /// Routed bytes per query row: q + p (paper 000 section 3.2: 1152 + 1032).
 const ROW_BYTES: u64 = (QUERY_ROW_BYTES + PARTIAL_ROW_BYTES) as u64;
@@ -341,20 +342,6 @@ fn fit_medians(
         mape: fit.mape,
         sample_mape,
     })
-}
-
-/// `(Mq, value)` pairs as the cost model's round-trip samples.
-pub(crate) fn round_trips<T>(
-    of: &[T],
-    mq: impl Fn(&T) -> u32,
-    us: impl Fn(&T) -> f64,
-) -> Vec<RoundTripSample> {
-    of.iter()
-        .map(|x| RoundTripSample {
-            mq_rows: mq(x),
-            round_trip_us: us(x),
-        })
-        .collect()
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -889,7 +876,7 @@ fn concurrency_sweep(
     let addr = control.holder.addr;
     let mut requesters = (0..max_n)
         .map(|i| Requester::connect(engine.clone(), &[addr], config(link, 1, i as u16 + 1)))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<Result<Vec<_>, _>>()?;
     let rope = spec.rope()?;
     let block = spec.chunk(ChunkId(0))?;
     let full = FullBlock::new(&block, spec.layout())?;
@@ -962,7 +949,7 @@ fn concurrency_sweep(
                         kernel_us: a.kernel_us - b.kernel_us,
                         rows: a.rows - b.rows,
                     }),
-                    (Err(e), _) | (_, Err(e)) => failed = Some(e),
+                    (Err(e), _) | (_, Err(e)) => failed = Some(anyhow::Error::from(e)),
                 }
                 bar.inc(1);
             }

@@ -24,6 +24,7 @@ pub struct RegisteredBuffer {
     len: usize,
     handle: MrHandle,
     desc: MrDesc,
+    access: Access,
 }
 
 // SAFETY: the buffer owns its allocation; shared access goes through raw-pointer copies whose
@@ -64,6 +65,7 @@ impl RegisteredBuffer {
                 len,
                 handle,
                 desc,
+                access,
             }),
             Err(e) => {
                 // SAFETY: allocated above with this layout and not registered.
@@ -81,6 +83,11 @@ impl RegisteredBuffer {
     /// The descriptor peers write through.
     pub fn desc(&self) -> &MrDesc {
         &self.desc
+    }
+
+    /// Whether peers may write into the region ([`Access`]).
+    pub fn access(&self) -> Access {
+        self.access
     }
 
     /// Length in bytes.

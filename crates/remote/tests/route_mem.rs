@@ -6,18 +6,19 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use anyhow::Result;
-use kvroute_cli::route::{
-    Call, GatherPart, Holder, HolderConfig, Requester, RequesterConfig, RouteError, Sparse, wire,
-};
 use kvroute_kernels::layout::D_QK;
 use kvroute_kernels::{
     Backend, Cache, Queries, RopeLayout, Selection, merge, partial_dense, partial_sparse,
 };
 use kvroute_kvstore::corpus::queries;
 use kvroute_kvstore::{ChunkId, CorpusSpec};
+use kvroute_remote::{
+    Call, GatherPart, HeldChunks, Holder, HolderConfig, Requester, RequesterConfig, RouteError,
+    Sparse, wire,
+};
 use std::io::{BufRead, Write};
 
-use kvroute_cli::route::session;
+use kvroute_remote::session;
 use kvroute_transport::{MemFabric, OnDone, TransferEngine};
 
 const SCALE: f32 = 0.1147;
@@ -35,15 +36,21 @@ fn spec() -> CorpusSpec {
 }
 
 fn holder(fabric: &MemFabric, chunks: &[u32], cap: usize) -> Result<Holder> {
-    let mut config = HolderConfig::new(spec(), chunks.iter().map(|&c| ChunkId(c)).collect());
-    config.max_requesters = cap;
-    config.slot_bytes = 1 << 20;
-    config.reply_bytes = 1 << 20;
-    Holder::start(
-        TransferEngine::mem(fabric, 1)?,
+    let config = HolderConfig {
+        max_requesters: cap,
+        slot_bytes: 1 << 20,
+        reply_bytes: 1 << 20,
+        ..HolderConfig::default()
+    };
+    let engine = TransferEngine::mem(fabric, 1)?;
+    let ids: Vec<ChunkId> = chunks.iter().map(|&c| ChunkId(c)).collect();
+    let held = HeldChunks::generate(&engine, &spec(), &ids)?;
+    Ok(Holder::start(
+        engine,
         TcpListener::bind("127.0.0.1:0")?,
+        held,
         config,
-    )
+    )?)
 }
 
 fn requester(fabric: &MemFabric, holders: &[&Holder]) -> Result<Requester> {
@@ -55,11 +62,11 @@ fn requester(fabric: &MemFabric, holders: &[&Holder]) -> Result<Requester> {
         tag: 0,
         spin: Duration::from_millis(1),
     };
-    Requester::connect(
+    Ok(Requester::connect(
         TransferEngine::mem(fabric, 1)?,
         &holders.iter().map(|h| h.addr()).collect::<Vec<_>>(),
         config,
-    )
+    )?)
 }
 
 /// One dense call per chunk in `chunks`, all with the query rows `q`, at `layer`.
@@ -88,8 +95,8 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 /// its error, and the others are served.
 #[test]
 fn staged_queries_and_wire_partials_merge_like_the_copying_path() -> Result<()> {
-    use kvroute_cli::route::StagedCall;
     use kvroute_kernels::{Partial, merge_wire};
+    use kvroute_remote::StagedCall;
     let fabric = MemFabric::new();
     let (a, b) = (holder(&fabric, &[0, 1], 8)?, holder(&fabric, &[2, 3], 8)?);
     let mut req = requester(&fabric, &[&a, &b])?;
@@ -253,7 +260,7 @@ fn fetch_splices_to_the_requesters_positions() -> Result<()> {
     )?;
     kvroute_kernels::splice(Backend::Reference, job)?;
     let q = queries(16, 5300, &rope, 9);
-    let check = |req: &Requester, fetched: &kvroute_cli::route::Fetched| -> Result<()> {
+    let check = |req: &Requester, fetched: &kvroute_remote::Fetched| -> Result<()> {
         for layer in 0..3usize {
             let got = partial_dense(
                 Backend::Cpu,
@@ -293,7 +300,7 @@ fn fetch_splices_to_the_requesters_positions() -> Result<()> {
     }
     let fetched = req.fetch(ChunkId(1), &to, rope, Backend::Cpu)?;
     assert_eq!(
-        kvroute_cli::route::wire::fetch_runs(&fetched.pages).count(),
+        kvroute_remote::wire::fetch_runs(&fetched.pages).count(),
         5,
         "pages {:?}",
         fetched.pages
@@ -579,13 +586,13 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
 #[test]
 fn a_gather_beyond_the_holders_staging_is_too_large_and_leaks_nothing() -> Result<()> {
     let fabric = MemFabric::new();
-    let mut config = HolderConfig::new(spec(), vec![ChunkId(0)]);
-    config.gather_bytes = 10 * kvroute_kvstore::ROW_BYTES;
-    let a = Holder::start(
-        TransferEngine::mem(&fabric, 1)?,
-        TcpListener::bind("127.0.0.1:0")?,
-        config,
-    )?;
+    let config = HolderConfig {
+        gather_bytes: 10 * kvroute_kvstore::ROW_BYTES,
+        ..HolderConfig::default()
+    };
+    let engine = TransferEngine::mem(&fabric, 1)?;
+    let held = HeldChunks::generate(&engine, &spec(), &[ChunkId(0)])?;
+    let a = Holder::start(engine, TcpListener::bind("127.0.0.1:0")?, held, config)?;
     let mut req = requester(&fabric, &[&a])?;
     let free = req.free_pool_pages();
     let tokens: Vec<i32> = (0..6).collect();

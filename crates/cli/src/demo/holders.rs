@@ -1,0 +1,232 @@
+//! The holder side of the demo: `kvroute holder` (one process serving chunks of the synthetic
+//! corpus), the demo's holder processes, and the engines and corpora both sides open.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow};
+use kvroute_costmodel::model_preset;
+use kvroute_kvstore::{ChunkId, CorpusSpec};
+use kvroute_remote::{HeldChunks, Holder, HolderConfig};
+use kvroute_transport::{EngineConfig, FabricConfig, Progress, ProviderChoice, TransferEngine};
+use nix::sys::signal::{SigSet, Signal};
+
+use crate::args::{CorpusArgs, DemoArgs, HolderArgs, Lifeline, ProgressArg};
+
+pub(crate) fn provider_for(name: &str) -> Result<ProviderChoice> {
+    if name != "auto" {
+        return Ok(name.parse()?);
+    }
+    let available = kvroute_transport::fabric::available_providers()?;
+    Ok(if available.iter().any(|p| p == "shm") {
+        ProviderChoice::Shm
+    } else {
+        ProviderChoice::Tcp
+    })
+}
+
+pub(crate) fn fabric_engine(provider: &ProviderChoice) -> Result<(TransferEngine, String)> {
+    fabric_engine_with(provider, ProgressArg::Thread)
+}
+
+/// An engine on `provider`; with worker threads, idle workers poll every 50 us (several
+/// processes share two cores here), with manual progress the caller's thread polls.
+pub(crate) fn fabric_engine_with(
+    provider: &ProviderChoice,
+    progress: ProgressArg,
+) -> Result<(TransferEngine, String)> {
+    let engine_config = EngineConfig {
+        progress: match progress {
+            ProgressArg::Thread => Progress::Thread,
+            ProgressArg::Manual => Progress::Manual,
+        },
+        ..EngineConfig::default()
+    };
+    let config = FabricConfig {
+        provider: provider.clone(),
+        required: true,
+        node: (*provider == ProviderChoice::Tcp).then(|| "127.0.0.1".to_owned()),
+        // Several processes share two cores here: idle workers poll every 50 us instead of
+        // spinning a core each.
+        idle_poll: Some(Duration::from_micros(50)),
+        op_timeout: Duration::from_secs(3),
+        ..FabricConfig::default()
+    };
+    let (engine, report) = TransferEngine::fabric(&config, engine_config)?;
+    Ok((engine, report.provider))
+}
+
+/// The corpus: DeepSeek-V2-Lite's 27 layers, RoPE theta 10000 with its YaRN scaling.
+pub(super) fn corpus(args: &DemoArgs) -> Result<CorpusSpec> {
+    v2_lite_corpus(args.tokens, args.holders as u32, args.seed)
+}
+
+/// The corpus `--corpus` gives, or DeepSeek-V2-Lite's of the sizes given.
+pub(super) fn corpus_of(args: &CorpusArgs) -> Result<CorpusSpec> {
+    match &args.corpus {
+        Some(json) => {
+            let spec: CorpusSpec =
+                serde_json::from_str(json).context("--corpus is not a CorpusSpec")?;
+            spec.validate()?;
+            Ok(spec)
+        }
+        None => v2_lite_corpus(args.tokens, args.doc_chunks, args.corpus_seed),
+    }
+}
+
+/// `chunks` chunks of `tokens` tokens with DeepSeek-V2-Lite's 27 layers, RoPE theta 10000 and
+/// its YaRN scaling, interleaved RoPE pairs.
+pub(crate) fn v2_lite_corpus(tokens: u32, chunks: u32, seed: u64) -> Result<CorpusSpec> {
+    let layers = model_preset("deepseek-v2-lite")?.dims.layers;
+    let spec = CorpusSpec {
+        layers,
+        chunk_tokens: tokens,
+        chunks,
+        seed,
+        rope_theta: 10_000.0,
+        yarn: Some(kvroute_kernels::Yarn::DEEPSEEK),
+        rope_layout: kvroute_kernels::RopeLayout::Interleaved,
+    };
+    spec.validate()?;
+    Ok(spec)
+}
+
+/// `kvroute holder`.
+pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
+    let spec = corpus_of(&args.corpus)?;
+    let chunks = args
+        .chunks
+        .split(',')
+        .map(|c| c.trim().parse().map(ChunkId))
+        .collect::<Result<Vec<_>, _>>()
+        .context("--chunks: comma-separated ids")?;
+    // Blocked (not handled) before the engine starts its threads, which inherit the mask:
+    // no handler runs, in particular not the one libfabric's shm installs (it unlinks the
+    // regions and re-raises), and this thread takes the signal with sigwait below.
+    let stop = match args.lifeline {
+        Lifeline::Signal => {
+            let mut set = SigSet::empty();
+            for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+                set.add(s);
+            }
+            set.thread_block().context("blocking the stop signals")?;
+            Some(set)
+        }
+        Lifeline::Stdin => None,
+    };
+    let (engine, _) = fabric_engine_with(&args.provider.parse()?, args.progress)?;
+    let config = HolderConfig {
+        max_requesters: args.max_requesters,
+        slot_bytes: args.slot_bytes,
+        reply_bytes: args.slot_bytes,
+        ..HolderConfig::default()
+    };
+    let held = HeldChunks::generate(&engine, &spec, &chunks)?;
+    let listener =
+        TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
+    let holder = Holder::start(engine, listener, held, config)?;
+    println!(
+        "{}",
+        serde_json::json!({ "listen": holder.addr().to_string() })
+    );
+    std::io::stdout().flush()?;
+    match stop {
+        // Until the parent closes stdin (or dies).
+        None => {
+            let mut sink = Vec::new();
+            let _ = std::io::stdin().read_to_end(&mut sink);
+        }
+        Some(set) => {
+            let signal = set.wait().context("waiting for a stop signal")?;
+            tracing::info!(%signal, "stopping");
+        }
+    }
+    // Dropped, not killed: the engine closes its endpoints (shm unlinks its region).
+    drop(holder);
+    Ok(())
+}
+
+pub(crate) struct HolderProcess {
+    pub(crate) child: Child,
+    pub(crate) addr: SocketAddr,
+}
+
+impl Drop for HolderProcess {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub(super) fn spawn_holders(
+    args: &DemoArgs,
+    spec: &CorpusSpec,
+    provider: &ProviderChoice,
+) -> Result<Vec<HolderProcess>> {
+    let n = args.holders;
+    (0..n)
+        .map(|h| {
+            let chunks: Vec<u32> = (0..args.replicas)
+                .map(|r| ((h + n - r) % n) as u32)
+                .collect();
+            spawn_holder(spec, provider, &chunks, &[])
+        })
+        .collect()
+}
+
+/// Starts one `kvroute holder` process serving `chunks` of `spec`, with `extra` arguments,
+/// and waits for its control address.
+pub(crate) fn spawn_holder(
+    spec: &CorpusSpec,
+    provider: &ProviderChoice,
+    chunks: &[u32],
+    extra: &[String],
+) -> Result<HolderProcess> {
+    let exe = std::env::current_exe().context("finding the kvroute binary")?;
+    let corpus = serde_json::to_string(spec)?;
+    let chunks: Vec<String> = chunks.iter().map(u32::to_string).collect();
+    let h = chunks.join(",");
+    {
+        let mut child = Command::new(&exe)
+            .args([
+                "holder",
+                "--provider",
+                &provider.to_string(),
+                "--corpus",
+                &corpus,
+                "--chunks",
+                &h,
+                "--lifeline",
+                "stdin",
+            ])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting a holder process")?;
+        let stdout: ChildStdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow!("no holder stdout"))?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line)?;
+        let v: serde_json::Value =
+            serde_json::from_str(&line).with_context(|| format!("holder {h} said: {line:?}"))?;
+        let addr = v["listen"]
+            .as_str()
+            .ok_or_else(|| anyhow!("holder {h} gave no address"))?
+            .parse()?;
+        Ok(HolderProcess { child, addr })
+    }
+}

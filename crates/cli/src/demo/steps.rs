@@ -1,0 +1,416 @@
+//! The requester side of the demo: connect, probe the fabric, decide per distinct input, run
+//! the dense decode steps and the sparse step through the holders, and check every output
+//! that crossed the wire against single-instance attention over the whole document.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use kvroute_costmodel::request::Selection;
+use kvroute_costmodel::{CostModel, CostParams, Primitive, Request, model_preset};
+use kvroute_kernels::{
+    Backend, Cache, Partial, Queries, Rope, merge, partial_dense, partial_sparse,
+};
+use kvroute_kvstore::corpus::queries;
+use kvroute_kvstore::{ChunkId, CorpusSpec, FullBlock};
+use kvroute_remote::dispatch::{MergedStep, route_merged};
+use kvroute_remote::probe::{ProbeConfig, probe_fabric};
+use kvroute_remote::{Call, Fetched, GatherPart, Requester, RequesterConfig, Sparse};
+use kvroute_transport::ProviderChoice;
+
+use super::{BF16_TOL, Check, Decided, DemoReport, F32_TOL, HEADS, SCALE, TOPK, check};
+use crate::args::{PrimitiveArg, StepArgs};
+
+/// The primitive `--force` names.
+fn forced(arg: PrimitiveArg) -> Primitive {
+    match arg {
+        PrimitiveArg::Route => Primitive::Route,
+        PrimitiveArg::Fetch => Primitive::Fetch,
+        PrimitiveArg::Local => Primitive::Local,
+    }
+}
+
+/// What the steps share: the requester, the corpus and its full copy (the reference), the
+/// cost model, and the report being filled.
+struct Run<'a> {
+    req: Requester,
+    spec: &'a CorpusSpec,
+    blocks: Vec<Vec<u16>>,
+    rope: Rope,
+    costs: CostModel,
+    force: Option<Primitive>,
+    /// The layers each step checks: first, middle, last.
+    layers: [u32; 3],
+    report: DemoReport,
+}
+
+/// Connects a requester to `holders`, measures the start-up probe sweep, and runs the decode
+/// steps `plan` asks for, with queries and the sparse selection drawn from `seed`;
+/// `before_step` may act before each step (the demo's kill) and report what it did.
+pub(super) fn decode_steps(
+    command: &str,
+    spec: &CorpusSpec,
+    provider: &ProviderChoice,
+    holders: &[SocketAddr],
+    (plan, seed): (&StepArgs, u64),
+    before_step: &mut dyn FnMut(u32) -> Result<Option<String>>,
+) -> Result<DemoReport> {
+    let (engine, provider_name) = super::fabric_engine(provider)?;
+    let config = RequesterConfig {
+        timeout: Duration::from_millis(plan.timeout_ms),
+        link_bytes: 4 << 20,
+        pool_pages: spec.layout().pages() as u32 * spec.chunks,
+        scale: SCALE,
+        tag: 0,
+        spin: Duration::from_millis(1),
+    };
+    let mut req = Requester::connect(engine, holders, config)?;
+    let rope = spec.rope()?;
+    let model = model_preset("deepseek-v2-lite")?.dims;
+    let doc_tokens = spec.tokens() as i64;
+    let probe = ProbeConfig::default();
+    let largest = probe.mq.iter().copied().max().unwrap_or(1) as usize;
+    let probe_rows = queries(largest, doc_tokens, &rope, 99);
+    let probed = probe_fabric(&mut req, &probe, &probe_rows, model.routed_row_bytes())?;
+    let fabric = probed.fabric;
+    let mut run = Run {
+        req,
+        spec,
+        // The full copy the references are computed from.
+        blocks: (0..spec.chunks)
+            .map(|c| spec.chunk(ChunkId(c)))
+            .collect::<Result<_, _>>()?,
+        rope,
+        costs: CostModel::new(CostParams::paper_defaults(model, fabric))?,
+        force: plan.force.map(forced),
+        layers: [0, spec.layers / 2, spec.layers - 1],
+        report: DemoReport {
+            command: command.to_owned(),
+            provider: provider_name,
+            holders: holders.len(),
+            chunks: spec.chunks,
+            chunk_tokens: spec.chunk_tokens,
+            layers: spec.layers,
+            probe_sweep: probed.points,
+            fitted: (fabric.probe_us, fabric.bw_gbps),
+            probe_fallback: probed.fallback,
+            decisions: Vec::new(),
+            route_us: Vec::new(),
+            fetch_us: Vec::new(),
+            gather_us: Vec::new(),
+            failures: Vec::new(),
+            checks: Vec::new(),
+            passed: false,
+        },
+    };
+    let mq = plan.batch as usize * HEADS;
+    for step in 0..plan.steps {
+        if let Some(what) = before_step(step)? {
+            run.report.failures.push(what);
+        }
+        run.dense_step(step, mq, seed)?;
+    }
+    run.sparse_step(plan.steps, seed)?;
+    let report = run.report;
+    let passed = report.checks.iter().all(|c| c.passed) && !report.checks.is_empty();
+    Ok(DemoReport { passed, ..report })
+}
+
+impl Run<'_> {
+    /// The predicate's choice for `request` (or the forced one), logged once per distinct
+    /// input: a decision equal to one already logged only adds its step.
+    fn decide(&mut self, step: u32, request: &Request, chunks: Vec<u32>) -> Result<Primitive> {
+        let (choice, reason) = match self.force {
+            Some(p) => (p, "forced".to_owned()),
+            None => {
+                let d = self.costs.decide(request)?;
+                let line = d.to_string().lines().next().unwrap_or_default().to_owned();
+                (d.choice, line)
+            }
+        };
+        let sparse = chunks.is_empty();
+        let reason = match request.selection {
+            Selection::Sparse { topk, holders } if sparse => {
+                format!("sparse top-{topk} over {holders} holders: {reason}")
+            }
+            _ => reason,
+        };
+        let chosen = format!("{choice:?}");
+        let mq = request.mq_rows;
+        let same =
+            self.report.decisions.iter_mut().find(|d| {
+                d.mq == mq && d.chunks == chunks && d.choice == chosen && d.reason == reason
+            });
+        match same {
+            Some(d) => d.steps.push(step),
+            None => self.report.decisions.push(Decided {
+                step,
+                chunk: chunks.first().copied().unwrap_or(u32::MAX),
+                steps: vec![step],
+                chunks,
+                mq,
+                choice: chosen,
+                reason,
+            }),
+        }
+        Ok(choice)
+    }
+
+    /// One dense decode step: every chunk attended by the primitive chosen for it, each
+    /// checked layer's merged output against one call over the whole document. Fetched
+    /// chunks are fetched once for the step and read for every layer.
+    fn dense_step(&mut self, step: u32, mq: usize, seed: u64) -> Result<()> {
+        let spec = self.spec;
+        // The requester's own prompt precedes the document: a fetched chunk is re-homed past
+        // it, and decode queries sit at the end of the document as the requester sees it.
+        let prefix = 4096i64;
+        let doc_tokens = spec.tokens() as i64;
+        let q = queries(
+            mq,
+            prefix + doc_tokens + i64::from(step),
+            &self.rope,
+            seed ^ u64::from(step),
+        );
+        // Every chunk has `chunk_tokens` tokens: one input, one decision for all of them.
+        let request = Request::contiguous(mq as u32, spec.chunk_tokens);
+        let primitive = self.decide(step, &request, (0..spec.chunks).collect())?;
+        let choice = vec![primitive; spec.chunks as usize];
+        let mut fetched: Vec<(u32, Fetched, Vec<Vec<u16>>)> = Vec::new();
+        for c in 0..spec.chunks {
+            if choice[c as usize] == Primitive::Fetch {
+                let (chunk, spliced) = self.fetch_spliced(c, prefix)?;
+                fetched.push((c, chunk, spliced));
+            }
+        }
+        let queries_q = Queries::new(&q)?;
+        for (l, layer) in self.layers.into_iter().enumerate() {
+            let calls: Vec<Call<'_>> = (0..spec.chunks)
+                .filter(|&c| choice[c as usize] == Primitive::Route)
+                .map(|c| Call {
+                    chunk: ChunkId(c),
+                    layer: layer as u16,
+                    queries: &q,
+                    sparse: None,
+                })
+                .collect();
+            let mut parts = Vec::new();
+            if !calls.is_empty() {
+                let started = Instant::now();
+                let merged = route_merged(&mut self.req, &calls)?;
+                self.report
+                    .route_us
+                    .push(started.elapsed().as_secs_f64() * 1e6);
+                parts = self.note_fallbacks(merged);
+            }
+            // The reference attends each chunk as its primitive does: routed and local ones at
+            // their stored positions, fetched ones spliced to the requester's.
+            let mut whole_rows: Vec<u16> = Vec::new();
+            let mut local = 0;
+            for c in 0..spec.chunks {
+                let full = FullBlock::new(&self.blocks[c as usize], spec.layout())?;
+                let rows = full.layer(layer)?.rows();
+                match choice[c as usize] {
+                    Primitive::Route => whole_rows.extend_from_slice(rows),
+                    Primitive::Fetch => {
+                        let Some((_, chunk, spliced)) = fetched.iter().find(|f| f.0 == c) else {
+                            continue;
+                        };
+                        let cache = self.req.fetched_cache(chunk, layer as usize)?;
+                        parts.push(partial_dense(Backend::Cpu, &queries_q, &cache, SCALE)?);
+                        whole_rows.extend_from_slice(&spliced[l]);
+                    }
+                    Primitive::Local => {
+                        // No weights: the full copy's attention stands in for a re-prefill.
+                        let cache = Cache::contiguous(rows)?;
+                        parts.push(partial_dense(Backend::Cpu, &queries_q, &cache, SCALE)?);
+                        whole_rows.extend_from_slice(rows);
+                        local += 1;
+                    }
+                }
+            }
+            if local == spec.chunks {
+                // Nothing crossed the wire: there is no holder output to check.
+                continue;
+            }
+            let whole = partial_dense(
+                Backend::Cpu,
+                &queries_q,
+                &Cache::contiguous(&whole_rows)?,
+                SCALE,
+            )?;
+            let merged = merge(&parts.iter().collect::<Vec<_>>())?;
+            let (via, tolerance) = if calls.is_empty() {
+                ("fetched and spliced here", F32_TOL)
+            } else {
+                ("through the wire", BF16_TOL)
+            };
+            let with_local = if local > 0 {
+                format!(" ({local} local parts)")
+            } else {
+                String::new()
+            };
+            check(
+                &mut self.report.checks,
+                format!("step {step} layer {layer} dense, {via}{with_local}"),
+                &merged,
+                &whole,
+                tolerance,
+            );
+        }
+        for (_, chunk, _) in fetched {
+            self.req.release(chunk)?;
+        }
+        Ok(())
+    }
+
+    /// Fetches chunk `c` re-homed `prefix` positions later, and the same splice applied to
+    /// the full copy's checked layers for the reference.
+    fn fetch_spliced(&mut self, c: u32, prefix: i64) -> Result<(Fetched, Vec<Vec<u16>>)> {
+        let spec = self.spec;
+        let from = spec.positions(ChunkId(c));
+        let to: Vec<i64> = from.iter().map(|p| p + prefix).collect();
+        let fetched = self
+            .req
+            .fetch(ChunkId(c), &to, self.rope, Backend::Cpu)
+            .with_context(|| format!("fetching chunk {c}"))?;
+        self.report
+            .fetch_us
+            .push((fetched.transfer_us, fetched.splice_us));
+        let layout = spec.layout();
+        let full = FullBlock::new(&self.blocks[c as usize], layout)?;
+        let table: Vec<u32> = (0..layout.pages_per_layer() as u32).collect();
+        let mut spliced = Vec::with_capacity(self.layers.len());
+        for layer in self.layers {
+            let rows = full.layer(layer)?.rows();
+            let mut pool = vec![0u16; layout.layer_elems()];
+            let job =
+                kvroute_kernels::SpliceJob::new(rows, 1, &from, &to, self.rope, &mut pool, &table)?;
+            kvroute_kernels::splice(Backend::Cpu, job)?;
+            pool.truncate(rows.len());
+            spliced.push(pool);
+        }
+        Ok((fetched, spliced))
+    }
+
+    /// The partials of a routed step; its fallbacks go to the report's failures.
+    fn note_fallbacks(&mut self, merged: MergedStep) -> Vec<Partial> {
+        for f in &merged.fallbacks {
+            self.report.failures.push(format!(
+                "{}: {}; retried on another replica",
+                f.chunk, f.error
+            ));
+        }
+        merged.parts
+    }
+
+    /// The sparse step: one decode token's 16 heads select top-2048 of the whole document,
+    /// scattered over every holder. Route: each holder attends its subset in place (no
+    /// splice) and the partials are merged here. Fetch: every holder that has some sends its
+    /// selected rows (a gather, no splice) and they are attended here.
+    fn sparse_step(&mut self, step: u32, seed: u64) -> Result<()> {
+        let spec = self.spec;
+        let ct = spec.chunk_tokens as i32;
+        let sel_k = TOPK.min(spec.tokens());
+        let global = selection(seed, sel_k, spec.tokens());
+        let q = queries(HEADS, spec.tokens() as i64, &self.rope, seed ^ 0x5a5a);
+        let per_chunk: Vec<Vec<i32>> = (0..spec.chunks as i32)
+            .map(|c| {
+                global
+                    .iter()
+                    .filter(|&&g| g / ct == c)
+                    .map(|&g| g - c * ct)
+                    .collect()
+            })
+            .collect();
+        let spanned = per_chunk.iter().filter(|idx| !idx.is_empty()).count() as u32;
+        let request = Request::sparse(HEADS as u32, spec.tokens() as u32, sel_k as u32, spanned);
+        // Local has no sparse path here (no weights to recompute a selection with): routed.
+        let choice = self.decide(step, &request, Vec::new())?;
+        let qq = Queries::new(&q)?;
+        // Single-instance sparse attention over the whole document, per checked layer: what
+        // every path must give.
+        let mut wholes = Vec::with_capacity(self.layers.len());
+        for layer in self.layers {
+            let doc = spec.document_layer(&self.blocks, layer)?;
+            let cache = Cache::contiguous(&doc)?;
+            let selection =
+                kvroute_kernels::Selection::new(&global, sel_k, HEADS, HEADS, cache.tokens())?;
+            wholes.push(partial_sparse(
+                Backend::Cpu,
+                &qq,
+                &cache,
+                &selection,
+                SCALE,
+            )?);
+        }
+        let mut checks: Vec<Check> = Vec::new();
+        if choice == Primitive::Fetch {
+            let parts: Vec<GatherPart<'_>> = per_chunk
+                .iter()
+                .enumerate()
+                .filter(|(_, idx)| !idx.is_empty())
+                .map(|(c, idx)| GatherPart {
+                    chunk: ChunkId(c as u32),
+                    tokens: idx,
+                })
+                .collect();
+            let wanted: Vec<u16> = self.layers.iter().map(|&l| l as u16).collect();
+            let gathered = self
+                .req
+                .gather(&parts, &wanted)
+                .context("gathering the sparse selection")?;
+            self.report.gather_us.push(gathered.transfer_us);
+            for (i, &layer) in self.layers.iter().enumerate() {
+                // The gathered rows are the selection, in order: attend all of them.
+                let cache = self.req.gathered_cache(&gathered, i)?;
+                let got = partial_dense(Backend::Cpu, &qq, &cache, SCALE)?;
+                let name = format!(
+                    "sparse top-{sel_k} gathered from {spanned} holders, layer {layer}, attended here"
+                );
+                check(&mut checks, name, &got, &wholes[i], F32_TOL);
+            }
+            self.req.release_gathered(gathered)?;
+        } else {
+            for (i, layer) in self.layers.into_iter().enumerate() {
+                let calls: Vec<Call<'_>> = per_chunk
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, idx)| !idx.is_empty())
+                    .map(|(c, idx)| Call {
+                        chunk: ChunkId(c as u32),
+                        layer: layer as u16,
+                        queries: &q,
+                        sparse: Some(Sparse {
+                            indices: idx,
+                            k: idx.len() as u32,
+                            rows_per_token: HEADS as u32,
+                        }),
+                    })
+                    .collect();
+                let merged = route_merged(&mut self.req, &calls)?;
+                let parts = self.note_fallbacks(merged);
+                let merged = merge(&parts.iter().collect::<Vec<_>>())?;
+                let name = format!(
+                    "sparse top-{sel_k} over {} holders, layer {layer}, through the wire",
+                    calls.len()
+                );
+                check(&mut checks, name, &merged, &wholes[i], BF16_TOL);
+            }
+        }
+        self.report.checks.extend(checks);
+        Ok(())
+    }
+}
+
+/// `k` distinct document positions out of `tokens`, drawn from `seed` (xorshift).
+fn selection(seed: u64, k: usize, tokens: usize) -> Vec<i32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut picked = std::collections::BTreeSet::new();
+    while picked.len() < k {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        picked.insert((s % tokens as u64) as i32);
+    }
+    picked.into_iter().collect()
+}

@@ -1,0 +1,320 @@
+//! The holder: serves partial attention over the chunks it holds (route) and pushes them into
+//! requesters' pools (fetch).
+//!
+//! One serving thread drains every request that has arrived, groups the segments of all of
+//! them by (chunk, layer, kind) and runs one kernel call per group (paper 000 section 5.3's
+//! second reduction: the batch is all requests for the same chunk), then answers each request
+//! with one write of its partial rows (the first reduction). A control thread per requester
+//! keeps its session; at the cap the next requester is told [`Answer::Busy`].
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvroute_kernels::Backend;
+use kvroute_kvstore::ChunkEntry;
+use kvroute_transport::{Access, RegisteredBuffer, TransferEngine};
+
+use crate::chunks::HeldChunks;
+use crate::control::send_line;
+use crate::error::RemoteError;
+use crate::session::{Answer, Control, Hello, HolderStats, Welcome};
+use crate::wire;
+
+mod serve;
+mod transfer;
+
+/// How a holder is set up. [`Default`] gives 8 requesters, 4 MiB slots and replies, 16 MiB
+/// of gather staging per requester (14,563 rows: top-2048 over 7 layers), CPU kernels and
+/// 200 us of polling after each batch. Staging is touched only as far as it is used.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HolderConfig {
+    /// Concurrent requesters served; the next one is told busy (paper 000 section 6.3: ~8).
+    pub max_requesters: usize,
+    /// Bytes of each requester's inbox slot (the largest request).
+    pub slot_bytes: usize,
+    /// Bytes of each requester's reply staging (the largest reply).
+    pub reply_bytes: usize,
+    /// Bytes of each requester's gather staging: the selected rows of one request's gather
+    /// segments, packed so that each destination page takes one write (1152 B per row).
+    pub gather_bytes: usize,
+    /// Which kernels run the partials.
+    pub backend: Backend,
+    /// How long the serving thread keeps polling for arrivals after its last batch before it
+    /// blocks (with worker threads; under manual progress it polls while any session is open,
+    /// as nobody else progresses the engine).
+    pub idle_spin: Duration,
+}
+
+impl Default for HolderConfig {
+    fn default() -> Self {
+        Self {
+            max_requesters: 8,
+            slot_bytes: 4 << 20,
+            reply_bytes: 4 << 20,
+            gather_bytes: 16 << 20,
+            backend: Backend::Cpu,
+            idle_spin: Duration::from_micros(200),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Session {
+    hello: Hello,
+}
+
+struct Shared {
+    engine: TransferEngine,
+    config: HolderConfig,
+    chunks: HeldChunks,
+    inbox: RegisteredBuffer,
+    staging: RegisteredBuffer,
+    /// Per session, `gather_bytes` of packed gathered rows.
+    gather_staging: RegisteredBuffer,
+    entries: Vec<ChunkEntry>,
+    sessions: Mutex<Vec<Option<Session>>>,
+    stats: Mutex<HolderStats>,
+    stop: AtomicBool,
+}
+
+/// A running holder; dropping it stops it.
+pub struct Holder {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Holder")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Holder {
+    /// Starts serving `chunks` on `listener` (the rendezvous) and `engine` (the data path).
+    pub fn start(
+        engine: TransferEngine,
+        listener: TcpListener,
+        chunks: HeldChunks,
+        config: HolderConfig,
+    ) -> Result<Self, RemoteError> {
+        if config.max_requesters == 0 || config.max_requesters > 1 << 16 {
+            return Err(RemoteError::Config(
+                "max_requesters must be 1 to 65536".into(),
+            ));
+        }
+        if config.slot_bytes < wire::REQUEST_HEADER || config.reply_bytes < wire::reply_len(1, 0) {
+            return Err(RemoteError::Config(
+                "slot_bytes and reply_bytes must hold at least a header".into(),
+            ));
+        }
+        let staging_bytes = |per: usize| {
+            per.checked_mul(config.max_requesters)
+                .ok_or_else(|| RemoteError::Config("staging larger than memory".into()))
+        };
+        let entries = chunks.entries(&engine.main_address());
+        let inbox = engine.alloc_mr(staging_bytes(config.slot_bytes)?)?;
+        let staging = engine.alloc_mr_with(staging_bytes(config.reply_bytes)?, Access::Local)?;
+        let gather_staging =
+            engine.alloc_mr_with(staging_bytes(config.gather_bytes)?.max(1), Access::Local)?;
+        // Arrivals straight from the progress pass: no callback-thread hop on the way to the
+        // serving thread.
+        let rx = engine.unexpected_imms();
+        let shared = Arc::new(Shared {
+            engine,
+            sessions: Mutex::new(vec![None; config.max_requesters]),
+            config,
+            chunks,
+            inbox,
+            staging,
+            gather_staging,
+            entries,
+            stats: Mutex::new(HolderStats::default()),
+            stop: AtomicBool::new(false),
+        });
+        let addr = listener
+            .local_addr()
+            .map_err(RemoteError::io("reading the listener's address"))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(RemoteError::io("setting up the listener"))?;
+        let serve = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("holder-serve".into())
+                .spawn(move || shared.serve(&rx))
+                .map_err(RemoteError::io("starting the serving thread"))?
+        };
+        let accept = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("holder-accept".into())
+                .spawn(move || shared.accept(&listener))
+                .map_err(RemoteError::io("starting the accepting thread"))?
+        };
+        Ok(Self {
+            shared,
+            addr,
+            threads: vec![serve, accept],
+        })
+    }
+
+    /// The control listener's address (what requesters connect to).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The chunks served, as registry entries.
+    pub fn entries(&self) -> &[ChunkEntry] {
+        &self.shared.entries
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> HolderStats {
+        self.shared.stats()
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Shared {
+    fn stats(&self) -> HolderStats {
+        let mut s = lock(&self.stats).clone();
+        s.active = lock(&self.sessions).iter().flatten().count() as u64;
+        s
+    }
+
+    fn accept(self: &Arc<Self>, listener: &TcpListener) {
+        while !self.stop.load(Ordering::Acquire) {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    let shared = self.clone();
+                    let _ = std::thread::Builder::new()
+                        .name("holder-session".into())
+                        .spawn(move || {
+                            if let Err(e) = shared.session(stream) {
+                                tracing::debug!(%e, "session ended");
+                            }
+                        });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => {
+                    tracing::warn!(%e, "accept failed");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        }
+    }
+
+    /// One requester's control connection: hello, answer, then stats requests until it closes.
+    fn session(&self, stream: TcpStream) -> Result<(), RemoteError> {
+        let peer = stream
+            .peer_addr()
+            .map_err(RemoteError::io("reading a peer's address"))?;
+        let io = |source| RemoteError::Control { peer, source };
+        stream.set_nodelay(true).map_err(io)?;
+        stream.set_nonblocking(false).map_err(io)?;
+        let mut writer = stream.try_clone().map_err(io)?;
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        // A hello is small; a peer that sends megabytes without a newline is cut off.
+        if (&mut reader)
+            .take(1 << 20)
+            .read_line(&mut line)
+            .map_err(io)?
+            == 0
+        {
+            return Ok(());
+        }
+        let hello: Hello = match serde_json::from_str(&line) {
+            Ok(h) => h,
+            Err(e) => {
+                send_line(
+                    &mut writer,
+                    peer,
+                    &Answer::Refused(format!("malformed hello: {e}")),
+                )?;
+                return Ok(());
+            }
+        };
+        if let Err(e) = hello.addr.validate() {
+            send_line(&mut writer, peer, &Answer::Refused(e.to_string()))?;
+            return Ok(());
+        }
+        let slot = {
+            let mut sessions = lock(&self.sessions);
+            match sessions.iter().position(Option::is_none) {
+                Some(i) => {
+                    sessions[i] = Some(Session {
+                        hello: hello.clone(),
+                    });
+                    i
+                }
+                None => {
+                    let cap = sessions.len();
+                    drop(sessions);
+                    lock(&self.stats).busy += 1;
+                    send_line(&mut writer, peer, &Answer::Busy { active: cap, cap })?;
+                    return Ok(());
+                }
+            }
+        };
+        let _release = SlotGuard { shared: self, slot };
+        let welcome = Welcome {
+            session: slot as u16,
+            holder: self.engine.main_address(),
+            inbox: self.inbox.desc().clone(),
+            slot_offset: (slot * self.config.slot_bytes) as u64,
+            slot_bytes: self.config.slot_bytes as u64,
+            reply_bytes: self.config.reply_bytes as u64,
+            gather_bytes: self.config.gather_bytes as u64,
+            chunks: self.entries.clone(),
+        };
+        send_line(&mut writer, peer, &Answer::Welcome(welcome))?;
+        loop {
+            line.clear();
+            if (&mut reader)
+                .take(1 << 16)
+                .read_line(&mut line)
+                .map_err(io)?
+                == 0
+            {
+                return Ok(());
+            }
+            match serde_json::from_str::<Control>(&line) {
+                Ok(Control::Stats) => send_line(&mut writer, peer, &self.stats())?,
+                Err(e) => tracing::debug!(%e, "ignoring a malformed control line"),
+            }
+        }
+    }
+}
+
+/// Frees a session slot when its control connection ends, however it ends.
+struct SlotGuard<'a> {
+    shared: &'a Shared,
+    slot: usize,
+}
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        lock(&self.shared.sessions)[self.slot] = None;
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

@@ -1,0 +1,160 @@
+//! What a holder sends that is not a reply: a fetch (a chunk's pages into the requester's
+//! pool, one write per run of consecutive pages) and a gather (selected rows packed per
+//! destination page). Both are all or nothing: every write is checked before the first is
+//! sent, which the requester's exact count of arrivals relies on.
+
+use kvroute_kvstore::{ChunkId, PAGE_BYTES, ROW_BYTES};
+use kvroute_transport::{MrDesc, MrHandle, OnDone};
+
+use super::{Session, Shared};
+use crate::wire::{self, Status};
+
+impl Shared {
+    /// Fetch: writes the chunk's pages (consecutive in the store) into the requester's pool
+    /// `pages`, one write per run of consecutive pool pages ([`wire::fetch_runs`]), each
+    /// carrying the session's fetch immediate. All or nothing ([`Shared::send_all`]): every
+    /// run's destination is checked against the pool before the first write is sent.
+    pub(super) fn fetch(&self, session: &Session, chunk: u32, pages: &[u32]) -> Status {
+        let Some(held) = self.chunks.get(ChunkId(chunk)) else {
+            return Status::UnknownChunk;
+        };
+        let layout = held.layout;
+        let Some(pool) = &session.hello.pool else {
+            return Status::FetchRefused;
+        };
+        if pages.len() != layout.pages() {
+            return Status::FetchRefused;
+        }
+        let page = PAGE_BYTES as u64;
+        let base = held.offset as u64;
+        let writes: Option<Vec<(u64, u64, u64)>> = wire::fetch_runs(pages)
+            .map(|(first, count)| {
+                let len = count as u64 * page;
+                let dst = u64::from(pages[first]).checked_mul(page)?;
+                (dst.checked_add(len)? <= pool.len).then_some((
+                    base + first as u64 * page,
+                    dst,
+                    len,
+                ))
+            })
+            .collect();
+        self.send_all(
+            writes,
+            self.chunks.store().handle(),
+            (pool, session.hello.fetch_imm),
+        )
+    }
+
+    /// Sends a fetch or gather segment's `writes` (source offset in `src`, destination offset
+    /// in `pool`, length), each with the fetch immediate `imm`, or none of them: `None` (a
+    /// write that would not fit the pool, found by the caller before anything was sent) is
+    /// `FetchRefused`. The writes' checks have passed, so a submission fails only as every
+    /// other would (an engine shutting down): a failure at the first sent nothing
+    /// (`FetchRefused`), a later one left some sent (`TransferFailed`: the requester's count
+    /// is lost and it gives the link up).
+    fn send_all(
+        &self,
+        writes: Option<Vec<(u64, u64, u64)>>,
+        src: &MrHandle,
+        (pool, imm): (&MrDesc, u32),
+    ) -> Status {
+        let Some(writes) = writes else {
+            return Status::FetchRefused;
+        };
+        for (n, &(from, to, len)) in writes.iter().enumerate() {
+            let sent = self.engine.submit_single_write(
+                len,
+                Some(imm),
+                (src, from),
+                (pool, to),
+                OnDone::nothing(),
+            );
+            if let Err(e) = sent {
+                tracing::debug!(%e, "fetch or gather write failed");
+                return if n == 0 {
+                    Status::FetchRefused
+                } else {
+                    Status::TransferFailed
+                };
+            }
+        }
+        Status::Ok
+    }
+
+    /// Sparse fetch: writes the rows of `tokens` (layer `layer` of `chunk`) into the
+    /// requester's pool, row `j` at row `first + j` of `pages`, all carrying the session's
+    /// fetch immediate. The rows are first packed into the session's gather staging (after
+    /// the `used` bytes earlier segments of the request took) so that each page they land in
+    /// takes one write ([`wire::gather_writes`]), not one write per row.
+    pub(super) fn gather(
+        &self,
+        (slot, session, used): (usize, &Session, &mut usize),
+        (chunk, layer): (u32, u16),
+        first: u32,
+        tokens: &[i32],
+        pages: &[u32],
+    ) -> Status {
+        let Some(held) = self.chunks.get(ChunkId(chunk)) else {
+            return Status::UnknownChunk;
+        };
+        let layout = held.layout;
+        let Some(pool) = &session.hello.pool else {
+            return Status::FetchRefused;
+        };
+        if tokens
+            .iter()
+            .any(|&t| u32::try_from(t).map_or(true, |t| t >= layout.tokens))
+        {
+            return Status::BadIndex;
+        }
+        let Ok(layer_at) = layout.layer_offset(u32::from(layer)) else {
+            return Status::BadLayer;
+        };
+        let bytes = tokens.len() * ROW_BYTES;
+        if *used + bytes > self.config.gather_bytes {
+            return Status::FetchRefused;
+        }
+        let staged = slot * self.config.gather_bytes + *used;
+        let block = held.offset + layer_at;
+        // SAFETY: this session's staging range past `used` is written only here, by the one
+        // serving thread; the writes of the previous request from it have landed (the
+        // requester sends a request only after every write of the last one arrived).
+        let packed = unsafe { self.gather_staging.bytes_mut(staged, bytes) }
+            .map_err(crate::RemoteError::from)
+            .and_then(|out| {
+                let store = self
+                    .chunks
+                    .bytes(block, layout.tokens as usize * ROW_BYTES)?;
+                for (row, &t) in out.chunks_exact_mut(ROW_BYTES).zip(tokens) {
+                    let at = t as usize * ROW_BYTES;
+                    row.copy_from_slice(&store[at..at + ROW_BYTES]);
+                }
+                Ok(())
+            });
+        if let Err(e) = packed {
+            tracing::debug!(%e, "gather refused");
+            return Status::FetchRefused;
+        }
+        *used += bytes;
+        // All or nothing: every write's destination is checked before the first is sent, so
+        // a refused segment sent none and the requester expects no rows from it.
+        let writes: Option<Vec<(u64, u64, u64)>> = wire::gather_writes(first, tokens.len())
+            .map(|w| {
+                let len = (w.rows * ROW_BYTES) as u64;
+                let dst = u64::from(*pages.get(w.page)?)
+                    .checked_mul(PAGE_BYTES as u64)?
+                    .checked_add((w.row * ROW_BYTES) as u64)?;
+                (dst.checked_add(len)? <= pool.len).then_some((
+                    (staged + w.from * ROW_BYTES) as u64,
+                    dst,
+                    len,
+                ))
+            })
+            .collect();
+        self.send_all(
+            writes,
+            self.gather_staging.handle(),
+            (pool, session.hello.fetch_imm),
+        )
+    }
+}

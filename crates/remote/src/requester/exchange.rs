@@ -1,0 +1,263 @@
+//! One exchange with each holder of a step: requests encoded into the link's send staging,
+//! posted, and their replies (and the fetch writes the holder served) waited for with one
+//! deadline. A holder that misses it, or whose writes fail, is dead for this requester.
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use kvroute_kernels::layout::PARTIAL_ROW_BYTES;
+use kvroute_transport::{CancellationToken, DoneFlag, OnDone, TransferShape};
+
+use super::{Requester, wait_all};
+use crate::error::RouteError;
+use crate::wire::{self, SegmentSpec, Status};
+
+/// One request encoded in a link's send staging, not yet posted.
+pub(super) struct Prepared {
+    pub(super) link: usize,
+    /// Where in the send staging (and the reply region) this link's request and reply are.
+    pub(super) staged: usize,
+    pub(super) len: usize,
+    pub(super) reply_len: usize,
+    /// Per segment: the fetch-immediate arrivals it brings if the holder serves it (fetch and
+    /// gather; 0 for routed segments).
+    pub(super) fetch_arrivals: Vec<u64>,
+    /// Per segment, where its in-place query rows go in the request; or why it was not
+    /// encoded.
+    pub(super) in_place: Result<Vec<usize>, RouteError>,
+}
+
+impl Requester {
+    /// Sends one request of `segments` to each `link` and waits for its reply and, for its
+    /// fetch and gather segments the holder served, their arrivals of the link's fetch
+    /// immediate (the third element: per segment, the arrivals it brings if served). Returns
+    /// where each reply landed: (offset, length) in `replies`.
+    pub(super) fn exchange(
+        &mut self,
+        batches: Vec<(usize, Vec<SegmentSpec<'_>>, Vec<u64>)>,
+    ) -> Vec<Result<(usize, usize), RouteError>> {
+        let prepared = self.prepare(batches);
+        self.send(&prepared)
+    }
+
+    /// Encodes each batch's request into its link's send staging (the first half of
+    /// [`Requester::exchange`]); [`QueryRows::InPlace`] rows are left for the caller to write.
+    pub(super) fn prepare(
+        &mut self,
+        batches: Vec<(usize, Vec<SegmentSpec<'_>>, Vec<u64>)>,
+    ) -> Vec<Prepared> {
+        let mut out = Vec::with_capacity(batches.len());
+        for (link, segments, fetch_arrivals) in batches {
+            let l = &mut self.links[link];
+            l.seq += 1;
+            let len = wire::request_len(&segments);
+            let reply_len = wire::reply_len(segments.len(), wire::reply_rows(&segments));
+            let limit = self.config.link_bytes.min(l.welcome.slot_bytes as usize);
+            let staged = link * self.config.link_bytes;
+            let encoded = if len > limit
+                || reply_len > self.config.link_bytes.min(l.welcome.reply_bytes as usize)
+            {
+                Err(RouteError::TooLarge(len.max(reply_len)))
+            } else {
+                let encode_started = Instant::now();
+                // SAFETY: this link's staging range is read only by this link's request write,
+                // and the previous one has completed (its completion was waited for; a link
+                // whose wait failed is dead and never sends again). No peer writes it (it is
+                // registered local only). In bounds: `len <= link_bytes` (checked).
+                let encoded = unsafe { self.send.bytes_mut(staged, len) }
+                    .map(|buf| {
+                        wire::encode_request_into(
+                            buf,
+                            l.seq,
+                            staged as u64,
+                            self.config.scale,
+                            &segments,
+                        )
+                    })
+                    .map_err(|e| RouteError::HolderFailed {
+                        holder: l.addr,
+                        why: e.to_string(),
+                    });
+                self.codec.encode_us += encode_started.elapsed().as_secs_f64() * 1e6;
+                encoded
+            };
+            out.push(Prepared {
+                link,
+                staged,
+                len,
+                reply_len,
+                fetch_arrivals,
+                in_place: encoded,
+            });
+        }
+        out
+    }
+
+    /// Posts each prepared request and waits for every reply (the second half of
+    /// [`Requester::exchange`]).
+    pub(super) fn send(
+        &mut self,
+        prepared: &[Prepared],
+    ) -> Vec<Result<(usize, usize), RouteError>> {
+        let deadline = Instant::now() + self.config.timeout;
+        let mut waits = Vec::new();
+        let mut out: Vec<Result<(usize, usize), RouteError>> = Vec::new();
+        for p in prepared {
+            if let Err(e) = &p.in_place {
+                out.push(Err(e.clone()));
+                waits.push(None);
+                continue;
+            }
+            let l = &self.links[p.link];
+            // The reply lands where the request was staged, in the reply region.
+            let reply_offset = p.staged as u64;
+            let token = CancellationToken::new();
+            let reply_flag = DoneFlag::new();
+            let arrivals = self.engine.expected_arrivals(TransferShape::SingleWrite {
+                len: p.reply_len as u64,
+            });
+            self.engine.expect_imm_count(
+                l.reply_imm,
+                arrivals,
+                OnDone::flag(&reply_flag).cancellable(&token),
+            );
+            let shards = self
+                .engine
+                .expected_arrivals(TransferShape::SingleWrite { len: p.len as u64 });
+            let imm = wire::request_imm(l.welcome.session, shards);
+            let sent_flag = DoneFlag::new();
+            let submitted = self.engine.submit_single_write(
+                p.len as u64,
+                Some(imm),
+                (self.send.handle(), p.staged as u64),
+                (&l.welcome.inbox, l.welcome.slot_offset),
+                OnDone::flag(&sent_flag),
+            );
+            match submitted {
+                Ok(()) => {
+                    out.push(Ok((reply_offset as usize, p.reply_len)));
+                    waits.push(Some((sent_flag, reply_flag, token)));
+                }
+                Err(e) => {
+                    token.cancel();
+                    out.push(Err(RouteError::HolderFailed {
+                        holder: l.addr,
+                        why: e.to_string(),
+                    }));
+                    waits.push(None);
+                }
+            }
+        }
+        for (i, wait) in waits.into_iter().enumerate() {
+            let Some((sent, reply, token)) = wait else {
+                continue;
+            };
+            let link = prepared[i].link;
+            let failure = match wait_all(&self.engine, &[&sent, &reply], deadline, self.config.spin)
+            {
+                Err(which) => Some(format!(
+                    "no {} within {:?}",
+                    ["send completion", "reply"][which],
+                    self.config.timeout
+                )),
+                Ok(()) => match sent.result() {
+                    Some(Err(e)) => Some(format!("request write failed: {e}")),
+                    _ => self
+                        .await_fetch_writes(&prepared[i], deadline, &token)
+                        .err(),
+                },
+            };
+            if let Some(why) = failure {
+                token.cancel();
+                out[i] = Err(RouteError::HolderFailed {
+                    holder: self.links[link].addr,
+                    why,
+                });
+                self.kill(link);
+            }
+        }
+        out
+    }
+
+    /// Waits for the fetch-immediate arrivals of the segments of `p` that the holder served,
+    /// as its reply (landed) says. A holder submits all of a served fetch or gather segment's
+    /// writes before it replies and none of a refused one's, so a refused segment costs
+    /// nothing: the expectation is for exactly the writes that were sent, and no arrival is
+    /// left over to be counted toward a later fetch. A reply that cannot be read, or that says
+    /// some writes of a segment may have gone out ([`Status::TransferFailed`]), leaves the count
+    /// unknown: an error, and the caller gives the link up.
+    fn await_fetch_writes(
+        &self,
+        p: &Prepared,
+        deadline: Instant,
+        token: &CancellationToken,
+    ) -> Result<(), String> {
+        if p.fetch_arrivals.iter().all(|&n| n == 0) {
+            return Ok(());
+        }
+        let l = &self.links[p.link];
+        // SAFETY: as in `reply_bytes`: the reply's immediate has been counted.
+        let bytes = unsafe { self.replies.bytes(p.staged, p.reply_len) }
+            .map_err(|e| format!("reading the reply: {e}"))?;
+        let header = wire::decode_reply_header(bytes).filter(|h| h.seq == l.seq);
+        let expected = wire::served_arrivals(header.as_ref(), &p.fetch_arrivals)?;
+        if expected == 0 {
+            return Ok(());
+        }
+        let flag = DoneFlag::new();
+        self.engine.expect_imm_count(
+            l.fetch_imm,
+            expected,
+            OnDone::flag(&flag).cancellable(token),
+        );
+        wait_all(&self.engine, &[&flag], deadline, self.config.spin)
+            .map_err(|_| format!("no fetch pages within {:?}", self.config.timeout))
+    }
+
+    /// The bytes of a reply [`Requester::exchange`] reported, borrowed in place.
+    pub(super) fn reply_bytes(
+        &self,
+        holder: SocketAddr,
+        (offset, len): (usize, usize),
+    ) -> Result<&[u8], RouteError> {
+        // SAFETY: the reply's immediate has been counted, so its write has landed, and the
+        // holder writes this link's range again only after the next request. A holder that
+        // writes anyway changes the values decoded (which are validated), never the bounds.
+        unsafe { self.replies.bytes(offset, len) }.map_err(|e| RouteError::BadReply {
+            holder,
+            why: e.to_string(),
+        })
+    }
+}
+
+/// Checks a reply against what was asked: magic, the request's seq, one status per segment,
+/// and as many rows as the statuses promise.
+pub(super) fn decode_reply(
+    holder: SocketAddr,
+    seq: u64,
+    bytes: &[u8],
+    segments: usize,
+) -> Result<(Vec<Status>, &[u8]), RouteError> {
+    let bad = |why: &str| RouteError::BadReply {
+        holder,
+        why: why.to_owned(),
+    };
+    let header = wire::decode_reply_header(bytes).ok_or_else(|| bad("no reply header"))?;
+    if header.seq != seq {
+        return Err(bad("reply to another request"));
+    }
+    if header.status != Status::Ok {
+        return Err(RouteError::Refused {
+            holder,
+            status: header.status,
+        });
+    }
+    if header.statuses.len() != segments {
+        return Err(bad("status count differs from the segments sent"));
+    }
+    let start = wire::reply_rows_offset(segments);
+    let rows = bytes
+        .get(start..start + header.rows * PARTIAL_ROW_BYTES)
+        .ok_or_else(|| bad("rows past the reply"))?;
+    Ok((header.statuses, rows))
+}

@@ -1,0 +1,324 @@
+//! Fetch (the whole chunk into the pool, spliced to the requester's positions) and gather
+//! (the selected rows of several holders' chunks into pool pages, for sparse attention).
+
+use std::time::Instant;
+
+use kvroute_kernels::layout::PAGE_TOKENS;
+use kvroute_kernels::{Backend, Cache, Rope, SpliceJob, splice};
+use kvroute_kvstore::{ChunkId, PAGE_BYTES, ROW_BYTES};
+use kvroute_transport::{MrDesc, TransferShape};
+
+use super::Requester;
+use super::exchange::decode_reply;
+use crate::error::{RemoteError, RouteError};
+use crate::wire::{self, QueryRows, SegmentKind, SegmentSpec, Status};
+
+/// A chunk fetched into the pool and spliced to the requester's positions.
+#[derive(Debug)]
+pub struct Fetched {
+    /// The chunk.
+    pub chunk: ChunkId,
+    /// Pool pages, layer-major (`layers * ceil(tokens / 64)`).
+    pub pages: Vec<u32>,
+    /// Tokens per layer.
+    pub tokens: usize,
+    /// Layers.
+    pub layers: usize,
+    /// Time from submitting the fetch to the last page landing, microseconds.
+    pub transfer_us: f64,
+    /// Time of the in-place splice, microseconds.
+    pub splice_us: f64,
+}
+
+/// The selected tokens of one chunk, for [`Requester::gather`].
+#[derive(Debug, Clone, Copy)]
+pub struct GatherPart<'a> {
+    /// The chunk.
+    pub chunk: ChunkId,
+    /// Chunk-local token indices (duplicates are sent twice, as a gather would).
+    pub tokens: &'a [i32],
+}
+
+/// Rows gathered by [`Requester::gather`]: for each layer asked, the selected rows of every
+/// part back to back (part order, token order), in pool pages.
+#[derive(Debug)]
+pub struct Gathered {
+    /// Pool pages, layer-major (`layers.len() * ceil(rows / 64)`).
+    pub pages: Vec<u32>,
+    /// Rows per layer.
+    pub rows: usize,
+    /// The layers, in the order asked.
+    pub layers: Vec<u16>,
+    /// Time from submitting the requests to the last row landing, microseconds.
+    pub transfer_us: f64,
+}
+
+impl Requester {
+    /// Fetches `chunk` from a live holder into the pool (one write per run of consecutive
+    /// pool pages, [`wire::fetch_runs`]; one immediate expectation for the whole pull) and re-rotates it in place to `to` (the requester's
+    /// positions for its tokens), with `rope`, the rotation the chunk was stored with.
+    pub fn fetch(
+        &mut self,
+        chunk: ChunkId,
+        to: &[i64],
+        rope: Rope,
+        backend: Backend,
+    ) -> Result<Fetched, RouteError> {
+        let link = self.link_for(chunk)?;
+        let entry = self.entry(chunk)?.clone();
+        let layout = entry.layout;
+        let holder = self.links[link].addr;
+        let pages = self
+            .pool
+            .alloc(layout.pages())
+            .map_err(|e| RouteError::HolderFailed {
+                holder,
+                why: format!("pool: {e}"),
+            })?;
+        let started = Instant::now();
+        let seg = SegmentSpec {
+            kind: SegmentKind::Fetch,
+            chunk: chunk.0,
+            layer: 0,
+            queries: QueryRows::Copied(&[]),
+            indices: &[],
+            pages: &pages,
+        };
+        let arrivals: u64 = wire::fetch_runs(&pages)
+            .map(|(_, count)| {
+                self.engine.expected_arrivals(TransferShape::SingleWrite {
+                    len: (count * PAGE_BYTES) as u64,
+                })
+            })
+            .sum();
+        let reply = self.exchange(vec![(link, vec![seg], vec![arrivals])]).pop();
+        let reply = reply.unwrap_or(Err(RouteError::NoHolder(chunk)));
+        let seq = self.links[link].seq;
+        let status = reply
+            .and_then(|range| self.reply_bytes(holder, range))
+            .and_then(|bytes| decode_reply(holder, seq, bytes, 1).map(|(s, _)| s));
+        match status {
+            Ok(s) if s[0] == Status::Ok => {}
+            Ok(s) => {
+                let _ = self.pool.release(&pages);
+                return Err(RouteError::Refused {
+                    holder,
+                    status: s[0],
+                });
+            }
+            Err(e) => {
+                // Once the exchange returned, every write the holder sent has been counted
+                // (`await_fetch_writes`); only a link given up may still have writes in
+                // flight, and pages they may land in are quarantined, not reused.
+                if !matches!(e, RouteError::HolderFailed { .. }) {
+                    let _ = self.pool.release(&pages);
+                }
+                return Err(e);
+            }
+        }
+        let transfer_us = started.elapsed().as_secs_f64() * 1e6;
+        let started = Instant::now();
+        // SAFETY: every page write of this fetch has been counted; no other fetch is in flight
+        // (the requester is used from one thread) and a timed-out fetch's pages are never
+        // released, so no peer writes into the pool now; no other view of the pool exists.
+        let pool = unsafe { self.pool_mem.u16s_mut(0, self.pool.bytes() / 2) }.map_err(|e| {
+            RouteError::HolderFailed {
+                holder,
+                why: e.to_string(),
+            }
+        })?;
+        let job = SpliceJob::in_place(
+            layout.layers as usize,
+            &entry.positions,
+            to,
+            rope,
+            pool,
+            &pages,
+        )
+        .and_then(|job| splice(backend, job));
+        if let Err(e) = job {
+            let _ = self.pool.release(&pages);
+            return Err(RouteError::BadReply {
+                holder,
+                why: format!("splice: {e}"),
+            });
+        }
+        Ok(Fetched {
+            chunk,
+            pages,
+            tokens: layout.tokens as usize,
+            layers: layout.layers as usize,
+            transfer_us,
+            splice_us: started.elapsed().as_secs_f64() * 1e6,
+        })
+    }
+
+    /// Sparse fetch: the rows of `parts` (each chunk's selected tokens) for each of `layers`,
+    /// gathered from every holder that has some into pool pages: one request per holder
+    /// (a gather segment per (part, layer)), one row-sized write per row from the holder, one
+    /// immediate expectation per holder. No splice: the rows keep their stored positions, as
+    /// sparse attention reads them. Attend with [`Requester::gathered_cache`].
+    pub fn gather(
+        &mut self,
+        parts: &[GatherPart<'_>],
+        layers: &[u16],
+    ) -> Result<Gathered, RouteError> {
+        let rows: usize = parts.iter().map(|p| p.tokens.len()).sum();
+        if rows == 0 || layers.is_empty() {
+            return Err(RouteError::TooLarge(0));
+        }
+        let ppl = rows.div_ceil(PAGE_TOKENS);
+        let no_pool = |e: &dyn std::fmt::Display| RouteError::HolderFailed {
+            holder: self.links[0].addr,
+            why: format!("pool: {e}"),
+        };
+        let pages = self
+            .pool
+            .alloc(ppl * layers.len())
+            .map_err(|e| no_pool(&e))?;
+        let mut links = Vec::with_capacity(parts.len());
+        for p in parts {
+            match self.link_for(p.chunk) {
+                Ok(l) => links.push(l),
+                Err(e) => {
+                    let _ = self.pool.release(&pages);
+                    return Err(e);
+                }
+            }
+        }
+        let started = Instant::now();
+        // link -> (segments, per segment the arrivals of its fetch immediate: one write per
+        // page it touches, as the holder packs them, each maybe sharded over NICs)
+        let mut batches: Vec<(usize, Vec<SegmentSpec<'_>>, Vec<u64>)> = Vec::new();
+        let mut at = 0;
+        for (p, &link) in parts.iter().zip(&links) {
+            let n = p.tokens.len();
+            if n > 0 {
+                let (first_page, end_page) = (at / PAGE_TOKENS, (at + n).div_ceil(PAGE_TOKENS));
+                let first = (at % PAGE_TOKENS) as u32;
+                let arrivals: u64 = wire::gather_writes(first, n)
+                    .map(|w| {
+                        self.engine.expected_arrivals(TransferShape::SingleWrite {
+                            len: (w.rows * ROW_BYTES) as u64,
+                        })
+                    })
+                    .sum();
+                for (l, &layer) in layers.iter().enumerate() {
+                    let table = &pages[l * ppl..(l + 1) * ppl];
+                    let seg = SegmentSpec {
+                        kind: SegmentKind::Gather { first },
+                        chunk: p.chunk.0,
+                        layer,
+                        queries: QueryRows::Copied(&[]),
+                        indices: p.tokens,
+                        pages: &table[first_page..end_page],
+                    };
+                    match batches.iter_mut().find(|(b, _, _)| *b == link) {
+                        Some((_, segs, counts)) => {
+                            segs.push(seg);
+                            counts.push(arrivals);
+                        }
+                        None => batches.push((link, vec![seg], vec![arrivals])),
+                    }
+                }
+            }
+            at += n;
+        }
+        // Each holder packs one request's gathered rows into staging it advertised.
+        for (link, segs, _) in &batches {
+            let bytes: usize = segs.iter().map(|s| s.indices.len() * ROW_BYTES).sum();
+            if bytes as u64 > self.links[*link].welcome.gather_bytes {
+                let _ = self.pool.release(&pages);
+                return Err(RouteError::TooLarge(bytes));
+            }
+        }
+        let asked: Vec<(usize, usize)> = batches.iter().map(|(l, s, _)| (*l, s.len())).collect();
+        let replies = self.exchange(batches);
+        let mut failure = None;
+        let mut late_writes_possible = false;
+        for ((link, segments), reply) in asked.into_iter().zip(replies) {
+            let holder = self.links[link].addr;
+            let seq = self.links[link].seq;
+            let statuses = reply
+                .and_then(|range| self.reply_bytes(holder, range))
+                .and_then(|bytes| decode_reply(holder, seq, bytes, segments).map(|(s, _)| s));
+            match statuses {
+                Ok(s) => {
+                    if let Some(&status) = s.iter().find(|&&st| st != Status::Ok) {
+                        failure.get_or_insert(RouteError::Refused { holder, status });
+                    }
+                }
+                Err(e) => {
+                    // As in `fetch`: only a link given up may still have writes in flight.
+                    late_writes_possible |= matches!(e, RouteError::HolderFailed { .. });
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = failure {
+            // Pages a late write may still land in are quarantined, not reused.
+            if !late_writes_possible {
+                let _ = self.pool.release(&pages);
+            }
+            return Err(e);
+        }
+        Ok(Gathered {
+            pages,
+            rows,
+            layers: layers.to_vec(),
+            transfer_us: started.elapsed().as_secs_f64() * 1e6,
+        })
+    }
+
+    /// The rows gathered for `layers[layer_index]` as a paged cache (`rows` tokens).
+    pub fn gathered_cache<'a>(
+        &'a self,
+        gathered: &'a Gathered,
+        layer_index: usize,
+    ) -> Result<Cache<'a>, RemoteError> {
+        let ppl = gathered.rows.div_ceil(PAGE_TOKENS);
+        let table = gathered
+            .pages
+            .get(layer_index * ppl..(layer_index + 1) * ppl)
+            .ok_or_else(|| RemoteError::Config(format!("no gathered layer {layer_index}")))?;
+        // SAFETY: as in `fetch`: every row write of the gather has been counted and no
+        // transfer into these pages is in flight while `self` is borrowed.
+        let pool = unsafe { self.pool_mem.u16s(0, self.pool.bytes() / 2)? };
+        Ok(Cache::paged(pool, table, gathered.rows)?)
+    }
+
+    /// Returns gathered rows' pages to the pool.
+    pub fn release_gathered(&mut self, gathered: Gathered) -> Result<(), RemoteError> {
+        Ok(self.pool.release(&gathered.pages)?)
+    }
+
+    /// Layer `layer` of a fetched chunk as a paged cache the kernels read.
+    pub fn fetched_cache<'a>(
+        &'a self,
+        fetched: &'a Fetched,
+        layer: usize,
+    ) -> Result<Cache<'a>, RemoteError> {
+        let ppl = fetched.tokens.div_ceil(PAGE_TOKENS);
+        let table =
+            fetched
+                .pages
+                .get(layer * ppl..(layer + 1) * ppl)
+                .ok_or(RemoteError::Chunk {
+                    chunk: fetched.chunk,
+                    why: format!("no fetched layer {layer}"),
+                })?;
+        // SAFETY: as in `fetch`: no writes into the pool are in flight while `self` is borrowed.
+        let pool = unsafe { self.pool_mem.u16s(0, self.pool.bytes() / 2)? };
+        Ok(Cache::paged(pool, table, fetched.tokens)?)
+    }
+
+    /// Returns a fetched chunk's pages to the pool.
+    pub fn release(&mut self, fetched: Fetched) -> Result<(), RemoteError> {
+        Ok(self.pool.release(&fetched.pages)?)
+    }
+
+    /// The descriptor of the pool (for tests that play a forged holder).
+    pub fn pool_desc(&self) -> &MrDesc {
+        self.pool_mem.desc()
+    }
+}

@@ -1,0 +1,429 @@
+//! The requester: the dispatcher that routes query rows to holders and merges what comes back,
+//! and fetches chunks into its own paged pool.
+//!
+//! [`Requester::route`] takes every call of a decode step at once, groups the calls bound to
+//! the same holder into one inbox write (paper 000 section 5.3's third reduction), waits for
+//! every reply with a deadline, and returns one result per call. A holder that does not answer
+//! in time, or whose writes fail, is marked dead and its calls fail with
+//! [`RouteError::HolderFailed`]; calling again sends them to the chunk's next replica.
+
+use std::io::BufReader;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_kvstore::{ChunkEntry, ChunkId, ChunkRegistry, PAGE_BYTES, PagedPool};
+use kvroute_transport::{
+    Access, CancellationToken, DoneFlag, OnDone, RegisteredBuffer, TransferEngine, TransferShape,
+};
+
+use crate::control::{recv_line, send_line};
+use crate::error::{RemoteError, RouteError};
+use crate::session::{Answer, Control, Hello, HolderStats, Welcome};
+use crate::wire;
+
+mod exchange;
+mod fetch;
+mod route;
+
+pub use fetch::{Fetched, GatherPart, Gathered};
+pub use route::{Call, Routed, Sparse, StagedCall, StagedRoute};
+
+/// How a requester is set up.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequesterConfig {
+    /// How long a route or fetch waits for a holder before declaring it failed.
+    pub timeout: Duration,
+    /// Bytes of the send staging and of the reply region, per holder.
+    pub link_bytes: usize,
+    /// Pages (64 tokens x 1152 B each) of the pool fetches land in.
+    pub pool_pages: u32,
+    /// The softmax scale sent with every request.
+    pub scale: f32,
+    /// This requester's immediate namespace (0 to 4095): requesters that share one engine
+    /// need distinct tags, so each one's replies and fetch pages are counted apart.
+    pub tag: u16,
+    /// How long a wait for a reply polls (yielding the core) before it sleeps in 50 us
+    /// steps: latency against CPU left to others.
+    pub spin: Duration,
+}
+
+impl RequesterConfig {
+    /// Defaults for `scale`: 5 s timeout, 8 MiB per holder link, a 512-page pool, tag 0,
+    /// 1 ms of polling per wait.
+    pub fn new(scale: f32) -> Self {
+        Self {
+            timeout: Duration::from_secs(5),
+            link_bytes: 8 << 20,
+            pool_pages: 512,
+            scale,
+            tag: 0,
+            spin: Duration::from_millis(1),
+        }
+    }
+}
+
+struct Link {
+    control: TcpStream,
+    reader: BufReader<TcpStream>,
+    addr: SocketAddr,
+    welcome: Welcome,
+    reply_imm: u32,
+    fetch_imm: u32,
+    seq: u64,
+    alive: bool,
+}
+
+/// The requester's byte conversions since it connected: the part of a route round trip that
+/// is neither transport nor kernel nor bookkeeping (a GPU requester stages query rows
+/// and merges bf16 rows in kernels of its own).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct CodecTimes {
+    /// Copying query rows, indices and pages into requests, microseconds.
+    pub encode_us: f64,
+    /// Decoding and validating reply rows into f32 partials, microseconds.
+    pub decode_us: f64,
+}
+
+/// The requester side of route and fetch.
+pub struct Requester {
+    engine: TransferEngine,
+    config: RequesterConfig,
+    send: RegisteredBuffer,
+    replies: RegisteredBuffer,
+    pool_mem: RegisteredBuffer,
+    pool: PagedPool,
+    links: Vec<Link>,
+    registry: ChunkRegistry,
+    codec: CodecTimes,
+}
+
+impl std::fmt::Debug for Requester {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Requester")
+            .field("holders", &self.links.len())
+            .field("chunks", &self.registry.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Waits for every flag or the deadline; `Err(i)` names the first flag not set in time.
+/// Polls (yielding the core) for `spin`, then sleeps 50 us between looks.
+fn wait_all(
+    engine: &TransferEngine,
+    flags: &[&Arc<DoneFlag>],
+    deadline: Instant,
+    spin: Duration,
+) -> Result<(), usize> {
+    let started = Instant::now();
+    loop {
+        match flags.iter().position(|f| !f.is_done()) {
+            None => return Ok(()),
+            Some(i) if Instant::now() > deadline => return Err(i),
+            Some(_) => {}
+        }
+        if engine.manual_progress() {
+            engine.progress();
+        }
+        if started.elapsed() < spin {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+impl Requester {
+    /// Opens a session with every holder in `holders` and builds the chunk registry from what
+    /// they serve. A holder that is busy or unreachable is an error.
+    pub fn connect(
+        engine: TransferEngine,
+        holders: &[SocketAddr],
+        config: RequesterConfig,
+    ) -> Result<Self, RemoteError> {
+        if holders.is_empty() || holders.len() > 1 << 12 {
+            return Err(RemoteError::Config(
+                "a requester needs 1 to 4096 holders".into(),
+            ));
+        }
+        if config.tag >= 1 << 12 {
+            return Err(RemoteError::Config("a requester tag is 0 to 4095".into()));
+        }
+        if config.link_bytes < wire::REQUEST_HEADER || config.timeout.is_zero() {
+            return Err(RemoteError::Config(
+                "link_bytes must hold a request header and the timeout must be positive".into(),
+            ));
+        }
+        let link_total = config
+            .link_bytes
+            .checked_mul(holders.len())
+            .ok_or_else(|| RemoteError::Config("link buffers larger than memory".into()))?;
+        let n = holders.len();
+        let send = engine.alloc_mr_with(link_total, Access::Local)?;
+        let replies = engine.alloc_mr(link_total)?;
+        let pool = PagedPool::new(config.pool_pages.max(1), PAGE_BYTES)?;
+        let pool_mem = engine.alloc_mr(pool.bytes())?;
+        let mut links = Vec::with_capacity(n);
+        let mut registry = ChunkRegistry::new();
+        for (i, &addr) in holders.iter().enumerate() {
+            let unreachable = |source| RemoteError::Unreachable {
+                holder: addr,
+                source,
+            };
+            let control = TcpStream::connect_timeout(&addr, config.timeout).map_err(unreachable)?;
+            let io = |source| RemoteError::Control { peer: addr, source };
+            control.set_nodelay(true).map_err(io)?;
+            control
+                .set_read_timeout(Some(config.timeout.max(Duration::from_secs(1))))
+                .map_err(io)?;
+            let mut reader = BufReader::new(control.try_clone().map_err(io)?);
+            let mut writer = control.try_clone().map_err(io)?;
+            // 8 bits of kind, 12 of requester tag, 12 of link.
+            let id = (u32::from(config.tag) << 12) | i as u32;
+            let (reply_imm, fetch_imm) = (0x6100_0000 | id, 0x6200_0000 | id);
+            let reply = replies.desc().clone();
+            let hello = Hello {
+                addr: engine.main_address(),
+                reply,
+                pool: Some(pool_mem.desc().clone()),
+                reply_imm,
+                fetch_imm,
+            };
+            send_line(&mut writer, addr, &hello)?;
+            let welcome = match recv_line::<Answer>(&mut reader, addr, 64 << 20)? {
+                Answer::Welcome(w) => w,
+                Answer::Busy { active, cap } => {
+                    return Err(RemoteError::HolderBusy {
+                        holder: addr,
+                        active,
+                        cap,
+                    });
+                }
+                Answer::Refused(why) => {
+                    return Err(RemoteError::SessionRefused { holder: addr, why });
+                }
+            };
+            for entry in &welcome.chunks {
+                registry.register(entry.clone())?;
+            }
+            links.push(Link {
+                control,
+                reader,
+                addr,
+                welcome,
+                reply_imm,
+                fetch_imm,
+                seq: 0,
+                alive: true,
+            });
+        }
+        let mut requester = Self {
+            engine,
+            config,
+            send,
+            replies,
+            pool_mem,
+            pool,
+            links,
+            registry,
+            codec: CodecTimes::default(),
+        };
+        // One small ping per holder opens the data path both ways now, not on the first
+        // route or fetch: providers connect lazily (`tcp;ofi_rxm` set up its connection in
+        // the first fetch's 30 ms; `shm` mapped its peer in the first fetch's 5.6 ms).
+        for (holder, addr) in holders.iter().enumerate() {
+            requester
+                .ping(holder, wire::PING_HEADER, 64, wire::Pong::Staged)
+                .map_err(|e| match e {
+                    RouteError::HolderFailed { why, .. } => RouteError::HolderFailed {
+                        holder: *addr,
+                        why: format!("opening the data path: {why}"),
+                    },
+                    other => other,
+                })?;
+        }
+        Ok(requester)
+    }
+
+    /// The chunk registry the holders' welcomes built.
+    pub fn registry(&self) -> &ChunkRegistry {
+        &self.registry
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &TransferEngine {
+        &self.engine
+    }
+
+    /// Holders still considered alive.
+    pub fn live_holders(&self) -> usize {
+        self.links.iter().filter(|l| l.alive).count()
+    }
+
+    /// A holder's counters, over its control connection.
+    pub fn holder_stats(&mut self, holder: usize) -> Result<HolderStats, RemoteError> {
+        let link = self
+            .links
+            .get_mut(holder)
+            .ok_or(RemoteError::NoSuchHolder(holder))?;
+        send_line(&mut link.control, link.addr, &Control::Stats)?;
+        recv_line(&mut link.reader, link.addr, 1 << 20)
+    }
+
+    /// Holder `holder`'s counters once they count at least `requests` requests, or as they
+    /// are after the configured timeout. A holder adds a batch to its counters just after
+    /// sending the batch's replies, so a read right after a reply lands can see them without
+    /// it.
+    pub fn holder_stats_counting(
+        &mut self,
+        holder: usize,
+        requests: u64,
+    ) -> Result<HolderStats, RemoteError> {
+        let deadline = Instant::now() + self.config.timeout;
+        loop {
+            let stats = self.holder_stats(holder)?;
+            if stats.requests >= requests || Instant::now() >= deadline {
+                return Ok(stats);
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
+    /// The transport's raw write round trip to holder `holder` (an index into the holders
+    /// given to [`Requester::connect`]): `request_len` bytes out into its inbox slot and
+    /// `reply_len` bytes back into the reply region, each one write with an immediate, through
+    /// the same engines, buffers and serving thread as [`Requester::route`] but with no
+    /// encoding, parsing or kernel; the holder sends the pong from `pong`. Route's round trip
+    /// minus this, minus the holder's kernel time, is the protocol's host overhead (what
+    /// `kvroute sweep` reports).
+    pub fn ping(
+        &mut self,
+        holder: usize,
+        request_len: usize,
+        reply_len: usize,
+        pong: wire::Pong,
+    ) -> Result<Duration, RouteError> {
+        let link_bytes = self.config.link_bytes;
+        let l = self
+            .links
+            .get(holder)
+            .ok_or(RouteError::NoHolder(ChunkId(u32::MAX)))?;
+        if !l.alive {
+            return Err(RouteError::HolderFailed {
+                holder: l.addr,
+                why: "marked dead earlier".into(),
+            });
+        }
+        let limit = link_bytes.min(l.welcome.slot_bytes as usize);
+        let reply_limit = link_bytes.min(l.welcome.reply_bytes as usize);
+        if !(wire::PING_HEADER..=limit).contains(&request_len) {
+            return Err(RouteError::TooLarge(request_len));
+        }
+        if !(1..=reply_limit).contains(&reply_len) {
+            return Err(RouteError::TooLarge(reply_len));
+        }
+        let (addr, reply_imm) = (l.addr, l.reply_imm);
+        let staged = holder * link_bytes;
+        let started = Instant::now();
+        let reply_flag = DoneFlag::new();
+        let token = CancellationToken::new();
+        let arrivals = self.engine.expected_arrivals(TransferShape::SingleWrite {
+            len: reply_len as u64,
+        });
+        self.engine.expect_imm_count(
+            reply_imm,
+            arrivals,
+            OnDone::flag(&reply_flag).cancellable(&token),
+        );
+        let shards = self.engine.expected_arrivals(TransferShape::SingleWrite {
+            len: request_len as u64,
+        });
+        let sent_flag = DoneFlag::new();
+        // SAFETY: as in `exchange`: this link's staging range, no write from it in flight.
+        let submitted = unsafe { self.send.bytes_mut(staged, wire::PING_HEADER) }
+            .map(|buf| wire::encode_ping(buf, reply_len as u32, staged as u64, pong))
+            .map_err(|e| e.to_string())
+            .and_then(|()| {
+                self.engine
+                    .submit_single_write(
+                        request_len as u64,
+                        Some(wire::ping_imm(l.welcome.session, shards)),
+                        (self.send.handle(), staged as u64),
+                        (&l.welcome.inbox, l.welcome.slot_offset),
+                        OnDone::flag(&sent_flag),
+                    )
+                    .map_err(|e| e.to_string())
+            });
+        let failure = match submitted {
+            Err(why) => Some(why),
+            Ok(()) => match wait_all(
+                &self.engine,
+                &[&sent_flag, &reply_flag],
+                started + self.config.timeout,
+                self.config.spin,
+            ) {
+                Err(which) => Some(format!(
+                    "no {} within {:?}",
+                    ["ping completion", "pong"][which],
+                    self.config.timeout
+                )),
+                Ok(()) => match sent_flag.result() {
+                    Some(Err(e)) => Some(format!("ping write failed: {e}")),
+                    _ => None,
+                },
+            },
+        };
+        let elapsed = started.elapsed();
+        if let Some(why) = failure {
+            token.cancel();
+            self.kill(holder);
+            return Err(RouteError::HolderFailed { holder: addr, why });
+        }
+        Ok(elapsed)
+    }
+
+    /// The time spent converting bytes since connecting (see [`CodecTimes`]).
+    pub fn codec_times(&self) -> CodecTimes {
+        self.codec
+    }
+
+    /// The free pages of the pool (for leak checks).
+    pub fn free_pool_pages(&self) -> usize {
+        self.pool.free_pages()
+    }
+
+    /// The holder (an index into the holders given to [`Requester::connect`]) that a route
+    /// of `chunk` goes to now: the first live one holding it.
+    pub fn holder_for(&self, chunk: ChunkId) -> Result<usize, RouteError> {
+        self.link_for(chunk)
+    }
+
+    /// The first live link holding `chunk`.
+    fn link_for(&self, chunk: ChunkId) -> Result<usize, RouteError> {
+        let holders = self
+            .registry
+            .holders(chunk)
+            .map_err(|_| RouteError::NoHolder(chunk))?;
+        holders
+            .iter()
+            .find_map(|e| {
+                self.links
+                    .iter()
+                    .position(|l| l.alive && l.welcome.holder == e.holder)
+            })
+            .ok_or(RouteError::NoHolder(chunk))
+    }
+
+    fn entry(&self, chunk: ChunkId) -> Result<&ChunkEntry, RouteError> {
+        self.registry
+            .holders(chunk)
+            .ok()
+            .and_then(|h| h.first())
+            .ok_or(RouteError::NoHolder(chunk))
+    }
+
+    fn kill(&mut self, link: usize) {
+        self.links[link].alive = false;
+        let _ = self.links[link].control.shutdown(std::net::Shutdown::Both);
+    }
+}
