@@ -14,7 +14,7 @@ use kvroute_kernels::{
 use serde::Serialize;
 
 use crate::args::{KernelMergeArgs, KernelPartialArgs, KernelSpliceArgs, LayoutArg};
-use crate::npy::{self, Array};
+use kvroute_kernels::npy::{self, Array};
 
 /// What a kernel command did.
 #[derive(Debug, Clone, Serialize)]

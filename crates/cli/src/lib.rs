@@ -16,7 +16,7 @@ mod bench_fabric;
 mod bench_kernels;
 pub mod demo;
 mod kernel;
-mod npy;
+
 mod plan;
 mod predict;
 mod presets;

@@ -37,7 +37,9 @@ mod cpu;
 pub mod cuda;
 mod error;
 pub mod layout;
+
 mod merge;
+pub mod npy;
 mod partial;
 mod reference;
 pub mod rope;

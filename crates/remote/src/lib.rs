@@ -30,6 +30,8 @@ pub mod dispatch;
 mod error;
 #[allow(unsafe_code)]
 mod holder;
+#[cfg(feature = "measure")]
+pub mod measure;
 pub mod probe;
 #[allow(unsafe_code)]
 mod requester;

@@ -1,18 +1,63 @@
-//! NumPy `.npy` files (format 1.0-3.0, C order, little-endian), for `kvroute kernel`: enough to
-//! read what `numpy.save` writes for the dtypes the kernels take and to write f32/u16/i64
-//! arrays back. Every malformed header is an error naming what is wrong; nothing panics.
+//! NumPy `.npy` files (format 1.0-3.0, C order, little-endian): enough to read what
+//! `numpy.save` writes for the dtypes the kernels take (queries, caches, indices, partials)
+//! and to write f32/u16/i64 arrays back, so the kernels can be driven from Python
+//! (`kvroute kernel`). A file is untrusted input: every malformed header is an [`NpyError`]
+//! naming what is wrong; nothing panics.
 //!
 //! Format: <https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html>.
 
 use std::path::Path;
 
-use anyhow::{Context, Result, bail, ensure};
+/// What is wrong with a `.npy` file, or the system error reading or writing one.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct NpyError(String);
+
+type Result<T, E = NpyError> = std::result::Result<T, E>;
+
+macro_rules! bail {
+    ($($t:tt)*) => {
+        return Err(NpyError(format!($($t)*)))
+    };
+}
+
+macro_rules! ensure {
+    ($cond:expr, $($t:tt)*) => {
+        if !$cond {
+            bail!($($t)*);
+        }
+    };
+}
+
+/// Adds what was being done to a failure, as the message's prefix.
+trait Context<T> {
+    fn context(self, what: &str) -> Result<T>;
+    fn with_context(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T, E: std::fmt::Display> Context<T> for std::result::Result<T, E> {
+    fn context(self, what: &str) -> Result<T> {
+        self.map_err(|e| NpyError(format!("{what}: {e}")))
+    }
+    fn with_context(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|e| NpyError(format!("{}: {e}", what())))
+    }
+}
+
+impl<T> Context<T> for Option<T> {
+    fn context(self, what: &str) -> Result<T> {
+        self.ok_or_else(|| NpyError(what.to_owned()))
+    }
+    fn with_context(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.ok_or_else(|| NpyError(what()))
+    }
+}
 
 const MAGIC: &[u8] = b"\x93NUMPY";
 
 /// The element types accepted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Dtype {
+pub enum Dtype {
     /// `<f4`
     F32,
     /// `<f8`
@@ -60,9 +105,11 @@ impl Dtype {
 
 /// An array as read: its shape, dtype and little-endian payload.
 #[derive(Debug, Clone)]
-pub(crate) struct Array {
-    pub(crate) shape: Vec<usize>,
-    pub(crate) dtype: Dtype,
+pub struct Array {
+    /// Its dimensions, outermost first.
+    pub shape: Vec<usize>,
+    /// Its element type.
+    pub dtype: Dtype,
     data: Vec<u8>,
 }
 
@@ -112,7 +159,7 @@ fn parse_header(header: &str) -> Result<(Dtype, Vec<usize>)> {
 
 impl Array {
     /// Parses a whole `.npy` file's bytes.
-    pub(crate) fn parse(bytes: &[u8]) -> Result<Self> {
+    pub fn parse(bytes: &[u8]) -> Result<Self> {
         ensure!(bytes.starts_with(MAGIC), "not a .npy file (bad magic)");
         ensure!(bytes.len() >= 10, "truncated .npy preamble");
         let (major, rest) = (bytes[6], &bytes[8..]);
@@ -124,7 +171,7 @@ impl Array {
             2 | 3 => {
                 ensure!(rest.len() >= 4, "truncated .npy preamble");
                 let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
-                (usize::try_from(len)?, &rest[4..])
+                (usize::try_from(len).context("header length")?, &rest[4..])
             }
             v => bail!(".npy format version {v} is not supported"),
         };
@@ -154,7 +201,7 @@ impl Array {
     }
 
     /// Reads `path`.
-    pub(crate) fn read(path: &Path) -> Result<Self> {
+    pub fn read(path: &Path) -> Result<Self> {
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
         Self::parse(&bytes)
             .with_context(|| format!("{} is not a usable .npy array", path.display()))
@@ -170,8 +217,8 @@ impl Array {
 
     /// As bf16 bits: `<u2` taken as raw bits, `<f4`/`<f8` rounded to nearest even (as the
     /// wire would).
-    pub(crate) fn to_bf16(&self) -> Result<Vec<u16>> {
-        use kvroute_kernels::bf16;
+    pub fn to_bf16(&self) -> Result<Vec<u16>> {
+        use crate::bf16;
         Ok(match self.dtype {
             Dtype::U16 => self.chunks::<2>().map(u16::from_le_bytes).collect(),
             Dtype::F32 => self
@@ -189,7 +236,7 @@ impl Array {
     }
 
     /// As f32 (`<f4` exactly, `<f8` rounded).
-    pub(crate) fn to_f32(&self) -> Result<Vec<f32>> {
+    pub fn to_f32(&self) -> Result<Vec<f32>> {
         Ok(match self.dtype {
             Dtype::F32 => self.chunks::<4>().map(f32::from_le_bytes).collect(),
             Dtype::F64 => self
@@ -201,7 +248,7 @@ impl Array {
     }
 
     /// As i64 (from `<i4` or `<i8`).
-    pub(crate) fn to_i64(&self) -> Result<Vec<i64>> {
+    pub fn to_i64(&self) -> Result<Vec<i64>> {
         Ok(match self.dtype {
             Dtype::I32 => self
                 .chunks::<4>()
@@ -251,23 +298,21 @@ fn encode(dtype: Dtype, shape: &[usize], data: &[u8]) -> Vec<u8> {
 }
 
 /// Writes f32 values with `shape` to `path`.
-pub(crate) fn write_f32(path: &Path, shape: &[usize], values: &[f32]) -> Result<()> {
+pub fn write_f32(path: &Path, shape: &[usize], values: &[f32]) -> Result<()> {
     let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     std::fs::write(path, encode(Dtype::F32, shape, &data))
         .with_context(|| format!("writing {}", path.display()))
 }
 
 /// Writes raw bf16 bits (`<u2`) with `shape` to `path` (the tests' inputs).
-#[cfg(test)]
-pub(crate) fn write_u16(path: &Path, shape: &[usize], values: &[u16]) -> Result<()> {
+pub fn write_u16(path: &Path, shape: &[usize], values: &[u16]) -> Result<()> {
     let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     std::fs::write(path, encode(Dtype::U16, shape, &data))
         .with_context(|| format!("writing {}", path.display()))
 }
 
 /// Writes i64 values with `shape` to `path` (the tests' inputs).
-#[cfg(test)]
-pub(crate) fn write_i64(path: &Path, shape: &[usize], values: &[i64]) -> Result<()> {
+pub fn write_i64(path: &Path, shape: &[usize], values: &[i64]) -> Result<()> {
     let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     std::fs::write(path, encode(Dtype::I64, shape, &data))
         .with_context(|| format!("writing {}", path.display()))
