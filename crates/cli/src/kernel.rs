@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
-use kvroute_kernels::layout::{D_LATENT, D_QK, PAGE_TOKENS};
+use kvroute_kernels::layout::{D_QK, PAGE_TOKENS};
 use kvroute_kernels::{
     Backend, Cache, Partial, Queries, Rope, RopeLayout, Selection, SpliceJob, Yarn, cuda,
 };
@@ -87,38 +87,6 @@ fn read_indices(path: &Path, mq: usize, ct: usize) -> Result<(Vec<i32>, usize, u
     Ok((indices, k, mq / tokens))
 }
 
-fn write_partial(dir: &Path, p: &Partial) -> Result<Vec<PathBuf>> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let mq = p.rows();
-    let files = [dir.join("o.npy"), dir.join("m.npy"), dir.join("l.npy")];
-    npy::write_f32(&files[0], &[mq, D_LATENT], &p.o)?;
-    npy::write_f32(&files[1], &[mq], &p.m)?;
-    npy::write_f32(&files[2], &[mq], &p.l)?;
-    Ok(files.into())
-}
-
-fn read_partial(dir: &Path) -> Result<Partial> {
-    let o = Array::read(&dir.join("o.npy"))?;
-    let mq = rows_of(&o, "o.npy", D_LATENT)?;
-    let (m, l) = (
-        Array::read(&dir.join("m.npy"))?,
-        Array::read(&dir.join("l.npy"))?,
-    );
-    for (a, name) in [(&m, "m.npy"), (&l, "l.npy")] {
-        ensure!(
-            a.shape == [mq],
-            "{}/{name} must be [{mq}] to match o.npy, got {:?}",
-            dir.display(),
-            a.shape
-        );
-    }
-    Ok(Partial {
-        o: o.to_f32()?,
-        m: m.to_f32()?,
-        l: l.to_f32()?,
-    })
-}
-
 /// `kvroute kernel partial`.
 pub(crate) fn partial(args: &KernelPartialArgs) -> Result<KernelReport> {
     let (backend, described) = backend(&args.backend)?;
@@ -149,7 +117,7 @@ pub(crate) fn partial(args: &KernelPartialArgs) -> Result<KernelReport> {
         kernel: "partial",
         backend: described,
         shapes,
-        wrote: write_partial(&args.out, &result)?,
+        wrote: npy::write_partial(&args.out, &result)?,
         kernel_ms,
     })
 }
@@ -160,7 +128,7 @@ pub(crate) fn merge(args: &KernelMergeArgs) -> Result<KernelReport> {
     let parts = args
         .parts
         .iter()
-        .map(|dir| read_partial(dir).with_context(|| format!("partial {}", dir.display())))
+        .map(|dir| npy::read_partial(dir).with_context(|| format!("partial {}", dir.display())))
         .collect::<Result<Vec<_>>>()?;
     let refs: Vec<&Partial> = parts.iter().collect();
     let started = Instant::now();
@@ -170,7 +138,7 @@ pub(crate) fn merge(args: &KernelMergeArgs) -> Result<KernelReport> {
         kernel: "merge",
         backend: described,
         shapes: format!("{} partials of {} rows", parts.len(), merged.rows()),
-        wrote: write_partial(&args.out, &merged)?,
+        wrote: npy::write_partial(&args.out, &merged)?,
         kernel_ms,
     })
 }
@@ -311,7 +279,7 @@ mod tests {
         npy::write_u16(&d.join("q.npy"), &[mq, D_QK], &q).unwrap();
         npy::write_u16(&d.join("c.npy"), &[ct, D_QK], &c).unwrap();
         partial(&partial_args(&d, None, "whole")).unwrap();
-        let got = read_partial(&d.join("whole")).unwrap();
+        let got = npy::read_partial(&d.join("whole")).unwrap();
         let want = kvroute_kernels::partial_dense(
             Backend::Cpu,
             &Queries::new(&q).unwrap(),
@@ -328,7 +296,7 @@ mod tests {
             .collect();
         npy::write_f32(&d.join("c.npy"), &[ct, D_QK], &cf).unwrap();
         partial(&partial_args(&d, None, "whole_f32")).unwrap();
-        assert_eq!(read_partial(&d.join("whole_f32")).unwrap(), want);
+        assert_eq!(npy::read_partial(&d.join("whole_f32")).unwrap(), want);
 
         // Sparse: the first and second halves as selections, merged.
         for (name, range) in [("a", 0..50i64), ("b", 50..100)] {
@@ -344,7 +312,7 @@ mod tests {
         })
         .unwrap();
         assert_eq!(merged.shapes, "2 partials of 4 rows");
-        let m = read_partial(&d.join("merged")).unwrap();
+        let m = npy::read_partial(&d.join("merged")).unwrap();
         let err =
             m.o.iter()
                 .zip(&want.o)

@@ -32,6 +32,8 @@
 //! # Ok::<(), kvroute_kernels::KernelError>(())
 //! ```
 
+#[cfg(feature = "bench")]
+pub mod bench;
 pub mod bf16;
 mod cpu;
 pub mod cuda;

@@ -6,7 +6,10 @@
 //!
 //! Format: <https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html>.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use crate::Partial;
+use crate::layout::D_LATENT;
 
 /// What is wrong with a `.npy` file, or the system error reading or writing one.
 #[derive(Debug, thiserror::Error)]
@@ -316,6 +319,44 @@ pub fn write_i64(path: &Path, shape: &[usize], values: &[i64]) -> Result<()> {
     let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     std::fs::write(path, encode(Dtype::I64, shape, &data))
         .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Writes a partial as `o.npy` (`[rows, 512]`), `m.npy` and `l.npy` (`[rows]`) in `dir`
+/// (created if missing); returns the three paths.
+pub fn write_partial(dir: &Path, p: &Partial) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mq = p.rows();
+    let files = [dir.join("o.npy"), dir.join("m.npy"), dir.join("l.npy")];
+    write_f32(&files[0], &[mq, D_LATENT], &p.o)?;
+    write_f32(&files[1], &[mq], &p.m)?;
+    write_f32(&files[2], &[mq], &p.l)?;
+    Ok(files.into())
+}
+
+/// Reads a partial [`write_partial`] wrote (or numpy did, in the same shapes).
+pub fn read_partial(dir: &Path) -> Result<Partial> {
+    let o = Array::read(&dir.join("o.npy"))?;
+    let mq = match o.shape[..] {
+        [rows, D_LATENT] => rows,
+        _ => bail!("o.npy must be [rows, {D_LATENT}], got shape {:?}", o.shape),
+    };
+    let (m, l) = (
+        Array::read(&dir.join("m.npy"))?,
+        Array::read(&dir.join("l.npy"))?,
+    );
+    for (a, name) in [(&m, "m.npy"), (&l, "l.npy")] {
+        ensure!(
+            a.shape == [mq],
+            "{}/{name} must be [{mq}] to match o.npy, got {:?}",
+            dir.display(),
+            a.shape
+        );
+    }
+    Ok(Partial {
+        o: o.to_f32()?,
+        m: m.to_f32()?,
+        l: l.to_f32()?,
+    })
 }
 
 #[cfg(test)]

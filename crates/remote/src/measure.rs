@@ -5,6 +5,7 @@
 //! `kvroute sweep` is built on; behind the `measure` feature, as are the written pongs and
 //! codec timers it reads.
 
+use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use kvroute_kernels::layout::{D_LATENT, D_QK, PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
@@ -256,6 +257,279 @@ fn zero_copy_route(
     })
 }
 
+/// One fetch sample.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FetchSample {
+    /// Chunk tokens.
+    pub ct: u32,
+    /// Bytes pulled (every layer).
+    pub bytes: u64,
+    /// Submit to the last page landed, microseconds.
+    pub transfer_us: f64,
+    /// The in-place splice, microseconds.
+    pub splice_us: f64,
+}
+
+/// One round of N concurrent requesters.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ConcurrencySample {
+    /// Requesters.
+    pub n: u32,
+    /// Each requester's round trip, microseconds.
+    pub route_us: Vec<f64>,
+    /// Kernel calls the holder made for the round.
+    pub kernel_calls: u64,
+    /// Its kernel time for the round, microseconds.
+    pub kernel_us: f64,
+    /// Rows it attended.
+    pub rows: u64,
+}
+
+/// `reps` rounds of `requesters` (each on a thread of its own, `rows[i]` its query rows)
+/// routing to chunk 0, layer 0, of their holder at the same moment (a barrier), the holder's
+/// counters read between rounds through `control`, a session of its own on the same holder;
+/// `on_round` is called after each round.
+pub fn concurrent_rounds(
+    control: &mut Requester,
+    requesters: &mut [Requester],
+    rows: &[Vec<u16>],
+    reps: u32,
+    on_round: &mut dyn FnMut(),
+) -> Result<Vec<ConcurrencySample>, RemoteError> {
+    let n = requesters.len() as u32;
+    let barrier = Arc::new(Barrier::new(requesters.len() + 1));
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = requesters
+            .iter_mut()
+            .zip(rows)
+            .map(|(r, q)| {
+                let barrier = barrier.clone();
+                scope.spawn(move || -> Result<Vec<f64>, RemoteError> {
+                    let mut times = Vec::new();
+                    let mut part = [Partial::empty(0)];
+                    for _ in 0..reps {
+                        barrier.wait();
+                        let started = Instant::now();
+                        let call = Call {
+                            chunk: ChunkId(0),
+                            layer: 0,
+                            queries: q,
+                            sparse: None,
+                        };
+                        let got = r.route_into(&[call], &mut part).remove(0);
+                        times.push(started.elapsed().as_secs_f64() * 1e6);
+                        barrier.wait();
+                        got?;
+                    }
+                    Ok(times)
+                })
+            })
+            .collect();
+        let mut rounds = Vec::new();
+        let mut failed = None;
+        for _ in 0..reps {
+            let before = control.holder_stats(0);
+            barrier.wait();
+            barrier.wait();
+            // Every requester has its reply; the holder may not have counted the last batch
+            // yet.
+            let counted = before.as_ref().map_or(0, |b| b.requests + u64::from(n));
+            let after = control.holder_stats_counting(0, counted);
+            match (before, after) {
+                (Ok(b), Ok(a)) => rounds.push(ConcurrencySample {
+                    n,
+                    route_us: Vec::new(),
+                    kernel_calls: a.kernel_calls - b.kernel_calls,
+                    kernel_us: a.kernel_us - b.kernel_us,
+                    rows: a.rows - b.rows,
+                }),
+                (Err(e), _) | (_, Err(e)) => failed = Some(e),
+            }
+            on_round();
+        }
+        for (i, h) in handles.into_iter().enumerate() {
+            let times = h
+                .join()
+                .map_err(|_| RemoteError::Probe(format!("requester thread {i} panicked")))??;
+            for (round, t) in rounds.iter_mut().zip(times) {
+                round.route_us.push(t);
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(rounds),
+        }
+    })
+}
+
+/// Medians of one Mq point.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RoutePoint {
+    /// Query rows.
+    pub mq: u32,
+    /// Route round trip.
+    pub route_us: f64,
+    /// Raw write round trip of the same bytes.
+    pub raw_us: f64,
+    /// Holder kernel.
+    pub kernel_us: f64,
+    /// Route minus kernel: what the fabric model prices.
+    pub transport_us: f64,
+    /// Route - raw - kernel (median of the per-sample differences).
+    pub overhead_us: f64,
+    /// Of it, the holder's part: serve - kernel.
+    pub holder_overhead_us: f64,
+    /// Of it, byte conversions on both sides (see [`RouteSample`]).
+    pub codec_us: f64,
+    /// Overhead minus byte conversions: bookkeeping, posting, polling, wake-ups.
+    pub rest_us: f64,
+    /// A cold `memcpy` of the conversions' bytes (their floor on this machine, this run).
+    pub copy_floor_us: f64,
+    /// The zero-copy route ([`RouteSample::zero_copy_us`]).
+    pub zero_copy_us: f64,
+    /// Raw round trip with a freshly written pong ([`RouteSample::written_raw_us`]).
+    pub written_raw_us: f64,
+    /// `zero_copy_us - written_raw_us -` its kernel: the host overhead against a baseline
+    /// whose reply bytes are as fresh as the route's.
+    pub zero_copy_written_overhead_us: f64,
+    /// Its host overhead: zero-copy route - raw - its kernel (median of per-sample values).
+    pub zero_copy_overhead_us: f64,
+    /// The merge of its partial from wire rows ([`RouteSample::merge_us`]).
+    pub merge_us: f64,
+    /// The fitted model at this Mq.
+    pub model_us: f64,
+}
+
+/// Medians of one ct point.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FetchPoint {
+    /// Chunk tokens.
+    pub ct: u32,
+    /// Bytes pulled.
+    pub bytes: u64,
+    /// Transfer.
+    pub transfer_us: f64,
+    /// Splice.
+    pub splice_us: f64,
+    /// Transfer plus splice (median of sums).
+    pub total_us: f64,
+    /// Bytes per transfer time, GB/s.
+    pub gbps: f64,
+}
+
+/// Medians of one N.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ConcurrencyPoint {
+    /// Requesters.
+    pub n: u32,
+    /// Rows routed per round (N x rows each).
+    pub rows: u32,
+    /// Holder kernel time per call.
+    pub kernel_us_per_call: f64,
+    /// Rows per holder kernel call (N x rows when every request of a round was batched).
+    pub rows_per_call: f64,
+    /// Holder kernel time per round.
+    pub kernel_us_per_round: f64,
+    /// One in-process kernel call over all N x rows rows (no transport), the same run.
+    pub kernel_alone_us: f64,
+    /// Median requester round trip.
+    pub route_us: f64,
+}
+
+impl RoutePoint {
+    /// The medians of `samples` at `mq` (the model line is left NaN for the fit to fill).
+    pub fn of(mq: u32, samples: &[RouteSample]) -> Self {
+        let s: Vec<&RouteSample> = samples.iter().filter(|s| s.mq == mq).collect();
+        let pick =
+            |f: &dyn Fn(&RouteSample) -> f64| median(&s.iter().map(|x| f(x)).collect::<Vec<_>>());
+        RoutePoint {
+            mq,
+            route_us: pick(&|x| x.route_us),
+            raw_us: pick(&|x| x.raw_us),
+            kernel_us: pick(&|x| x.kernel_us),
+            transport_us: pick(&|x| x.route_us - x.kernel_us),
+            overhead_us: pick(&|x| x.route_us - x.raw_us - x.kernel_us),
+            holder_overhead_us: pick(&|x| x.serve_us - x.kernel_us),
+            codec_us: pick(&|x| x.codec_us()),
+            rest_us: pick(&|x| x.route_us - x.raw_us - x.kernel_us - x.codec_us()),
+            copy_floor_us: pick(&|x| x.copy_floor_us),
+            zero_copy_us: pick(&|x| x.zero_copy_us),
+            zero_copy_overhead_us: pick(&|x| x.zero_copy_us - x.raw_us - x.zero_copy_kernel_us),
+            written_raw_us: pick(&|x| x.written_raw_us),
+            zero_copy_written_overhead_us: pick(&|x| {
+                x.zero_copy_us - x.written_raw_us - x.zero_copy_kernel_us
+            }),
+            merge_us: pick(&|x| x.merge_us),
+            model_us: f64::NAN,
+        }
+    }
+}
+
+impl FetchPoint {
+    /// The medians of `samples` at `ct`.
+    pub fn of(ct: u32, samples: &[FetchSample]) -> Self {
+        let s: Vec<&FetchSample> = samples.iter().filter(|s| s.ct == ct).collect();
+        let transfer = median(&s.iter().map(|x| x.transfer_us).collect::<Vec<_>>());
+        let bytes = s.first().map_or(0, |x| x.bytes);
+        FetchPoint {
+            ct,
+            bytes,
+            transfer_us: transfer,
+            splice_us: median(&s.iter().map(|x| x.splice_us).collect::<Vec<_>>()),
+            total_us: median(
+                &s.iter()
+                    .map(|x| x.transfer_us + x.splice_us)
+                    .collect::<Vec<_>>(),
+            ),
+            gbps: bytes as f64 / (transfer * 1e3),
+        }
+    }
+}
+
+impl ConcurrencyPoint {
+    /// The medians of `samples` with `n` requesters routing `rows` rows in all, beside one
+    /// in-process kernel call over the same rows (`alone_us`).
+    pub fn of(n: u32, rows: u32, alone_us: f64, samples: &[ConcurrencySample]) -> Self {
+        let s: Vec<&ConcurrencySample> = samples.iter().filter(|s| s.n == n).collect();
+        ConcurrencyPoint {
+            n,
+            rows,
+            kernel_us_per_call: median(
+                &s.iter()
+                    .map(|x| x.kernel_us / x.kernel_calls.max(1) as f64)
+                    .collect::<Vec<_>>(),
+            ),
+            rows_per_call: median(
+                &s.iter()
+                    .map(|x| x.rows as f64 / x.kernel_calls.max(1) as f64)
+                    .collect::<Vec<_>>(),
+            ),
+            kernel_us_per_round: median(&s.iter().map(|x| x.kernel_us).collect::<Vec<_>>()),
+            kernel_alone_us: alone_us,
+            route_us: median(
+                &s.iter()
+                    .flat_map(|x| x.route_us.clone())
+                    .collect::<Vec<_>>(),
+            ),
+        }
+    }
+}
+
+/// The median of the finite values of `v` (NaN if none).
+pub fn median(v: &[f64]) -> f64 {
+    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
 /// Max abs difference of two partials' `o` (infinite when their shapes differ).
 pub fn max_abs(a: &Partial, b: &Partial) -> f32 {
     if a.o.len() != b.o.len() {
@@ -288,5 +562,4 @@ mod tests {
         assert_eq!(interleaved(0, 4).count(), 0);
         assert_eq!(interleaved(2, 0).count(), 0);
     }
-
 }

@@ -25,12 +25,10 @@
 //! measured point per Mq), with MAPE over the amortised regime (Mq >= 512) and over every
 //! point, and the same line's MAPE over every repetition, which adds this machine's noise.
 
-
 use std::path::PathBuf;
-use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, ensure};
+use anyhow::{Context, Result, ensure};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvroute_costmodel::crossover::byte_crossover_rows;
 use kvroute_costmodel::fit::{
@@ -38,7 +36,7 @@ use kvroute_costmodel::fit::{
 };
 use kvroute_costmodel::{CostModel, CostParams, Fabric, Request, model_preset};
 use kvroute_kernels::layout::{PARTIAL_ROW_BYTES, QUERY_ROW_BYTES};
-use kvroute_kernels::{Backend, Partial, Queries, partial_dense};
+use kvroute_kernels::{Backend, Queries, partial_dense};
 use kvroute_kvstore::corpus::queries;
 use kvroute_kvstore::{ChunkId, CorpusSpec, FullBlock};
 use kvroute_transport::ProviderChoice;
@@ -46,119 +44,17 @@ use serde::Serialize;
 
 use crate::args::SweepArgs;
 use crate::demo::{
-    BF16_TOL, HolderProcess, SCALE, fabric_engine_with, provider_for, spawn_holder,
-    v2_lite_corpus,
+    BF16_TOL, HolderProcess, SCALE, fabric_engine_with, provider_for, spawn_holder, v2_lite_corpus,
 };
 use kvroute_remote::measure::{
-    CopyFloor, RoutePointState, RouteSample, interleaved, route_sample,
+    ConcurrencyPoint, ConcurrencySample, CopyFloor, FetchPoint, FetchSample, RoutePoint,
+    RoutePointState, RouteSample, concurrent_rounds, interleaved, median, route_sample,
 };
 use kvroute_remote::probe::round_trips;
 use kvroute_remote::{Call, Requester, RequesterConfig, wire};
 
 /// Routed bytes per query row: q + p (paper 000 section 3.2: 1152 + 1032).
 const ROW_BYTES: u64 = (QUERY_ROW_BYTES + PARTIAL_ROW_BYTES) as u64;
-
-/// Medians of one Mq point.
-#[derive(Debug, Clone, Serialize)]
-pub struct RoutePoint {
-    /// Query rows.
-    pub mq: u32,
-    /// Route round trip.
-    pub route_us: f64,
-    /// Raw write round trip of the same bytes.
-    pub raw_us: f64,
-    /// Holder kernel.
-    pub kernel_us: f64,
-    /// Route minus kernel: what the fabric model prices.
-    pub transport_us: f64,
-    /// Route - raw - kernel (median of the per-sample differences).
-    pub overhead_us: f64,
-    /// Of it, the holder's part: serve - kernel.
-    pub holder_overhead_us: f64,
-    /// Of it, byte conversions on both sides (see [`RouteSample`]).
-    pub codec_us: f64,
-    /// Overhead minus byte conversions: bookkeeping, posting, polling, wake-ups.
-    pub rest_us: f64,
-    /// A cold `memcpy` of the conversions' bytes (their floor on this machine, this run).
-    pub copy_floor_us: f64,
-    /// The zero-copy route ([`RouteSample::zero_copy_us`]).
-    pub zero_copy_us: f64,
-    /// Raw round trip with a freshly written pong ([`RouteSample::written_raw_us`]).
-    pub written_raw_us: f64,
-    /// `zero_copy_us - written_raw_us -` its kernel: the host overhead against a baseline
-    /// whose reply bytes are as fresh as the route's.
-    pub zero_copy_written_overhead_us: f64,
-    /// Its host overhead: zero-copy route - raw - its kernel (median of per-sample values).
-    pub zero_copy_overhead_us: f64,
-    /// The merge of its partial from wire rows ([`RouteSample::merge_us`]).
-    pub merge_us: f64,
-    /// The fitted model at this Mq.
-    pub model_us: f64,
-}
-
-/// One fetch sample.
-#[derive(Debug, Clone, Serialize)]
-pub struct FetchSample {
-    /// Chunk tokens.
-    pub ct: u32,
-    /// Bytes pulled (every layer).
-    pub bytes: u64,
-    /// Submit to the last page landed, microseconds.
-    pub transfer_us: f64,
-    /// The in-place splice, microseconds.
-    pub splice_us: f64,
-}
-
-/// Medians of one ct point.
-#[derive(Debug, Clone, Serialize)]
-pub struct FetchPoint {
-    /// Chunk tokens.
-    pub ct: u32,
-    /// Bytes pulled.
-    pub bytes: u64,
-    /// Transfer.
-    pub transfer_us: f64,
-    /// Splice.
-    pub splice_us: f64,
-    /// Transfer plus splice (median of sums).
-    pub total_us: f64,
-    /// Bytes per transfer time, GB/s.
-    pub gbps: f64,
-}
-
-/// One round of N concurrent requesters.
-#[derive(Debug, Clone, Serialize)]
-pub struct ConcurrencySample {
-    /// Requesters.
-    pub n: u32,
-    /// Each requester's round trip, microseconds.
-    pub route_us: Vec<f64>,
-    /// Kernel calls the holder made for the round.
-    pub kernel_calls: u64,
-    /// Its kernel time for the round, microseconds.
-    pub kernel_us: f64,
-    /// Rows it attended.
-    pub rows: u64,
-}
-
-/// Medians of one N.
-#[derive(Debug, Clone, Serialize)]
-pub struct ConcurrencyPoint {
-    /// Requesters.
-    pub n: u32,
-    /// Rows routed per round (N x rows each).
-    pub rows: u32,
-    /// Holder kernel time per call.
-    pub kernel_us_per_call: f64,
-    /// Rows per holder kernel call (N x rows when every request of a round was batched).
-    pub rows_per_call: f64,
-    /// Holder kernel time per round.
-    pub kernel_us_per_round: f64,
-    /// One in-process kernel call over all N x rows rows (no transport), the same run.
-    pub kernel_alone_us: f64,
-    /// Median requester round trip.
-    pub route_us: f64,
-}
 
 /// The decode point (Mq = 256, ct = route_ct) as measured and modelled.
 #[derive(Debug, Clone, Serialize)]
@@ -255,20 +151,6 @@ fn fit_medians(
         mape: fit.mape,
         sample_mape,
     })
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
-    if s.is_empty() {
-        return f64::NAN;
-    }
-    s.sort_by(f64::total_cmp);
-    let n = s.len();
-    if n % 2 == 1 {
-        s[n / 2]
-    } else {
-        (s[n / 2 - 1] + s[n / 2]) / 2.0
-    }
 }
 
 fn corpus(tokens: u32, seed: u64) -> Result<CorpusSpec> {
@@ -369,29 +251,7 @@ pub(crate) fn run(args: &SweepArgs) -> Result<SweepReport> {
 
     let mut route = Vec::new();
     for &mq in &args.mq {
-        let s: Vec<&RouteSample> = route_samples.iter().filter(|s| s.mq == mq).collect();
-        let pick =
-            |f: &dyn Fn(&RouteSample) -> f64| median(&s.iter().map(|x| f(x)).collect::<Vec<_>>());
-        route.push(RoutePoint {
-            mq,
-            route_us: pick(&|x| x.route_us),
-            raw_us: pick(&|x| x.raw_us),
-            kernel_us: pick(&|x| x.kernel_us),
-            transport_us: pick(&|x| x.route_us - x.kernel_us),
-            overhead_us: pick(&|x| x.route_us - x.raw_us - x.kernel_us),
-            holder_overhead_us: pick(&|x| x.serve_us - x.kernel_us),
-            codec_us: pick(&|x| x.codec_us()),
-            rest_us: pick(&|x| x.route_us - x.raw_us - x.kernel_us - x.codec_us()),
-            copy_floor_us: pick(&|x| x.copy_floor_us),
-            zero_copy_us: pick(&|x| x.zero_copy_us),
-            zero_copy_overhead_us: pick(&|x| x.zero_copy_us - x.raw_us - x.zero_copy_kernel_us),
-            written_raw_us: pick(&|x| x.written_raw_us),
-            zero_copy_written_overhead_us: pick(&|x| {
-                x.zero_copy_us - x.written_raw_us - x.zero_copy_kernel_us
-            }),
-            merge_us: pick(&|x| x.merge_us),
-            model_us: f64::NAN,
-        });
+        route.push(RoutePoint::of(mq, &route_samples));
     }
     // Fits: route minus kernel (the model's transport), and the raw pings; each to one point
     // per Mq (the median of its repetitions, as paper 000's figure 2b has one point per Mq),
@@ -416,21 +276,7 @@ pub(crate) fn run(args: &SweepArgs) -> Result<SweepReport> {
 
     let mut fetch = Vec::new();
     for &ct in &args.ct {
-        let s: Vec<&FetchSample> = fetch_samples.iter().filter(|s| s.ct == ct).collect();
-        let transfer = median(&s.iter().map(|x| x.transfer_us).collect::<Vec<_>>());
-        let bytes = s.first().map_or(0, |x| x.bytes);
-        fetch.push(FetchPoint {
-            ct,
-            bytes,
-            transfer_us: transfer,
-            splice_us: median(&s.iter().map(|x| x.splice_us).collect::<Vec<_>>()),
-            total_us: median(
-                &s.iter()
-                    .map(|x| x.transfer_us + x.splice_us)
-                    .collect::<Vec<_>>(),
-            ),
-            gbps: bytes as f64 / (transfer * 1e3),
-        });
+        fetch.push(FetchPoint::of(ct, &fetch_samples));
     }
     let fetch_fit = (fetch.len() >= 2)
         .then(|| {
@@ -451,28 +297,12 @@ pub(crate) fn run(args: &SweepArgs) -> Result<SweepReport> {
 
     let mut concurrency = Vec::new();
     for (&n, alone) in args.concurrency.iter().zip(&kernel_alone) {
-        let s: Vec<&ConcurrencySample> = concurrency_samples.iter().filter(|s| s.n == n).collect();
-        concurrency.push(ConcurrencyPoint {
+        concurrency.push(ConcurrencyPoint::of(
             n,
-            rows: n * args.concurrency_mq,
-            kernel_us_per_call: median(
-                &s.iter()
-                    .map(|x| x.kernel_us / x.kernel_calls.max(1) as f64)
-                    .collect::<Vec<_>>(),
-            ),
-            rows_per_call: median(
-                &s.iter()
-                    .map(|x| x.rows as f64 / x.kernel_calls.max(1) as f64)
-                    .collect::<Vec<_>>(),
-            ),
-            kernel_us_per_round: median(&s.iter().map(|x| x.kernel_us).collect::<Vec<_>>()),
-            kernel_alone_us: *alone,
-            route_us: median(
-                &s.iter()
-                    .flat_map(|x| x.route_us.clone())
-                    .collect::<Vec<_>>(),
-            ),
-        });
+            n * args.concurrency_mq,
+            *alone,
+            &concurrency_samples,
+        ));
     }
 
     let dims = model_preset("deepseek-v2-lite")?.dims;
@@ -688,75 +518,19 @@ fn concurrency_sweep(
             times.push(started.elapsed().as_secs_f64() * 1e6);
         }
         alone.push(median(&times));
-        let barrier = Arc::new(Barrier::new(n as usize + 1));
-        let rounds: Result<Vec<ConcurrencySample>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = requesters[..n as usize]
-                .iter_mut()
-                .zip(&per_token)
-                .map(|(r, q)| {
-                    let barrier = barrier.clone();
-                    scope.spawn(move || -> Result<Vec<f64>> {
-                        let mut times = Vec::new();
-                        let mut part = [Partial::empty(0)];
-                        for _ in 0..args.reps {
-                            barrier.wait();
-                            let started = Instant::now();
-                            let call = Call {
-                                chunk: ChunkId(0),
-                                layer: 0,
-                                queries: q,
-                                sparse: None,
-                            };
-                            let got = r.route_into(&[call], &mut part).remove(0);
-                            times.push(started.elapsed().as_secs_f64() * 1e6);
-                            barrier.wait();
-                            got?;
-                        }
-                        Ok(times)
-                    })
-                })
-                .collect();
-            let mut rounds = Vec::new();
-            let mut failed = None;
-            for _ in 0..args.reps {
-                let before = control.requester.holder_stats(0);
-                barrier.wait();
-                barrier.wait();
-                // Every requester has its reply; the holder may not have counted the last
-                // batch yet.
-                let counted = before.as_ref().map_or(0, |b| b.requests + u64::from(n));
-                let after = control.requester.holder_stats_counting(0, counted);
-                match (before, after) {
-                    (Ok(b), Ok(a)) => rounds.push(ConcurrencySample {
-                        n,
-                        route_us: Vec::new(),
-                        kernel_calls: a.kernel_calls - b.kernel_calls,
-                        kernel_us: a.kernel_us - b.kernel_us,
-                        rows: a.rows - b.rows,
-                    }),
-                    (Err(e), _) | (_, Err(e)) => failed = Some(anyhow::Error::from(e)),
-                }
-                bar.inc(1);
-            }
-            for (i, h) in handles.into_iter().enumerate() {
-                let times = h
-                    .join()
-                    .map_err(|_| anyhow!("requester thread {i} panicked"))??;
-                for (round, t) in rounds.iter_mut().zip(times) {
-                    round.route_us.push(t);
-                }
-            }
-            match failed {
-                Some(e) => Err(e),
-                None => Ok(rounds),
-            }
-        });
-        samples.extend(rounds?);
+        let mut tick = || bar.inc(1);
+        let rounds = concurrent_rounds(
+            &mut control.requester,
+            &mut requesters[..n as usize],
+            &per_token[..n as usize],
+            args.reps,
+            &mut tick,
+        )?;
+        samples.extend(rounds);
     }
     drop(requesters);
     Ok((samples, alone))
 }
-
 
 mod plots;
 mod report;

@@ -117,8 +117,7 @@ fn finish<'a, 'b: 'a>(
 }
 
 /// The charts here: log-scaled f64 on both axes, over a bitmap of lifetime `'b`.
-type Chart<'a, 'b> =
-    ChartContext<'a, BitMapBackend<'b>, Cartesian2d<LogCoord<f64>, LogCoord<f64>>>;
+type Chart<'a, 'b> = ChartContext<'a, BitMapBackend<'b>, Cartesian2d<LogCoord<f64>, LogCoord<f64>>>;
 
 fn range(values: impl Iterator<Item = f64>) -> Result<(f64, f64)> {
     let (lo, hi) = values
@@ -340,8 +339,7 @@ fn winner(r: &SweepReport, path: &Path) -> Result<PathBuf> {
             let saved = 1.0 - mq / crossover;
             // Saturation shows the margin: pale near the line, deep far from it.
             let t = saved.abs().min(1.0);
-            let shade =
-                |full: u8| (255.0 - (255.0 - f64::from(full)) * (0.25 + 0.75 * t)) as u8;
+            let shade = |full: u8| (255.0 - (255.0 - f64::from(full)) * (0.25 + 0.75 * t)) as u8;
             let color = if saved > 0.0 {
                 RGBColor(shade(40), shade(160), shade(40))
             } else {

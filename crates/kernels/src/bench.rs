@@ -1,0 +1,415 @@
+//! The kernels' benchmark workloads ([`crate::workload`], the same the criterion bench runs),
+//! each beside its baseline measured in the same run (behind the `bench` feature; `kvroute
+//! bench kernels` prints them):
+//! - CPU: the dense partial's cache bytes per second against the machine's read bandwidth (a
+//!   parallel sum over 256 MiB), its arithmetic against the machine's f32 FMA peak (its
+//!   compute roofline), and the f64 reference; the sparse partial against the reference; the
+//!   merge against adding the `o` arrays; the copying splice against copying its rows, the
+//!   in-place splice against touching the same RoPE bands.
+//! - CUDA: the kernels on resident inputs (CUDA events) against a device-to-device copy's
+//!   traffic and the CPU path; the merge host to host (its transfers included).
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::cuda::Gpu;
+use crate::layout::{D_QK, PARTIAL_ROW_BYTES};
+use crate::workload::{self as w, SCALE, rows};
+use crate::{Backend, Cache, KernelError, Partial, Queries, Selection, WireOut, WirePartial};
+
+type Result<T, E = KernelError> = std::result::Result<T, E>;
+
+/// One dense row of the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct DenseRow {
+    /// Query rows.
+    pub mq: usize,
+    /// Median time per call, microseconds.
+    pub us: f64,
+    /// Cache bytes read per second, GB/s.
+    pub gbps: f64,
+    /// Arithmetic rate: 2 Mq ct (576 + 512) flops per call, GFLOP/s.
+    pub gflops: f64,
+    /// `gbps` as a share of the read-bandwidth baseline.
+    pub of_read_bandwidth: f64,
+    /// `gflops` as a share of the FMA-peak baseline (CPU only).
+    pub of_fma_peak: Option<f64>,
+    /// What the speedup is against (`reference`, or `cpu` for CUDA).
+    pub versus: &'static str,
+    /// That baseline's time, microseconds (absent where it was not run: too slow to matter).
+    pub versus_us: Option<f64>,
+}
+
+/// One sparse row.
+#[derive(Debug, Clone, Serialize)]
+pub struct SparseRow {
+    /// Selected tokens.
+    pub k: usize,
+    /// Median time per call, microseconds.
+    pub us: f64,
+    /// Selected cache bytes per second, GB/s.
+    pub gbps: f64,
+    /// What the speedup is against.
+    pub versus: &'static str,
+    /// That baseline's time, microseconds.
+    pub versus_us: f64,
+}
+
+/// A kernel beside its floor.
+#[derive(Debug, Clone, Serialize)]
+pub struct FloorRow {
+    /// What ran.
+    pub what: String,
+    /// Median time, microseconds.
+    pub us: f64,
+    /// The floor (the same bytes moved without the kernel's arithmetic), microseconds.
+    pub floor_us: f64,
+    /// What the floor is.
+    pub floor: &'static str,
+}
+
+/// `kvroute bench kernels`.
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelBench {
+    /// What ran the kernels.
+    pub backend: String,
+    /// The read-bandwidth baseline, GB/s (CPU: parallel sum over 256 MiB; CUDA: a device
+    /// copy's read + write traffic).
+    pub read_gbps: f64,
+    /// The same sum over one ct = 2048 chunk (cache-resident; CPU only).
+    pub chunk_read_gbps: Option<f64>,
+    /// The f32 FMA peak of all threads, GFLOP/s (CPU only).
+    pub fma_gflops: Option<f64>,
+    /// Dense partial at ct = 2048.
+    pub dense: Vec<DenseRow>,
+    /// Sparse partial, one token of 16 heads, top-k of 8192.
+    pub sparse: Vec<SparseRow>,
+    /// Merge of 8 partials of 256 rows.
+    pub merge: FloorRow,
+    /// The 27 x 2048 splice: copying, in place, in place with a delta per token.
+    pub splice: Vec<FloorRow>,
+    /// The wire paths against their unfused baselines, same run (CPU only): the dense partial
+    /// writing its wire rows in its epilogue against the f32 partial then its encode; the
+    /// merge reading wire rows against decoding them and merging.
+    pub wire: Vec<FloorRow>,
+}
+
+/// Median microseconds per call of `f` over at least `min_iters` calls and `min_time`.
+pub fn median_us(min_iters: usize, min_time: Duration, mut f: impl FnMut()) -> f64 {
+    f(); // warm caches and thread pools
+    let started = Instant::now();
+    let mut samples = Vec::new();
+    while samples.len() < min_iters || started.elapsed() < min_time {
+        let t = Instant::now();
+        f();
+        samples.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+/// How long each measurement runs: at least `iters` calls and `time`.
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    /// Calls at least.
+    pub iters: usize,
+    /// Time at least.
+    pub time: Duration,
+}
+
+/// Floating-point operations of the dense partial over the bench chunk at `mq` rows.
+pub fn dense_flops(mq: usize) -> f64 {
+    2.0 * mq as f64 * w::DENSE_CT as f64 * (D_QK + crate::layout::D_LATENT) as f64
+}
+
+/// The CPU kernels of `backend`.
+pub fn cpu(budget: &Budget, backend: Backend) -> Result<KernelBench> {
+    let described = crate::describe(backend)?;
+    let dram_bytes = 256usize << 20;
+    let big: Vec<u64> = (0..dram_bytes / 8).map(|i| i as u64).collect();
+    let read_us = median_us(budget.iters, budget.time, || {
+        black_box(w::read_sum(&big));
+    });
+    drop(big);
+    let chunk_bytes = w::DENSE_CT * D_QK * 2;
+    let chunk: Vec<u64> = (0..chunk_bytes / 8).map(|i| i as u64).collect();
+    let chunk_us = median_us(budget.iters, budget.time, || {
+        black_box(w::read_sum(&chunk));
+    });
+    let read_gbps = dram_bytes as f64 / read_us / 1e3;
+    let isa = match backend {
+        Backend::CpuWith(isa) => isa,
+        _ => crate::Isa::detect(),
+    };
+    let fma_gflops = w::fma_peak_gflops(isa, budget.time.as_millis() as u64 / 3 + 20);
+
+    let cache_rows = rows(w::DENSE_CT, 1);
+    let cache = Cache::contiguous(&cache_rows)?;
+    let mut dense = Vec::new();
+    for mq in w::DENSE_MQ {
+        let q_rows = rows(mq, 2);
+        let q = Queries::new(&q_rows)?;
+        let call = |b| crate::partial_dense(b, &q, &cache, SCALE).map(black_box);
+        call(backend)?;
+        let us = median_us(budget.iters, budget.time, || {
+            let _ = call(backend);
+        });
+        let versus_us = (mq <= 16).then(|| {
+            median_us(budget.iters.min(5), budget.time / 2, || {
+                let _ = call(Backend::Reference);
+            })
+        });
+        let gbps = chunk_bytes as f64 / us / 1e3;
+        dense.push(DenseRow {
+            mq,
+            us,
+            gbps,
+            gflops: dense_flops(mq) / us / 1e3,
+            of_read_bandwidth: gbps / read_gbps,
+            of_fma_peak: Some(dense_flops(mq) / us / 1e3 / fma_gflops),
+            versus: "reference",
+            versus_us,
+        });
+    }
+
+    let sparse = sparse_rows(
+        budget,
+        |q, cache, sel| {
+            let call = || crate::partial_sparse(backend, q, cache, sel, SCALE);
+            call()?;
+            Ok(median_us(budget.iters, budget.time, || {
+                let _ = black_box(call());
+            }))
+        },
+        Backend::Reference,
+        "reference",
+    )?;
+
+    let parts = w::merge_parts()?;
+    let refs: Vec<_> = parts.iter().collect();
+    let merge = FloorRow {
+        what: format!("merge {}x{} rows", w::MERGE_PARTS, w::MERGE_ROWS),
+        us: median_us(budget.iters, budget.time, || {
+            let _ = black_box(crate::merge(&refs));
+        }),
+        floor_us: median_us(budget.iters, budget.time, || {
+            black_box(w::sum_floor(&parts));
+        }),
+        floor: "adding the o arrays",
+    };
+
+    let mut work = w::SpliceWorkload::new()?;
+    let name = format!("splice {}x{}", w::SPLICE_LAYERS, w::SPLICE_TOKENS);
+    let copying = FloorRow {
+        what: format!("{name}, copying"),
+        us: median_us(budget.iters, budget.time, || {
+            if let Ok(job) = work.job() {
+                let _ = crate::splice(backend, job);
+            }
+        }),
+        floor_us: median_us(budget.iters, budget.time, || work.copy_rows()),
+        floor: "copying the rows",
+    };
+    let in_place = |work: &mut w::SpliceWorkload, what: String| FloorRow {
+        what,
+        us: median_us(budget.iters, budget.time, || {
+            if let Ok(job) = work.in_place_job() {
+                let _ = crate::splice(backend, job);
+            }
+        }),
+        floor_us: median_us(budget.iters, budget.time, || work.touch_bands()),
+        floor: "touching the RoPE bands",
+    };
+    let splice = vec![
+        copying,
+        in_place(&mut work, format!("{name}, in place")),
+        in_place(
+            &mut w::SpliceWorkload::scattered()?,
+            format!("{name}, in place, a delta per token"),
+        ),
+    ];
+
+    let wire = wire_rows(budget, backend, &cache, &parts)?;
+
+    Ok(KernelBench {
+        backend: described,
+        read_gbps,
+        chunk_read_gbps: Some(chunk_bytes as f64 / chunk_us / 1e3),
+        fma_gflops: Some(fma_gflops),
+        dense,
+        sparse,
+        merge,
+        splice,
+        wire,
+    })
+}
+
+/// The wire paths (see [`KernelsBenchReport::wire`]).
+fn wire_rows(
+    budget: &Budget,
+    backend: Backend,
+    cache: &Cache<'_>,
+    parts: &[Partial],
+) -> Result<Vec<FloorRow>> {
+    let mq = w::MERGE_ROWS;
+    let q_rows = rows(mq, 3);
+    let q = Queries::new(&q_rows)?;
+    let mut bytes = vec![0u8; mq * PARTIAL_ROW_BYTES];
+    let fused = FloorRow {
+        what: format!("dense {mq} x {} into wire rows", w::DENSE_CT),
+        us: median_us(budget.iters, budget.time, || {
+            if let Ok(mut out) = WireOut::new([&mut bytes[..]]) {
+                let _ = crate::partial_dense_wire(backend, &q, cache, SCALE, &mut out);
+            }
+        }),
+        floor_us: median_us(budget.iters, budget.time, || {
+            if let Ok(p) = crate::partial_dense(backend, &q, cache, SCALE) {
+                let _ = black_box(p.write_wire(&mut bytes));
+            }
+        }),
+        floor: "baseline: the f32 partial, then its encode",
+    };
+    let wires: Vec<Vec<u8>> = parts.iter().map(Partial::to_wire).collect();
+    let views = wires
+        .iter()
+        .map(|b| WirePartial::new(b))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut merged = Partial::empty(0);
+    let mut decoded: Vec<Partial> = parts.to_vec();
+    let merge_wire = FloorRow {
+        what: format!("merge {}x{mq} wire rows", parts.len()),
+        us: median_us(budget.iters, budget.time, || {
+            let _ = black_box(crate::merge_wire(&views, &mut merged));
+        }),
+        floor_us: median_us(budget.iters, budget.time, || {
+            for (p, b) in decoded.iter_mut().zip(&wires) {
+                let _ = p.read_wire(b);
+            }
+            let _ = black_box(crate::merge(&decoded.iter().collect::<Vec<_>>()));
+        }),
+        floor: "baseline: decode each, then merge",
+    };
+    Ok(vec![fused, merge_wire])
+}
+
+/// The sparse workloads, each timed by `subject` (microseconds per call) beside `versus`
+/// (a host-to-host call, median).
+fn sparse_rows(
+    budget: &Budget,
+    mut subject: impl FnMut(&Queries<'_>, &Cache<'_>, &Selection<'_>) -> Result<f64>,
+    versus: Backend,
+    versus_name: &'static str,
+) -> Result<Vec<SparseRow>> {
+    let (ct, h) = (w::SPARSE_CT, w::SPARSE_HEADS);
+    let cache_rows = rows(ct, 3);
+    let cache = Cache::contiguous(&cache_rows)?;
+    let q_rows = rows(h, 4);
+    let q = Queries::new(&q_rows)?;
+    let mut out = Vec::new();
+    for k in w::SPARSE_K {
+        let idx = w::sparse_indices(k, ct);
+        let sel = Selection::new(&idx, k, h, h, ct)?;
+        let us = subject(&q, &cache, &sel)?;
+        out.push(SparseRow {
+            k,
+            us,
+            gbps: (k * D_QK * 2) as f64 / us / 1e3,
+            versus: versus_name,
+            versus_us: median_us(budget.iters.min(5), budget.time / 2, || {
+                let _ = crate::partial_sparse(versus, &q, &cache, &sel, SCALE);
+            }),
+        });
+    }
+    Ok(out)
+}
+
+/// The CUDA kernels on `gpu`.
+pub fn gpu(budget: &Budget, gpu: &Gpu) -> Result<KernelBench> {
+    let iters = budget.iters.max(20) * 5;
+    let copy_bytes = 256usize << 20;
+    let copy_us = gpu.time_copy_us(copy_bytes, iters)?;
+    // A copy reads and writes every byte: its traffic is the device's achievable bandwidth.
+    let read_gbps = 2.0 * copy_bytes as f64 / copy_us / 1e3;
+    let chunk_bytes = w::DENSE_CT * D_QK * 2;
+    let cache_rows = rows(w::DENSE_CT, 1);
+    let cache = Cache::contiguous(&cache_rows)?;
+    let mut dense = Vec::new();
+    for mq in w::DENSE_MQ {
+        let q_rows = rows(mq, 2);
+        let q = Queries::new(&q_rows)?;
+        let mut prepared = gpu.prepare_partial(&q, &cache, None, SCALE)?;
+        let us = gpu.time_us(iters, || gpu.launch_partial(&mut prepared))?;
+        let versus_us = median_us(budget.iters, budget.time, || {
+            let _ = crate::partial_dense(Backend::Cpu, &q, &cache, SCALE);
+        });
+        let gbps = chunk_bytes as f64 / us / 1e3;
+        dense.push(DenseRow {
+            mq,
+            us,
+            gbps,
+            gflops: dense_flops(mq) / us / 1e3,
+            of_read_bandwidth: gbps / read_gbps,
+            of_fma_peak: None,
+            versus: "cpu",
+            versus_us: Some(versus_us),
+        });
+    }
+    // Sparse on resident inputs.
+    let sparse = sparse_rows(
+        budget,
+        |q, cache, sel| {
+            let mut prepared = gpu.prepare_partial(q, cache, Some(sel), SCALE)?;
+            gpu.time_us(iters, || gpu.launch_partial(&mut prepared))
+        },
+        Backend::Cpu,
+        "cpu",
+    )?;
+    let parts = w::merge_parts()?;
+    let refs: Vec<_> = parts.iter().collect();
+    let merge = FloorRow {
+        what: format!("merge {}x{} (host to host)", w::MERGE_PARTS, w::MERGE_ROWS),
+        us: median_us(budget.iters, budget.time, || {
+            let _ = black_box(gpu.merge(&refs));
+        }),
+        floor_us: median_us(budget.iters, budget.time, || {
+            let _ = black_box(crate::merge(&refs));
+        }),
+        floor: "the CPU merge",
+    };
+    let mut work = w::SpliceWorkload::new()?;
+    let mut splice = Vec::new();
+    for in_place in [false, true] {
+        let job = if in_place {
+            work.in_place_job()?
+        } else {
+            work.job()?
+        };
+        let mut prepared = gpu.prepare_splice(&job)?;
+        let us = gpu.time_us(iters, || gpu.launch_splice(&mut prepared))?;
+        let moved = prepared.bytes_moved();
+        splice.push(FloorRow {
+            what: format!(
+                "splice {}x{} {} (one launch)",
+                w::SPLICE_LAYERS,
+                w::SPLICE_TOKENS,
+                if in_place { "in place" } else { "copying" }
+            ),
+            us,
+            floor_us: gpu.time_copy_us(moved / 2, iters)?,
+            floor: "device copy of the bytes it moves",
+        });
+    }
+    Ok(KernelBench {
+        backend: crate::describe(Backend::Cuda)?,
+        read_gbps,
+        chunk_read_gbps: None,
+        fma_gflops: None,
+        dense,
+        sparse,
+        merge,
+        wire: Vec::new(),
+        splice,
+    })
+}
