@@ -134,6 +134,7 @@ fn test() -> Result<()> {
             ("KVROUTE_REQUIRE_NVRTC", "1"),
         ],
     )?;
+    library_alone()?;
     loom()?;
     cargo_step(
         "doc",
@@ -144,6 +145,61 @@ fn test() -> Result<()> {
         "xtask test: all steps passed in {:.0} s",
         started.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// `kvroute-remote` as an adopter gets it: its normal dependencies hold none of the binary's
+/// (argument parsing, plots, progress bars, `anyhow`), its tests pass built alone (no feature
+/// the workspace's other members turn on), and its examples run: holder and requester over
+/// the `mem` domain and `shm`, and from async code under tokio, each output checked.
+fn library_alone() -> Result<()> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let tree = Command::new(&cargo)
+        .args([
+            "tree",
+            "--locked",
+            "-p",
+            "kvroute-remote",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+        ])
+        .current_dir(workspace_root())
+        .output()
+        .context("starting cargo tree")?;
+    if !tree.status.success() {
+        bail!("cargo tree -p kvroute-remote failed");
+    }
+    let text = String::from_utf8_lossy(&tree.stdout);
+    for banned in ["clap", "anyhow", "plotters", "indicatif"] {
+        if text
+            .lines()
+            .any(|l| l.split_whitespace().next() == Some(banned))
+        {
+            bail!("kvroute-remote depends on {banned}:\n{text}");
+        }
+    }
+    println!("xtask remote-deps: no clap, anyhow, plotters or indicatif");
+    cargo_step(
+        "remote-alone",
+        &["test", "--locked", "-p", "kvroute-remote"],
+        &[],
+    )?;
+    for example in ["route_step", "route_async"] {
+        cargo_step(
+            example,
+            &[
+                "run",
+                "--locked",
+                "-p",
+                "kvroute-remote",
+                "--example",
+                example,
+            ],
+            &[],
+        )?;
+    }
     Ok(())
 }
 

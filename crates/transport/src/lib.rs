@@ -42,6 +42,7 @@
 //! ```
 
 pub mod addr;
+#[cfg(feature = "bench")]
 pub mod bench;
 mod buffer;
 pub mod cancel;

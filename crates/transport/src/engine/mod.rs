@@ -12,6 +12,7 @@ mod group;
 mod message;
 mod shared;
 mod stats;
+mod unit_wr;
 mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -15,6 +15,7 @@
 //! libfabric itself is loaded at run time ([`libfabric_sys::library`]); a machine without it
 //! builds fine and gets [`TransportError::ProviderUnavailable`] naming the package to install.
 
+#[cfg(feature = "bench")]
 pub mod bench;
 mod ctx;
 mod domain;

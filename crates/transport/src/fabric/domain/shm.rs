@@ -1,0 +1,142 @@
+//! What libfabric 1.17's `shm` provider leaves to its users: a peer's process may die holding
+//! its region's lock (checked before posting), and a killed process leaves its regions in
+//! `/dev/shm` (removed by whoever reaped it, and by a later process given the same pid).
+
+/// The process id in an `shm` address (`fi_shm://<pid>:<uid>:<n>`, NUL-terminated; the
+/// scheme may be absent). libfabric 1.17's `shm` guards each process's shared region with a
+/// spinlock its senders take inside `fi_writemsg`; a process killed while its progress held
+/// that lock leaves it held, and every later post to it spins forever inside libfabric, out of
+/// reach of any timeout (docs/fabric.md). Checking that the process exists before posting
+/// turns that hang into an error, except for a death in the last [`ALIVE_FOR`]. `shm` itself
+/// addresses peers by pid (its cross-memory copies), so the pid is meaningful here.
+pub(super) fn shm_peer_pid(bytes: &[u8]) -> Option<libc::pid_t> {
+    let text = std::str::from_utf8(bytes.strip_suffix(&[0])?).ok()?;
+    let name = text.split_once("://").map_or(text, |(_, rest)| rest);
+    let pid = name.split(':').next()?.parse::<libc::pid_t>().ok()?;
+    (pid > 0).then_some(pid)
+}
+
+/// Whether process `pid` exists (a zombie does; a process of another user does).
+pub(super) fn process_exists(pid: libc::pid_t) -> bool {
+    // SAFETY: signal 0 sends nothing; it only checks that the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Removes the `shm` regions (`/dev/shm/<pid>:<uid>:<n>`) a process of this user left when it
+/// was killed (a clean exit unlinks them; SIGKILL cannot), so a supervisor that killed and
+/// reaped a peer frees its shared memory (16 MiB per endpoint). Refuses, removing nothing,
+/// while a process `pid` exists. Returns how many regions were removed.
+pub fn remove_shm_regions_of_dead_process(pid: u32) -> std::io::Result<usize> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(raw) = libc::pid_t::try_from(pid) else {
+        return Ok(0);
+    };
+    if process_exists(raw) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::ResourceBusy,
+            format!("process {pid} still exists"),
+        ));
+    }
+    let uid = std::fs::metadata("/proc/self")?.uid();
+    remove_shm_regions(&format!("{pid}:{uid}:"))
+}
+
+/// Removes `/dev/shm/<prefix><digits>`; returns how many.
+fn remove_shm_regions(prefix: &str) -> std::io::Result<usize> {
+    let mut removed = 0;
+    for entry in std::fs::read_dir("/dev/shm")?.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+            continue;
+        };
+        if !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()) {
+            std::fs::remove_file(entry.path())?;
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+/// libfabric 1.17's `shm` provider names an endpoint's shared region `/dev/shm/<pid>:<uid>:<n>`
+/// (`n` counts the process's endpoints) and unlinks it when the endpoint closes. A process that
+/// is killed leaves its regions behind, and a later process that is given the same pid then
+/// fails `fi_enable` with EBUSY (seen here after many holder processes). Before this process
+/// opens its first shm endpoint, a region under its own pid and uid can only be such a
+/// leftover: they are removed, once per process. Nothing of another pid is touched.
+pub(super) fn clear_stale_shm_regions() {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(uid) = std::fs::metadata("/proc/self").map(|m| m.uid()) else {
+            return;
+        };
+        match remove_shm_regions(&format!("{}:{uid}:", std::process::id())) {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(
+                regions = n,
+                "removed stale shm regions a killed process with this pid left"
+            ),
+            Err(e) => tracing::debug!(%e, "could not remove stale shm regions"),
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shm_addresses_name_their_process() {
+        assert_eq!(shm_peer_pid(b"fi_shm://4242:0:1\0"), Some(4242));
+        assert_eq!(shm_peer_pid(b"4242:1000:0\0"), Some(4242));
+        // Not NUL-terminated, not a pid, not positive, not text: no check, never a panic.
+        for bad in [
+            &b"fi_shm://4242:0:1"[..],
+            b"fi_shm://abc:0:1\0",
+            b"fi_shm://0:0:1\0",
+            b"fi_shm://-1:0:1\0",
+            b"\xff\xfe:0\0",
+            b"\0",
+            b"",
+        ] {
+            assert_eq!(shm_peer_pid(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn this_process_exists_and_a_reaped_child_does_not() {
+        assert!(process_exists(std::process::id() as libc::pid_t));
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning true: {e}"));
+        let pid = child.id() as libc::pid_t;
+        let _ = child.wait();
+        assert!(!process_exists(pid));
+    }
+
+    #[test]
+    fn regions_of_a_dead_process_are_removed_and_of_a_live_one_refused() {
+        use std::os::unix::fs::MetadataExt;
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning true: {e}"));
+        let pid = child.id();
+        let _ = child.wait();
+        let uid = std::fs::metadata("/proc/self").map_or(0, |m| m.uid());
+        let region = format!("/dev/shm/{pid}:{uid}:0");
+        let unrelated = format!("/dev/shm/{pid}:{uid}:x");
+        for f in [&region, &unrelated] {
+            std::fs::write(f, b"left behind").unwrap_or_else(|e| panic!("{f}: {e}"));
+        }
+        assert_eq!(remove_shm_regions_of_dead_process(pid).ok(), Some(1));
+        assert!(!std::path::Path::new(&region).exists());
+        assert!(
+            std::path::Path::new(&unrelated).exists(),
+            "not a region name"
+        );
+        let _ = std::fs::remove_file(&unrelated);
+        let me = std::process::id();
+        assert!(remove_shm_regions_of_dead_process(me).is_err());
+    }
+}
