@@ -62,7 +62,7 @@ pub struct TransportBenchReport {
     pub paged: Vec<PagedThroughput>,
     /// Scatter posting time per peer count.
     pub scatter: Vec<ScatterPosting>,
-    /// The targets of issue 4 and whether this run met them.
+    /// The engine's targets and whether this run met them.
     pub targets: Vec<Target>,
 }
 

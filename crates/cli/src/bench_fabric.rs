@@ -2,7 +2,7 @@
 //! itself started as `kvroute bench fabric-peer`), each number beside `fi_pingpong` on the
 //! same provider, run in the same invocation and interleaved with the engine's runs.
 //!
-//! Targets (issue 5): single writes of 64 KiB and more at 0.9x `fi_pingpong`'s MB/s or better;
+//! Targets: single writes of 64 KiB and more at 0.9x `fi_pingpong`'s MB/s or better;
 //! the immediate-only round trip at 1.2x `fi_pingpong`'s usec/xfer or less.
 
 use std::fmt;
@@ -23,7 +23,7 @@ use crate::bench::{Target, machine};
 
 /// Bytes each side registers: the largest single write.
 const BUFFER: usize = 32 << 20;
-/// Single-write sizes (issue 5: 64 KiB to 32 MiB).
+/// Single-write sizes (64 KiB to 32 MiB).
 const SINGLE: &[u64] = &[64 << 10, 256 << 10, 1 << 20, 4 << 20, 32 << 20];
 /// Page sizes of the paged writes (1 KiB to 64 KiB).
 const PAGES: &[u64] = &[1 << 10, 4 << 10, 16 << 10, 64 << 10];

@@ -4,7 +4,7 @@
 //! reason. `baseline/bare-argmin` is the least a predicate can do on the same inputs: the
 //! three closed forms of paper 000 section 4.2 and a two-comparison argmin, inlined, with no
 //! validation and no breakdown. The ratio of the two is the price of the API; the absolute
-//! `decide` time is what issue 2 bounds (under 100 ns).
+//! `decide` time is held under 100 ns.
 
 // A bench whose built-in presets fail to load should stop loudly, so `expect` is right here.
 #![allow(clippy::expect_used)]

@@ -129,9 +129,12 @@ impl Shared {
             .read_at(slot * self.config.slot_bytes, &mut header)
             .ok()
             .and_then(|()| wire::parse_ping(&header));
-        let Some((len, offset, pong)) =
-            parsed.filter(|(len, ..)| (1..=self.config.reply_bytes).contains(len))
-        else {
+        // A written pong is a measurement (the `measure` feature); a holder built without it
+        // refuses one.
+        let Some((len, offset, pong)) = parsed.filter(|(len, _, pong)| {
+            (1..=self.config.reply_bytes).contains(len)
+                && (cfg!(feature = "measure") || *pong == wire::Pong::Staged)
+        }) else {
             lock(&self.stats).refused += 1;
             return;
         };

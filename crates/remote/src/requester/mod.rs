@@ -382,7 +382,9 @@ impl Requester {
         Ok(elapsed)
     }
 
-    /// The time spent converting bytes since connecting (see [`CodecTimes`]).
+    /// The time spent converting bytes since connecting (see [`CodecTimes`]; the `measure`
+    /// feature).
+    #[cfg(feature = "measure")]
     pub fn codec_times(&self) -> CodecTimes {
         self.codec
     }
