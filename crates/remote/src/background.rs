@@ -132,21 +132,7 @@ pub struct Reply<T> {
 impl<T> Reply<T> {
     /// Blocks the calling thread until the result is in (parking, not spinning).
     pub fn wait(self) -> Result<T, RemoteError> {
-        struct Unpark(std::thread::Thread);
-        impl std::task::Wake for Unpark {
-            fn wake(self: Arc<Self>) {
-                self.0.unpark();
-            }
-        }
-        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-        let mut cx = Context::from_waker(&waker);
-        let mut future = std::pin::pin!(self);
-        loop {
-            if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
-                return out;
-            }
-            std::thread::park();
-        }
+        kvroute_transport::block_on(self)
     }
 }
 

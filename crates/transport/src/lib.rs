@@ -73,7 +73,7 @@ pub use error::{Side, TransferError, TransportError};
 pub use fabric::{FabricConfig, FabricDomain, FabricReport, ProviderChoice};
 pub use mem::{FaultPlan, MemFabric};
 pub use mr::{Access, Device, MrDesc, MrHandle, RemoteKey};
-pub use on_done::{DoneCounter, DoneFlag, OnDone, Outcome, TransferFuture};
+pub use on_done::{DoneCounter, DoneFlag, OnDone, Outcome, TransferFuture, block_on};
 pub use plan::TransferShape;
 pub use request::{Pages, ScatterDst};
 pub use watcher::WatchedWord;

@@ -15,6 +15,26 @@ use crate::error::TransferError;
 /// A finished transfer's result.
 pub type Outcome = Result<(), TransferError>;
 
+/// Runs `future` to completion on the calling thread, parking it between polls (the waker
+/// unparks it): how the crate's futures are awaited by code that has no executor.
+pub fn block_on<F: Future>(future: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::park();
+    }
+}
+
 /// A boxed completion callback.
 pub type DoneCallback = Box<dyn FnOnce(Outcome) + Send + 'static>;
 
@@ -235,21 +255,7 @@ impl TransferFuture {
     /// Blocks the calling thread until the result is in (parking, not spinning): for code
     /// that has no executor.
     pub fn wait(self) -> Outcome {
-        struct Unpark(std::thread::Thread);
-        impl std::task::Wake for Unpark {
-            fn wake(self: Arc<Self>) {
-                self.0.unpark();
-            }
-        }
-        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-        let mut cx = Context::from_waker(&waker);
-        let mut future = std::pin::pin!(self);
-        loop {
-            if let Poll::Ready(outcome) = future.as_mut().poll(&mut cx) {
-                return outcome;
-            }
-            std::thread::park();
-        }
+        block_on(self)
     }
 }
 

@@ -210,17 +210,6 @@ impl fmt::Display for DemoReport {
     }
 }
 
-/// Max abs difference of two partials' `o` (infinite when their shapes differ).
-pub(crate) fn max_abs(a: &Partial, b: &Partial) -> f32 {
-    if a.o.len() != b.o.len() {
-        return f32::INFINITY;
-    }
-    a.o.iter()
-        .zip(&b.o)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 /// `0-2, 5` for `[0, 1, 2, 5]`.
 fn spans(values: &[u32]) -> String {
     let mut out: Vec<String> = Vec::new();
@@ -242,7 +231,7 @@ fn spans(values: &[u32]) -> String {
 
 fn check(checks: &mut Vec<Check>, name: String, got: &Partial, want: &Partial, tolerance: f32) {
     let max_abs = if got.rows() == want.rows() {
-        max_abs(got, want)
+        kvroute_remote::measure::max_abs(got, want)
     } else {
         f32::INFINITY
     };
