@@ -399,3 +399,55 @@ fn a_forged_peer_address_is_refused_before_anything_is_sent() {
             | TransferError::TimedOut(_))
     ));
 }
+
+/// A file planted in `/dev/shm` under an endpoint's name is not an endpoint: a descriptor that
+/// names one is refused with a typed error before the provider maps it (libfabric 1.17's `shm`
+/// trusts the mapped region's header and crashes on garbage). Planted by another user, open to
+/// other users, or named for a process that does not exist: each is refused.
+#[test]
+fn a_planted_shm_region_is_refused_not_mapped() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let a = open(&config(ProviderChoice::Shm, 1));
+    let b = open(&config(ProviderChoice::Shm, 1));
+    let dst = b.alloc_mr(64).unwrap();
+    let src = a.alloc_mr(64).unwrap();
+    let uid = std::fs::metadata("/proc/self").unwrap().uid();
+    let me = std::process::id();
+    let mut dead = std::process::Command::new("true").spawn().unwrap();
+    let dead_pid = dead.id();
+    dead.wait().unwrap();
+    let root = uid == 0;
+    // (name, mode, owner): the garbage file behind each name.
+    let planted = [
+        (format!("{me}:{}:990", uid + 1), 0o600, None),
+        (format!("{me}:{uid}:991"), 0o644, None),
+        (format!("{dead_pid}:{uid}:992"), 0o600, None),
+        (format!("{me}:{uid}:993"), 0o600, root.then_some(65534)),
+    ];
+    for (name, mode, owner) in &planted {
+        if owner.is_none() && name.ends_with(":993") {
+            continue; // only root can plant a file as another user
+        }
+        let path = format!("/dev/shm/{name}");
+        std::fs::write(&path, [0xffu8; 4096]).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(*mode)).unwrap();
+        if let Some(owner) = owner {
+            std::os::unix::fs::chown(&path, Some(*owner), None).unwrap();
+        }
+        let mut forged = dst.desc().clone();
+        forged.rkeys[0].nic.bytes = format!("fi_shm://{name}\0").into_bytes();
+        let err = a
+            .submit_single_write(8, None, (src.handle(), 0), (&forged, 0), OnDone::nothing())
+            .unwrap_err();
+        let _ = std::fs::remove_file(&path);
+        assert!(
+            matches!(err, TransportError::MalformedAddress(_)),
+            "{name}: {err}"
+        );
+    }
+    // The engine still writes to its real peer.
+    let (done, fut) = OnDone::future();
+    a.submit_single_write(8, None, (src.handle(), 0), (dst.desc(), 0), done)
+        .unwrap();
+    block_on(fut).unwrap();
+}

@@ -674,4 +674,4 @@ mod ops;
 mod shm;
 
 pub use shm::remove_shm_regions_of_dead_process;
-use shm::{clear_stale_shm_regions, process_exists, shm_peer_pid};
+use shm::{check_shm_peer, clear_stale_shm_regions, process_exists, shm_peer_pid};

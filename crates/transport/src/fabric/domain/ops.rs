@@ -144,6 +144,9 @@ impl Domain for FabricDomain {
                 self.addr.bytes.len()
             )));
         }
+        if self.provider == "fabric:shm" {
+            check_shm_peer(&peer.bytes).map_err(TransportError::MalformedAddress)?;
+        }
         let fi_addr = self.insert(&peer.bytes)?;
         let ep = if self.tx_per_peer {
             self.open_endpoint()?

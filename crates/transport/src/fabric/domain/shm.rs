@@ -10,10 +10,123 @@
 /// turns that hang into an error, except for a death in the last [`ALIVE_FOR`]. `shm` itself
 /// addresses peers by pid (its cross-memory copies), so the pid is meaningful here.
 pub(super) fn shm_peer_pid(bytes: &[u8]) -> Option<libc::pid_t> {
+    shm_region_name(bytes).and_then(|name| name.pid)
+}
+
+/// Checks an `shm` peer address before the provider sees it. libfabric 1.17's `shm` maps the
+/// file `/dev/shm/<pid>:<uid>:<n>` the address names and trusts the region header it finds
+/// there (offsets, sizes, a lock), so a file planted in the world-writable `/dev/shm` under
+/// such a name crashes the process that inserts it. A real endpoint's region is a regular
+/// file created mode 0600 by a process of this user, alive when the region is named by its
+/// pid; anything else is refused. Within
+/// one user nothing is checked further: a process of the same user may already read and
+/// write this one's memory (`ptrace`, `/proc/PID/mem`, the cross-memory copies `shm` itself
+/// uses), so the trust boundary `shm` can have is the user.
+pub(super) fn check_shm_peer(bytes: &[u8]) -> Result<(), String> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let name = shm_region_name(bytes).ok_or("not an shm endpoint name (<pid>:<uid>:<n>)")?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let meta = std::fs::symlink_metadata(format!("/dev/shm/{}", name.text))
+        .map_err(|e| format!("no shm region /dev/shm/{}: {e}", name.text))?;
+    region_is_trusted(
+        &name,
+        me,
+        RegionFile {
+            regular: meta.file_type().is_file()
+                && !meta.file_type().is_symlink()
+                && !meta.file_type().is_fifo(),
+            owner: meta.uid(),
+            mode: meta.mode(),
+        },
+        name.pid.is_none_or(process_exists),
+    )
+}
+
+/// The parts of an `shm` endpoint name.
+#[derive(Debug)]
+pub(super) struct RegionName<'a> {
+    text: &'a str,
+    /// The process, when the region is named by its pid.
+    pid: Option<libc::pid_t>,
+    uid: u32,
+}
+
+/// What [`region_is_trusted`] needs to know of a region's file.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RegionFile {
+    regular: bool,
+    owner: u32,
+    mode: u32,
+}
+
+/// Parses `[fi_shm://]<pid or node>:<uid>:<n>\0`: the provider names a region by the
+/// process id, or by the `node` it was opened with. Digits, letters, `.`, `-` and `_` only: no
+/// path can be smuggled in.
+pub(super) fn shm_region_name(bytes: &[u8]) -> Option<RegionName<'_>> {
     let text = std::str::from_utf8(bytes.strip_suffix(&[0])?).ok()?;
-    let name = text.split_once("://").map_or(text, |(_, rest)| rest);
-    let pid = name.split(':').next()?.parse::<libc::pid_t>().ok()?;
-    (pid > 0).then_some(pid)
+    let text = text.split_once("://").map_or(text, |(_, rest)| rest);
+    let (prefix, rest) = text.rsplit_once(':')?.0.rsplit_once(':')?;
+    let n = text.rsplit_once(':')?.1;
+    let digits = |s: &str| !s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit());
+    let name_char = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_');
+    if prefix.is_empty()
+        || prefix.len() > 64
+        || !prefix.bytes().all(name_char)
+        || !prefix.bytes().any(|b| b != b'.')
+        || !digits(rest)
+        || !digits(n)
+    {
+        return None;
+    }
+    let pid = if prefix.bytes().all(|b| b.is_ascii_digit()) {
+        Some(prefix.parse::<libc::pid_t>().ok().filter(|&p| p > 0)?)
+    } else {
+        None
+    };
+    Some(RegionName {
+        text,
+        pid,
+        uid: rest.parse().ok()?,
+    })
+}
+
+/// The decision of [`check_shm_peer`], without the file system: a region of this user (`me`)
+/// in its name and its file's owner, private to it, of a live process.
+pub(super) fn region_is_trusted(
+    name: &RegionName<'_>,
+    me: u32,
+    file: RegionFile,
+    alive: bool,
+) -> Result<(), String> {
+    let text = name.text;
+    if name.uid != me {
+        return Err(format!(
+            "shm region {text} names user {}, not this process's {me}",
+            name.uid
+        ));
+    }
+    if !file.regular {
+        return Err(format!("/dev/shm/{text} is not a regular file"));
+    }
+    if file.owner != me {
+        return Err(format!(
+            "/dev/shm/{text} belongs to user {}, not {me}",
+            file.owner
+        ));
+    }
+    if file.mode & 0o077 != 0 {
+        return Err(format!(
+            "/dev/shm/{text} is open to other users (mode {:o}); an endpoint's region is 0600",
+            file.mode & 0o777
+        ));
+    }
+    if !alive {
+        return Err(format!(
+            "shm region {text} names a process that does not exist"
+        ));
+    }
+    Ok(())
 }
 
 /// Whether process `pid` exists (a zombie does; a process of another user does).
@@ -101,6 +214,59 @@ mod tests {
             b"",
         ] {
             assert_eq!(shm_peer_pid(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn only_private_regions_of_this_user_and_a_live_process_are_trusted() {
+        let name = shm_region_name(b"fi_shm://42:1000:3\0").expect("a region name");
+        let ok = RegionFile {
+            regular: true,
+            owner: 1000,
+            mode: 0o100600,
+        };
+        assert!(region_is_trusted(&name, 1000, ok, true).is_ok());
+        // Another user's name, another user's file, a shared mode, a directory, a dead
+        // process: each is refused on its own.
+        assert!(region_is_trusted(&name, 0, ok, true).is_err());
+        for file in [
+            RegionFile { owner: 0, ..ok },
+            RegionFile {
+                mode: 0o100666,
+                ..ok
+            },
+            RegionFile {
+                mode: 0o100640,
+                ..ok
+            },
+            RegionFile {
+                regular: false,
+                ..ok
+            },
+        ] {
+            assert!(
+                region_is_trusted(&name, 1000, file, true).is_err(),
+                "{file:?}"
+            );
+        }
+        assert!(region_is_trusted(&name, 1000, ok, false).is_err());
+        // Named by the node it was opened with (`FabricConfig::node`): no process to check.
+        let node = shm_region_name(b"fi_shm://127.0.0.1:1000:0\0").expect("a node name");
+        assert_eq!(node.pid, None);
+        assert!(region_is_trusted(&node, 1000, ok, true).is_ok());
+        for bad in [
+            &b"fi_shm://42:1000:3"[..],
+            b"fi_shm://42:1000\0",
+            b"fi_shm://42:1000:3:4\0",
+            b"fi_shm://../../etc/passwd\0",
+            b"fi_shm://42:1000:x/..\0",
+            b"fi_shm://0:1000:3\0",
+            b"fi_shm://..:1000:3\0",
+            b"fi_shm://a/b:1000:3\0",
+            b"fi_shm://99999999999:0:0\0",
+            b"\0",
+        ] {
+            assert!(shm_region_name(bad).is_none(), "{bad:?}");
         }
     }
 
