@@ -45,11 +45,15 @@ pub enum Answer {
 pub struct Welcome {
     /// The session number (in the request immediate).
     pub session: u16,
+    /// The session's secret: every request and ping of the session carries it, and the holder
+    /// answers nothing without it. Random, known only to the holder and this connection's
+    /// peer (the control connection is its only channel).
+    pub token: u64,
     /// The holder's engine address.
     pub holder: NetAddr,
-    /// The holder's inbox region.
+    /// This session's inbox: a region of its own (no other session's descriptor reaches it).
     pub inbox: MrDesc,
-    /// This session's slot in the inbox.
+    /// Where in the inbox the session's requests go.
     pub slot_offset: u64,
     /// Slot bytes: the largest request.
     pub slot_bytes: u64,

@@ -523,7 +523,7 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
         indices: &[],
         pages: &[],
     };
-    wire::encode_request(&mut lying, 5, 0, SCALE, &[seg]);
+    wire::encode_request(&mut lying, 5, welcome.token, 0, SCALE, &[seg]);
     let rows_at = wire::REQUEST_HEADER + 8;
     lying[rows_at..rows_at + 4].copy_from_slice(&1000u32.to_le_bytes());
     buf.write_at(0, &lying)?;
@@ -552,11 +552,18 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
     // slot that holds no ping header. Both are refused without a write.
     let before = req.holder_stats(0)?;
     let mut ping = [0u8; wire::PING_HEADER];
-    wire::encode_ping(&mut ping, u32::MAX, 0, wire::Pong::Staged);
+    let forged = wire::Ping {
+        reply_len: u32::MAX,
+        reply_offset: 0,
+        pong: wire::Pong::Staged,
+        token: welcome.token,
+        seq: 6,
+    };
+    wire::encode_ping(&mut ping, &forged);
     buf.write_at(0, &ping)?;
     let ping_imm = wire::ping_imm(welcome.session, 1);
     rogue.submit_single_write(
-        16,
+        wire::PING_HEADER as u64,
         Some(ping_imm),
         (buf.handle(), 0),
         inbox,

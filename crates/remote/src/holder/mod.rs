@@ -9,7 +9,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -64,13 +64,61 @@ impl Default for HolderConfig {
 #[derive(Debug, Clone)]
 struct Session {
     hello: Hello,
+    /// The secret every request and ping of the session must carry.
+    token: u64,
+    /// The least sequence number the session may use next: each write of its slot is served
+    /// once, and a stray immediate cannot replay it.
+    next_seq: Arc<AtomicU64>,
+}
+
+impl Session {
+    /// Whether a request or ping with `token` and `seq` is the session's and new; if so,
+    /// `seq` is spent.
+    fn admit(&self, token: u64, seq: u64) -> bool {
+        token == self.token
+            && self
+                .next_seq
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |next| {
+                    (seq >= next).then(|| seq.saturating_add(1))
+                })
+                .is_ok()
+    }
+}
+
+/// A session token: 8 bytes from the kernel's random source.
+fn new_token() -> Result<u64, RemoteError> {
+    use std::io::Read as _;
+    let mut bytes = [0u8; 8];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(RemoteError::io("reading /dev/urandom for a session token"))?;
+    Ok(u64::from_le_bytes(bytes))
+}
+
+/// Refuses a hello whose descriptors name NICs other than its own address's: a session's
+/// replies and fetches go only to the engine that asked for them, never to a third party's.
+fn check_hello(hello: &Hello) -> Result<(), String> {
+    hello.addr.validate().map_err(|e| e.to_string())?;
+    let own = |what: &str, desc: &kvroute_transport::MrDesc| {
+        if desc.net_addr() == hello.addr {
+            Ok(())
+        } else {
+            Err(format!(
+                "the {what} region belongs to another engine than the hello's"
+            ))
+        }
+    };
+    own("reply", &hello.reply)?;
+    hello.pool.as_ref().map_or(Ok(()), |pool| own("pool", pool))
 }
 
 struct Shared {
     engine: TransferEngine,
     config: HolderConfig,
     chunks: HeldChunks,
-    inbox: RegisteredBuffer,
+    /// One inbox region per session, `slot_bytes` each: a session's descriptor reaches only
+    /// its own.
+    inboxes: Vec<RegisteredBuffer>,
     staging: RegisteredBuffer,
     /// Per session, `gather_bytes` of packed gathered rows.
     gather_staging: RegisteredBuffer,
@@ -118,7 +166,10 @@ impl Holder {
                 .ok_or_else(|| RemoteError::Config("staging larger than memory".into()))
         };
         let entries = chunks.entries(&engine.main_address());
-        let inbox = engine.alloc_mr(staging_bytes(config.slot_bytes)?)?;
+        staging_bytes(config.slot_bytes)?;
+        let inboxes = (0..config.max_requesters)
+            .map(|_| engine.alloc_mr(config.slot_bytes))
+            .collect::<Result<Vec<_>, _>>()?;
         let staging = engine.alloc_mr_with(staging_bytes(config.reply_bytes)?, Access::Local)?;
         let gather_staging =
             engine.alloc_mr_with(staging_bytes(config.gather_bytes)?.max(1), Access::Local)?;
@@ -130,7 +181,7 @@ impl Holder {
             sessions: Mutex::new(vec![None; config.max_requesters]),
             config,
             chunks,
-            inbox,
+            inboxes,
             staging,
             gather_staging,
             entries,
@@ -251,16 +302,20 @@ impl Shared {
                 return Ok(());
             }
         };
-        if let Err(e) = hello.addr.validate() {
-            send_line(&mut writer, peer, &Answer::Refused(e.to_string()))?;
+        if let Err(why) = check_hello(&hello) {
+            lock(&self.stats).refused += 1;
+            send_line(&mut writer, peer, &Answer::Refused(why))?;
             return Ok(());
         }
+        let token = new_token()?;
         let slot = {
             let mut sessions = lock(&self.sessions);
             match sessions.iter().position(Option::is_none) {
                 Some(i) => {
                     sessions[i] = Some(Session {
                         hello: hello.clone(),
+                        token,
+                        next_seq: Arc::new(AtomicU64::new(0)),
                     });
                     i
                 }
@@ -276,9 +331,10 @@ impl Shared {
         let _release = SlotGuard { shared: self, slot };
         let welcome = Welcome {
             session: slot as u16,
+            token,
             holder: self.engine.main_address(),
-            inbox: self.inbox.desc().clone(),
-            slot_offset: (slot * self.config.slot_bytes) as u64,
+            inbox: self.inboxes[slot].desc().clone(),
+            slot_offset: 0,
             slot_bytes: self.config.slot_bytes as u64,
             reply_bytes: self.config.reply_bytes as u64,
             gather_bytes: self.config.gather_bytes as u64,

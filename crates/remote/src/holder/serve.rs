@@ -124,20 +124,27 @@ impl Shared {
             return;
         };
         let mut header = [0u8; wire::PING_HEADER];
-        let parsed = self
-            .inbox
-            .read_at(slot * self.config.slot_bytes, &mut header)
+        let parsed = self.inboxes[slot]
+            .read_at(0, &mut header)
             .ok()
             .and_then(|()| wire::parse_ping(&header));
-        // A written pong is a measurement (the `measure` feature); a holder built without it
-        // refuses one.
-        let Some((len, offset, pong)) = parsed.filter(|(len, _, pong)| {
-            (1..=self.config.reply_bytes).contains(len)
-                && (cfg!(feature = "measure") || *pong == wire::Pong::Staged)
-        }) else {
+        // Only the session's owner is answered, once per ping. A written pong is a
+        // measurement (the `measure` feature); a holder built without it refuses one.
+        let Some(wire::Ping {
+            reply_len,
+            reply_offset: offset,
+            pong,
+            ..
+        }) = parsed.filter(|p| {
+            session.admit(p.token, p.seq)
+                && (1..=self.config.reply_bytes).contains(&(p.reply_len as usize))
+                && (cfg!(feature = "measure") || p.pong == wire::Pong::Staged)
+        })
+        else {
             lock(&self.stats).refused += 1;
             return;
         };
+        let len = reply_len as usize;
         let source = slot * self.config.reply_bytes;
         if pong == wire::Pong::Written {
             let started = Instant::now();
@@ -193,13 +200,22 @@ impl Shared {
                     return None;
                 };
                 let mut header = [0u8; wire::REQUEST_HEADER];
-                let base = slot * self.config.slot_bytes;
-                self.inbox.read_at(base, &mut header).ok()?;
+                let inbox = &self.inboxes[slot];
+                inbox.read_at(0, &mut header).ok()?;
+                // Nothing is answered, not even a status, without the session's token and a
+                // sequence number it has not used: a request from anyone else, or the
+                // session's last one replayed by a stray immediate, is dropped.
+                let admitted = wire::request_credentials(&header)
+                    .is_some_and(|(token, seq)| session.admit(token, seq));
+                if !admitted {
+                    lock(&self.stats).refused += 1;
+                    return None;
+                }
                 let total =
                     u32::from_le_bytes([header[24], header[25], header[26], header[27]]) as usize;
                 let len = total.clamp(wire::REQUEST_HEADER, self.config.slot_bytes);
                 // SAFETY: see above; the range is inside this session's slot.
-                let bytes = unsafe { self.inbox.bytes(base, len) }.ok()?;
+                let bytes = unsafe { inbox.bytes(0, len) }.ok()?;
                 Some((slot, session, bytes))
             })
             .collect();

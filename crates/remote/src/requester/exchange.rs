@@ -69,6 +69,7 @@ impl Requester {
                         wire::encode_request_into(
                             buf,
                             l.seq,
+                            l.welcome.token,
                             staged as u64,
                             self.config.scale,
                             &segments,

@@ -306,8 +306,11 @@ impl Requester {
         let link_bytes = self.config.link_bytes;
         let l = self
             .links
-            .get(holder)
+            .get_mut(holder)
             .ok_or(RouteError::NoHolder(ChunkId(u32::MAX)))?;
+        // Pings and requests share the sequence numbers the holder admits once each.
+        l.seq += 1;
+        let l = &*l;
         if !l.alive {
             return Err(RouteError::HolderFailed {
                 holder: l.addr,
@@ -341,7 +344,16 @@ impl Requester {
         let sent_flag = DoneFlag::new();
         // SAFETY: as in `exchange`: this link's staging range, no write from it in flight.
         let submitted = unsafe { self.send.bytes_mut(staged, wire::PING_HEADER) }
-            .map(|buf| wire::encode_ping(buf, reply_len as u32, staged as u64, pong))
+            .map(|buf| {
+                let ping = wire::Ping {
+                    reply_len: reply_len as u32,
+                    reply_offset: staged as u64,
+                    pong,
+                    token: l.welcome.token,
+                    seq: l.seq,
+                };
+                wire::encode_ping(buf, &ping);
+            })
             .map_err(|e| e.to_string())
             .and_then(|()| {
                 self.engine

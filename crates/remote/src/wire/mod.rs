@@ -24,8 +24,11 @@ pub const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"KVRP");
 /// ([`reply_row_layout`]). 3: a fetch or gather segment is all or nothing (a refused one sent
 /// no writes; [`Status::TransferFailed`] otherwise), which the requester's exact count of
 /// fetch arrivals relies on, and a fetch is one write per run of consecutive pages
-/// ([`fetch_runs`]), not per page; a version-2 peer is refused.
-pub const VERSION: u16 = 3;
+/// ([`fetch_runs`]), not per page. 4: every request and ping carries its session's token
+/// (the secret of [`crate::session::Welcome::token`]) and a sequence number that grows with
+/// each, so a holder answers only the session's owner, and each write of its slot once. An
+/// older peer is refused.
+pub const VERSION: u16 = 4;
 /// Bytes of a request header.
 pub const REQUEST_HEADER: usize = 48;
 /// Bytes of one segment descriptor.
@@ -70,8 +73,9 @@ fn parse_tagged_imm(tag: u32, imm: u32) -> Option<(u16, u64)> {
 pub const PING_MAGIC: u32 = u32::from_le_bytes(*b"KVPG");
 /// "KVPW", little-endian: the header of a ping whose pong bytes the holder writes first.
 pub const PING_WRITTEN_MAGIC: u32 = u32::from_le_bytes(*b"KVPW");
-/// Bytes of a ping header: magic, reply length (u32), reply offset (u64).
-pub const PING_HEADER: usize = 16;
+/// Bytes of a ping header: magic, reply length (u32), reply offset (u64), the session's
+/// token (u64), the sequence number (u64).
+pub const PING_HEADER: usize = 32;
 
 /// The immediate of a ping write: the transport's raw write round trip through the same
 /// slot, reply region, engines and serving thread as a request, with no parsing and no
@@ -99,20 +103,36 @@ pub enum Pong {
     Written,
 }
 
-/// Writes a ping header into the first [`PING_HEADER`] bytes of `out`: answer with
-/// `reply_len` bytes at `reply_offset` of the reply region, from `pong`.
-pub fn encode_ping(out: &mut [u8], reply_len: u32, reply_offset: u64, pong: Pong) {
-    let magic = match pong {
+/// A ping, as the requester asks for it and the holder parses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ping {
+    /// Bytes the pong carries.
+    pub reply_len: u32,
+    /// Where in the requester's reply region the pong goes.
+    pub reply_offset: u64,
+    /// Where the pong's bytes come from.
+    pub pong: Pong,
+    /// The session's token.
+    pub token: u64,
+    /// The requester's sequence number (shared with its requests).
+    pub seq: u64,
+}
+
+/// Writes a ping header into the first [`PING_HEADER`] bytes of `out`.
+pub fn encode_ping(out: &mut [u8], ping: &Ping) {
+    let magic = match ping.pong {
         Pong::Staged => PING_MAGIC,
         Pong::Written => PING_WRITTEN_MAGIC,
     };
     out[..4].copy_from_slice(&magic.to_le_bytes());
-    out[4..8].copy_from_slice(&reply_len.to_le_bytes());
-    out[8..16].copy_from_slice(&reply_offset.to_le_bytes());
+    out[4..8].copy_from_slice(&ping.reply_len.to_le_bytes());
+    out[8..16].copy_from_slice(&ping.reply_offset.to_le_bytes());
+    out[16..24].copy_from_slice(&ping.token.to_le_bytes());
+    out[24..32].copy_from_slice(&ping.seq.to_le_bytes());
 }
 
-/// Parses a ping header: `(reply_len, reply_offset, pong)`, or `None` if it is not one.
-pub fn parse_ping(bytes: &[u8]) -> Option<(usize, u64, Pong)> {
+/// Parses a ping header, or `None` if it is not one.
+pub fn parse_ping(bytes: &[u8]) -> Option<Ping> {
     if bytes.len() < PING_HEADER {
         return None;
     }
@@ -121,7 +141,24 @@ pub fn parse_ping(bytes: &[u8]) -> Option<(usize, u64, Pong)> {
         PING_WRITTEN_MAGIC => Pong::Written,
         _ => return None,
     };
-    Some((u32_at(bytes, 4) as usize, u64_at(bytes, 8), pong))
+    Some(Ping {
+        reply_len: u32_at(bytes, 4),
+        reply_offset: u64_at(bytes, 8),
+        pong,
+        token: u64_at(bytes, 16),
+        seq: u64_at(bytes, 24),
+    })
+}
+
+/// The session token and sequence number of a request header (its first
+/// [`REQUEST_HEADER`] bytes), or `None` if it is not a request of this version. Read before
+/// anything else of the request: a holder answers only a request with its session's token
+/// and a sequence number it has not served.
+pub fn request_credentials(header: &[u8]) -> Option<(u64, u64)> {
+    (header.len() >= REQUEST_HEADER
+        && u32_at(header, 0) == REQUEST_MAGIC
+        && u16_at(header, 4) == VERSION)
+        .then(|| (u64_at(header, 32), u64_at(header, 8)))
 }
 
 /// What a segment asks for.

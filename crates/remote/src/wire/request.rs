@@ -25,13 +25,14 @@ pub fn reply_rows(segments: &[SegmentSpec<'_>]) -> usize {
 pub fn encode_request(
     out: &mut Vec<u8>,
     seq: u64,
+    token: u64,
     reply_offset: u64,
     scale: f32,
     segments: &[SegmentSpec<'_>],
 ) {
     out.clear();
     out.resize(request_len(segments), 0);
-    encode_request_into(out, seq, reply_offset, scale, segments);
+    encode_request_into(out, seq, token, reply_offset, scale, segments);
 }
 
 /// Encodes a request into `out`, which must be exactly [`request_len`] bytes (a staging
@@ -45,6 +46,7 @@ pub fn encode_request(
 pub fn encode_request_into(
     out: &mut [u8],
     seq: u64,
+    token: u64,
     reply_offset: u64,
     scale: f32,
     segments: &[SegmentSpec<'_>],
@@ -59,6 +61,7 @@ pub fn encode_request_into(
     out[16..24].copy_from_slice(&reply_offset.to_le_bytes());
     out[24..28].copy_from_slice(&(total as u32).to_le_bytes());
     out[28..32].copy_from_slice(&scale.to_le_bytes());
+    out[32..40].copy_from_slice(&token.to_le_bytes());
     let mut payload = REQUEST_HEADER + segments.len() * SEGMENT_BYTES;
     for (i, s) in segments.iter().enumerate() {
         let (kind, k, rpt) = match s.kind {
@@ -212,6 +215,8 @@ impl Segment<'_> {
 pub struct Request<'a> {
     /// The requester's sequence number, echoed in the reply.
     pub seq: u64,
+    /// The session's token.
+    pub token: u64,
     /// Where in the requester's reply region the reply goes.
     pub reply_offset: u64,
     /// The softmax scale.
@@ -249,6 +254,7 @@ impl<'a> Request<'a> {
             .collect();
         Ok(Self {
             seq,
+            token: u64_at(slot, 32),
             reply_offset,
             scale,
             segments: parsed,

@@ -47,7 +47,7 @@ fn sample() -> Vec<u8> {
         },
     ];
     let mut out = Vec::new();
-    encode_request(&mut out, 42, 4096, 0.1147, &segs);
+    encode_request(&mut out, 42, 0x5eed_f00d_cafe_beef, 4096, 0.1147, &segs);
     assert_eq!(out.len(), request_len(&segs));
     assert_eq!(reply_rows(&segs), 3);
     out
@@ -60,6 +60,7 @@ fn request_round_trips() {
         .map_err(|e| e.0)
         .unwrap_or_else(|s| panic!("{s}"));
     assert_eq!((r.seq, r.reply_offset, r.scale), (42, 4096, 0.1147));
+    assert_eq!(r.token, 0x5eed_f00d_cafe_beef);
     assert_eq!(r.reply_rows(), 3);
     let segs: Vec<_> = r
         .segments
@@ -188,7 +189,7 @@ fn forged_gathers_are_bad_segments() {
             },
         ];
         let mut out = Vec::new();
-        encode_request(&mut out, 1, 0, 0.1, &segs);
+        encode_request(&mut out, 1, 7, 0, 0.1, &segs);
         let r = Request::parse(&out)
             .map_err(|e| e.0)
             .unwrap_or_else(|s| panic!("{s}"));
@@ -369,11 +370,24 @@ fn immediates_round_trip() {
 fn pings_round_trip_and_other_bytes_are_not_pings() {
     let mut b = [0u8; PING_HEADER];
     for pong in [Pong::Staged, Pong::Written] {
-        encode_ping(&mut b, 123_456, 1 << 40, pong);
-        assert_eq!(parse_ping(&b), Some((123_456, 1 << 40, pong)));
+        let ping = Ping {
+            reply_len: 123_456,
+            reply_offset: 1 << 40,
+            pong,
+            token: u64::MAX - 3,
+            seq: 99,
+        };
+        encode_ping(&mut b, &ping);
+        assert_eq!(parse_ping(&b), Some(ping));
     }
+    assert_eq!(request_credentials(&b), None, "a ping is not a request");
     assert_eq!(parse_ping(&b[..PING_HEADER - 1]), None);
     assert_eq!(parse_ping(&sample()), None, "a request is not a ping");
+    assert_eq!(
+        request_credentials(&sample()[..REQUEST_HEADER]),
+        Some((0x5eed_f00d_cafe_beef, 42))
+    );
+    assert_eq!(request_credentials(&sample()[..REQUEST_HEADER - 1]), None);
 }
 
 #[test]

@@ -1,0 +1,250 @@
+//! A holder among untrusted peers, over the in-process `mem` fabric: a peer that speaks the
+//! protocol by hand tries to make the holder write where it should not. Each test names the
+//! attack and checks that the holder refuses it and goes on serving the honest requester.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
+
+use anyhow::Result;
+use kvroute_kernels::RopeLayout;
+use kvroute_kernels::layout::D_QK;
+use kvroute_kvstore::{ChunkId, CorpusSpec};
+use kvroute_remote::session::{Answer, Hello, Welcome};
+use kvroute_remote::{Call, HeldChunks, Holder, HolderConfig, Requester, RequesterConfig, wire};
+use kvroute_transport::{MemFabric, OnDone, RegisteredBuffer, TransferEngine};
+
+const CAP: usize = 4;
+
+fn holder(fabric: &MemFabric) -> Result<Holder> {
+    let spec = CorpusSpec {
+        layers: 2,
+        chunk_tokens: 64,
+        chunks: 1,
+        seed: 5,
+        rope_theta: 10_000.0,
+        yarn: None,
+        rope_layout: RopeLayout::Interleaved,
+    };
+    let engine = TransferEngine::mem(fabric, 1)?;
+    let held = HeldChunks::generate(&engine, &spec, &[ChunkId(0)])?;
+    let config = HolderConfig {
+        max_requesters: CAP,
+        slot_bytes: 1 << 16,
+        reply_bytes: 1 << 16,
+        gather_bytes: 1 << 16,
+        ..HolderConfig::default()
+    };
+    Ok(Holder::start(
+        engine,
+        TcpListener::bind("127.0.0.1:0")?,
+        held,
+        config,
+    )?)
+}
+
+fn requester(fabric: &MemFabric, holder: &Holder) -> Result<Requester> {
+    let config = RequesterConfig {
+        timeout: Duration::from_secs(2),
+        link_bytes: 1 << 16,
+        pool_pages: 8,
+        ..RequesterConfig::new(0.1)
+    };
+    Ok(Requester::connect(
+        TransferEngine::mem(fabric, 1)?,
+        &[holder.addr()],
+        config,
+    )?)
+}
+
+fn route_once(req: &mut Requester) -> Result<()> {
+    let q = vec![0x3f80u16; D_QK];
+    let call = Call {
+        chunk: ChunkId(0),
+        layer: 1,
+        queries: &q,
+        sparse: None,
+    };
+    req.route(&[call]).remove(0)?;
+    Ok(())
+}
+
+/// Sends `hello` by hand and returns the holder's answer (and the connection, which keeps a
+/// granted session open).
+fn hello(holder: &Holder, hello: &Hello) -> Result<(Answer, TcpStream)> {
+    let mut control = TcpStream::connect(holder.addr())?;
+    writeln!(control, "{}", serde_json::to_string(hello)?)?;
+    let mut line = String::new();
+    BufReader::new(control.try_clone()?).read_line(&mut line)?;
+    Ok((serde_json::from_str(&line)?, control))
+}
+
+/// A rogue engine with a real session of its own.
+struct Rogue {
+    engine: TransferEngine,
+    _reply: RegisteredBuffer,
+    welcome: Welcome,
+    _control: TcpStream,
+}
+
+fn rogue(fabric: &MemFabric, holder: &Holder) -> Result<Rogue> {
+    let engine = TransferEngine::mem(fabric, 1)?;
+    let reply = engine.alloc_mr(1 << 16)?;
+    let (answer, control) = hello(
+        holder,
+        &Hello {
+            addr: engine.main_address(),
+            reply: reply.desc().clone(),
+            pool: None,
+            reply_imm: 77,
+            fetch_imm: 78,
+        },
+    )?;
+    let Answer::Welcome(welcome) = answer else {
+        panic!("no session: {answer:?}");
+    };
+    Ok(Rogue {
+        engine,
+        _reply: reply,
+        welcome,
+        _control: control,
+    })
+}
+
+#[test]
+fn a_hello_naming_another_engines_region_is_refused() -> Result<()> {
+    let fabric = MemFabric::new();
+    let h = holder(&fabric)?;
+    let victim = TransferEngine::mem(&fabric, 1)?;
+    let victims_region = victim.alloc_mr(1 << 16)?;
+    let attacker = TransferEngine::mem(&fabric, 1)?;
+    let own = attacker.alloc_mr(1 << 16)?;
+    for (reply, pool) in [
+        (victims_region.desc().clone(), None),
+        (own.desc().clone(), Some(victims_region.desc().clone())),
+    ] {
+        let (answer, _control) = hello(
+            &h,
+            &Hello {
+                addr: attacker.main_address(),
+                reply,
+                pool,
+                reply_imm: 1,
+                fetch_imm: 2,
+            },
+        )?;
+        assert!(
+            matches!(&answer, Answer::Refused(why) if why.contains("another engine")),
+            "{answer:?}"
+        );
+    }
+    assert_eq!(h.stats().active, 0, "no session was granted");
+    Ok(())
+}
+
+#[test]
+fn a_session_cannot_make_the_holder_answer_another_or_replay_it() -> Result<()> {
+    let fabric = MemFabric::new();
+    let h = holder(&fabric)?;
+    // The victim has pinged (at connect) and routed: its slot holds a valid request.
+    let mut victim = requester(&fabric, &h)?;
+    route_once(&mut victim)?;
+    let rogue = rogue(&fabric, &h)?;
+    let before = h.stats();
+    // Immediates naming every other session, as requests and as pings, sent to the rogue's
+    // own inbox (the only one it has a descriptor of).
+    for session in (0..CAP as u16).filter(|&s| s != rogue.welcome.session) {
+        for imm in [wire::request_imm(session, 1), wire::ping_imm(session, 1)] {
+            rogue
+                .engine
+                .submit_imm(imm, &rogue.welcome.inbox, OnDone::nothing())?;
+        }
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let after = h.stats();
+    assert_eq!(
+        (after.requests, after.pings),
+        (before.requests, before.pings),
+        "a foreign immediate was answered: {after:?}"
+    );
+    assert!(after.refused >= before.refused + 2, "{after:?}");
+    // The victim's own session goes on working.
+    route_once(&mut victim)?;
+    assert_eq!(h.stats().requests, before.requests + 1);
+    Ok(())
+}
+
+#[test]
+fn a_request_without_the_sessions_token_is_not_answered() -> Result<()> {
+    let fabric = MemFabric::new();
+    let h = holder(&fabric)?;
+    let rogue = rogue(&fabric, &h)?;
+    let q = vec![0x3f80u16; D_QK];
+    let seg = wire::SegmentSpec {
+        kind: wire::SegmentKind::Dense,
+        chunk: 0,
+        layer: 0,
+        queries: wire::QueryRows::Copied(&q),
+        indices: &[],
+        pages: &[],
+    };
+    let buf = rogue.engine.alloc_mr(1 << 16)?;
+    let imm = wire::request_imm(rogue.welcome.session, 1);
+    let inbox = (&rogue.welcome.inbox, rogue.welcome.slot_offset);
+    let send = |seq: u64, token: u64| -> Result<()> {
+        let mut bytes = Vec::new();
+        wire::encode_request(&mut bytes, seq, token, 0, 0.1, &[seg]);
+        buf.write_at(0, &bytes)?;
+        let (done, fut) = OnDone::future();
+        rogue.engine.submit_single_write(
+            bytes.len() as u64,
+            Some(imm),
+            (buf.handle(), 0),
+            inbox,
+            done,
+        )?;
+        kvroute_transport::block_on(fut)?;
+        std::thread::sleep(Duration::from_millis(100));
+        Ok(())
+    };
+    send(1, rogue.welcome.token ^ 1)?;
+    assert_eq!(h.stats().requests, 0, "a wrong token was answered");
+    send(2, rogue.welcome.token)?;
+    assert_eq!(h.stats().requests, 1, "the right token was not answered");
+    // The same write again (a replayed immediate) and an older sequence number: refused.
+    rogue
+        .engine
+        .submit_imm(imm, &rogue.welcome.inbox, OnDone::nothing())?;
+    send(1, rogue.welcome.token)?;
+    assert_eq!(h.stats().requests, 1, "a replay was answered");
+    assert!(h.stats().refused >= 2, "{:?}", h.stats());
+    Ok(())
+}
+
+#[test]
+fn a_holder_that_never_answers_the_hello_is_named_in_a_timeout() -> Result<()> {
+    let silent = TcpListener::bind("127.0.0.1:0")?;
+    let addr = silent.local_addr()?;
+    // Accepts (the kernel does, from the backlog) and never answers.
+    let fabric = MemFabric::new();
+    let config = RequesterConfig {
+        timeout: Duration::from_millis(300),
+        link_bytes: 1 << 16,
+        pool_pages: 8,
+        ..RequesterConfig::new(0.1)
+    };
+    let started = std::time::Instant::now();
+    let err = Requester::connect(TransferEngine::mem(&fabric, 1)?, &[addr], config)
+        .expect_err("a silent holder gives no session");
+    assert!(
+        matches!(err, kvroute_remote::RemoteError::TimedOut { holder, .. } if holder == addr),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(text.contains(&addr.to_string()) && text.contains("did not answer within"), "{text}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    drop(silent);
+    Ok(())
+}
