@@ -355,3 +355,27 @@ fn kernel_gpu_info_names_the_gpu_or_says_why_there_is_none() {
         assert!(err.contains("CUDA backend unavailable"), "{err}");
     }
 }
+
+#[test]
+fn predict_refuses_parameters_whose_costs_are_not_finite() {
+    let out = kvroute(&[
+        "predict",
+        "--mq",
+        "256",
+        "--ct",
+        "2048",
+        "--probe-us",
+        "1e308",
+        "--bw-gbps",
+        "1e-308",
+        "--json",
+    ]);
+    assert!(!out.status.success(), "exit 0 on an infinite cost");
+    // With --json the error is the JSON printed: no cost, no decision.
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON document");
+    assert!(
+        v["error"].as_str().is_some_and(|e| e.contains("not a finite number")),
+        "{v}"
+    );
+    assert!(v.get("decision").is_none(), "{v}");
+}

@@ -91,6 +91,17 @@ pub enum CostModelError {
     /// Every primitive was excluded, so there is nothing to choose from.
     #[error("no primitive is allowed: enable at least one of route, fetch, local")]
     NoPrimitiveAllowed,
+    /// Every input was valid, but a primitive's cost is not a finite number (parameters at
+    /// the ends of the f64 range, e.g. a bandwidth of 1e-308 GB/s): no decision is made on it.
+    #[error(
+        "the {primitive} cost is {value} us, not a finite number: the parameters are out of any useful range"
+    )]
+    NonFiniteCost {
+        /// `route`, `fetch` or `local`.
+        primitive: &'static str,
+        /// The cost computed.
+        value: f64,
+    },
     /// A fit needs samples at two or more distinct abscissae.
     #[error("a fit needs samples at {needed} or more distinct sizes, got {got}")]
     TooFewSamples {

@@ -140,6 +140,14 @@ impl CostModel {
             self.local_unchecked(request),
         );
 
+        for (name, cost) in [("route", &route), ("fetch", &fetch), ("local", &local)] {
+            if !cost.total_us.is_finite() {
+                return Err(crate::error::CostModelError::NonFiniteCost {
+                    primitive: name,
+                    value: cost.total_us,
+                });
+            }
+        }
         let mut best: Option<&PrimitiveCost> = None;
         let mut second: Option<&PrimitiveCost> = None;
         for option in [&route, &fetch, &local].into_iter().filter(|o| o.allowed) {

@@ -172,3 +172,15 @@ fn deserialised_parameters_are_only_trusted_after_construction() {
     let p: CostParams = serde_json::from_value(json).unwrap();
     assert!(invalid("bw_gbps")(&CostModel::new(p).unwrap_err()));
 }
+
+#[test]
+fn parameters_whose_cost_is_not_finite_are_refused() {
+    // Each value is valid on its own; together they price a transfer at infinity.
+    let fabric = Fabric::measured(1e308, 1e-308).unwrap();
+    let costs = CostModel::new(CostParams { fabric, ..params() }).unwrap();
+    let err = costs.decide(&Request::contiguous(256, 2048)).unwrap_err();
+    assert!(
+        matches!(err, CostModelError::NonFiniteCost { value, .. } if !value.is_finite()),
+        "{err}"
+    );
+}

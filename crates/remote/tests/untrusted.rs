@@ -243,7 +243,10 @@ fn a_holder_that_never_answers_the_hello_is_named_in_a_timeout() -> Result<()> {
         "{err:?}"
     );
     let text = err.to_string();
-    assert!(text.contains(&addr.to_string()) && text.contains("did not answer within"), "{text}");
+    assert!(
+        text.contains(&addr.to_string()) && text.contains("did not answer within"),
+        "{text}"
+    );
     assert!(started.elapsed() < Duration::from_secs(5));
     drop(silent);
     Ok(())
