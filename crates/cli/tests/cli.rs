@@ -374,7 +374,9 @@ fn predict_refuses_parameters_whose_costs_are_not_finite() {
     // With --json the error is the JSON printed: no cost, no decision.
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON document");
     assert!(
-        v["error"].as_str().is_some_and(|e| e.contains("not a finite number")),
+        v["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("not a finite number")),
         "{v}"
     );
     assert!(v.get("decision").is_none(), "{v}");

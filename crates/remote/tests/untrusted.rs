@@ -18,6 +18,16 @@ use kvroute_transport::{MemFabric, OnDone, RegisteredBuffer, TransferEngine};
 
 const CAP: usize = 4;
 
+/// The tests of this file run one at a time: one of them counts the process's session
+/// threads.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn holder(fabric: &MemFabric) -> Result<Holder> {
     let spec = CorpusSpec {
         layers: 2,
@@ -115,6 +125,7 @@ fn rogue(fabric: &MemFabric, holder: &Holder) -> Result<Rogue> {
 
 #[test]
 fn a_hello_naming_another_engines_region_is_refused() -> Result<()> {
+    let _serial = serial();
     let fabric = MemFabric::new();
     let h = holder(&fabric)?;
     let victim = TransferEngine::mem(&fabric, 1)?;
@@ -146,6 +157,7 @@ fn a_hello_naming_another_engines_region_is_refused() -> Result<()> {
 
 #[test]
 fn a_session_cannot_make_the_holder_answer_another_or_replay_it() -> Result<()> {
+    let _serial = serial();
     let fabric = MemFabric::new();
     let h = holder(&fabric)?;
     // The victim has pinged (at connect) and routed: its slot holds a valid request.
@@ -178,6 +190,7 @@ fn a_session_cannot_make_the_holder_answer_another_or_replay_it() -> Result<()> 
 
 #[test]
 fn a_request_without_the_sessions_token_is_not_answered() -> Result<()> {
+    let _serial = serial();
     let fabric = MemFabric::new();
     let h = holder(&fabric)?;
     let rogue = rogue(&fabric, &h)?;
@@ -225,6 +238,7 @@ fn a_request_without_the_sessions_token_is_not_answered() -> Result<()> {
 
 #[test]
 fn a_holder_that_never_answers_the_hello_is_named_in_a_timeout() -> Result<()> {
+    let _serial = serial();
     let silent = TcpListener::bind("127.0.0.1:0")?;
     let addr = silent.local_addr()?;
     // Accepts (the kernel does, from the backlog) and never answers.
@@ -249,5 +263,78 @@ fn a_holder_that_never_answers_the_hello_is_named_in_a_timeout() -> Result<()> {
     );
     assert!(started.elapsed() < Duration::from_secs(5));
     drop(silent);
+    Ok(())
+}
+
+/// Threads of this process named `holder-session` (one per open control connection).
+fn session_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|tasks| {
+            tasks
+                .flatten()
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| c.trim() == "holder-session")
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn idle_control_connections_are_bounded_and_closed() -> Result<()> {
+    let _serial = serial();
+    let fabric = MemFabric::new();
+    let spec = CorpusSpec {
+        layers: 2,
+        chunk_tokens: 64,
+        chunks: 1,
+        seed: 5,
+        rope_theta: 10_000.0,
+        yarn: None,
+        rope_layout: RopeLayout::Interleaved,
+    };
+    let engine = TransferEngine::mem(&fabric, 1)?;
+    let held = HeldChunks::generate(&engine, &spec, &[ChunkId(0)])?;
+    let config = HolderConfig {
+        max_requesters: 2,
+        slot_bytes: 1 << 16,
+        reply_bytes: 1 << 16,
+        gather_bytes: 1 << 16,
+        hello_timeout: Duration::from_millis(300),
+        max_connections: 4,
+        ..HolderConfig::default()
+    };
+    let h = Holder::start(engine, TcpListener::bind("127.0.0.1:0")?, held, config)?;
+    // Twenty connections that never say hello.
+    let idle: Vec<TcpStream> = (0..20)
+        .map(|_| TcpStream::connect(h.addr()))
+        .collect::<Result<_, _>>()?;
+    std::thread::sleep(Duration::from_millis(100));
+    let during = session_threads();
+    assert!(during <= 4, "{during} threads for 20 idle connections");
+    // After the hello timeout every one of them is closed and its thread gone.
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(session_threads(), 0, "idle connections still hold threads");
+    for mut c in idle {
+        let mut byte = [0u8; 1];
+        c.set_read_timeout(Some(Duration::from_secs(1)))?;
+        assert_eq!(
+            std::io::Read::read(&mut c, &mut byte)?,
+            0,
+            "closed by the holder"
+        );
+    }
+    // An honest requester is served.
+    let mut req = Requester::connect(
+        TransferEngine::mem(&fabric, 1)?,
+        &[h.addr()],
+        RequesterConfig {
+            link_bytes: 1 << 16,
+            pool_pages: 8,
+            ..RequesterConfig::new(0.1)
+        },
+    )?;
+    route_once(&mut req)?;
     Ok(())
 }

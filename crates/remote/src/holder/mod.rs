@@ -9,7 +9,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -27,8 +27,9 @@ mod serve;
 mod transfer;
 
 /// How a holder is set up. [`Default`] gives 8 requesters, 4 MiB slots and replies, 16 MiB
-/// of gather staging per requester (14,563 rows: top-2048 over 7 layers), CPU kernels and
-/// 200 us of polling after each batch. Staging is touched only as far as it is used.
+/// of gather staging per requester (14,563 rows: top-2048 over 7 layers), CPU kernels,
+/// 200 us of polling after each batch, 10 s for a hello and 32 control connections. Staging
+/// is touched only as far as it is used.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HolderConfig {
     /// Concurrent requesters served; the next one is told busy (paper 000 section 6.3: ~8).
@@ -46,6 +47,11 @@ pub struct HolderConfig {
     /// blocks (with worker threads; under manual progress it polls while any session is open,
     /// as nobody else progresses the engine).
     pub idle_spin: Duration,
+    /// How long a new control connection may take to send its hello before it is closed.
+    pub hello_timeout: Duration,
+    /// Control connections open at once, sessions included (each holds a thread and a
+    /// socket); one more is closed at once. At least `max_requesters`.
+    pub max_connections: usize,
 }
 
 impl Default for HolderConfig {
@@ -57,6 +63,8 @@ impl Default for HolderConfig {
             gather_bytes: 16 << 20,
             backend: Backend::Cpu,
             idle_spin: Duration::from_micros(200),
+            hello_timeout: Duration::from_secs(10),
+            max_connections: 32,
         }
     }
 }
@@ -124,6 +132,8 @@ struct Shared {
     gather_staging: RegisteredBuffer,
     entries: Vec<ChunkEntry>,
     sessions: Mutex<Vec<Option<Session>>>,
+    /// Control connections open now (each on its own thread).
+    connections: AtomicUsize,
     stats: Mutex<HolderStats>,
     stop: AtomicBool,
 }
@@ -156,6 +166,11 @@ impl Holder {
                 "max_requesters must be 1 to 65536".into(),
             ));
         }
+        if config.max_connections < config.max_requesters || config.hello_timeout.is_zero() {
+            return Err(RemoteError::Config(
+                "max_connections must be at least max_requesters, hello_timeout above zero".into(),
+            ));
+        }
         if config.slot_bytes < wire::REQUEST_HEADER || config.reply_bytes < wire::reply_len(1, 0) {
             return Err(RemoteError::Config(
                 "slot_bytes and reply_bytes must hold at least a header".into(),
@@ -179,6 +194,7 @@ impl Holder {
         let shared = Arc::new(Shared {
             engine,
             sessions: Mutex::new(vec![None; config.max_requesters]),
+            connections: AtomicUsize::new(0),
             config,
             chunks,
             inboxes,
@@ -251,14 +267,25 @@ impl Shared {
         while !self.stop.load(Ordering::Acquire) {
             match listener.accept() {
                 Ok((stream, _)) => {
+                    // Bounded: past the cap a connection is closed at once, unread.
+                    let open = self.connections.fetch_add(1, Ordering::AcqRel);
+                    if open >= self.config.max_connections {
+                        self.connections.fetch_sub(1, Ordering::AcqRel);
+                        lock(&self.stats).busy += 1;
+                        continue;
+                    }
                     let shared = self.clone();
-                    let _ = std::thread::Builder::new()
+                    let spawned = std::thread::Builder::new()
                         .name("holder-session".into())
                         .spawn(move || {
                             if let Err(e) = shared.session(stream) {
                                 tracing::debug!(%e, "session ended");
                             }
+                            shared.connections.fetch_sub(1, Ordering::AcqRel);
                         });
+                    if spawned.is_err() {
+                        self.connections.fetch_sub(1, Ordering::AcqRel);
+                    }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     std::thread::sleep(Duration::from_millis(5));
@@ -279,6 +306,10 @@ impl Shared {
         let io = |source| RemoteError::Control { peer, source };
         stream.set_nodelay(true).map_err(io)?;
         stream.set_nonblocking(false).map_err(io)?;
+        // A connection that sends no hello in time is closed: it holds a thread and a socket.
+        stream
+            .set_read_timeout(Some(self.config.hello_timeout))
+            .map_err(io)?;
         let mut writer = stream.try_clone().map_err(io)?;
         let mut reader = BufReader::new(stream);
         let mut line = String::new();
@@ -341,6 +372,9 @@ impl Shared {
             chunks: self.entries.clone(),
         };
         send_line(&mut writer, peer, &Answer::Welcome(welcome))?;
+        // A session's control lines may be minutes apart; the session ends when the
+        // connection closes.
+        writer.set_read_timeout(None).map_err(io)?;
         loop {
             line.clear();
             if (&mut reader)
