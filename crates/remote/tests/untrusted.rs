@@ -29,6 +29,11 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn holder(fabric: &MemFabric) -> Result<Holder> {
+    holder_with(fabric, |_| {})
+}
+
+/// A holder of one two-layer chunk, with small regions and `tune` applied to its config.
+fn holder_with(fabric: &MemFabric, tune: impl FnOnce(&mut HolderConfig)) -> Result<Holder> {
     let spec = CorpusSpec {
         layers: 2,
         chunk_tokens: 64,
@@ -40,13 +45,14 @@ fn holder(fabric: &MemFabric) -> Result<Holder> {
     };
     let engine = TransferEngine::mem(fabric, 1)?;
     let held = HeldChunks::generate(&engine, &spec, &[ChunkId(0)])?;
-    let config = HolderConfig {
+    let mut config = HolderConfig {
         max_requesters: CAP,
         slot_bytes: 1 << 16,
         reply_bytes: 1 << 16,
         gather_bytes: 1 << 16,
         ..HolderConfig::default()
     };
+    tune(&mut config);
     Ok(Holder::start(
         engine,
         TcpListener::bind("127.0.0.1:0")?,
@@ -285,27 +291,11 @@ fn session_threads() -> usize {
 fn idle_control_connections_are_bounded_and_closed() -> Result<()> {
     let _serial = serial();
     let fabric = MemFabric::new();
-    let spec = CorpusSpec {
-        layers: 2,
-        chunk_tokens: 64,
-        chunks: 1,
-        seed: 5,
-        rope_theta: 10_000.0,
-        yarn: None,
-        rope_layout: RopeLayout::Interleaved,
-    };
-    let engine = TransferEngine::mem(&fabric, 1)?;
-    let held = HeldChunks::generate(&engine, &spec, &[ChunkId(0)])?;
-    let config = HolderConfig {
-        max_requesters: 2,
-        slot_bytes: 1 << 16,
-        reply_bytes: 1 << 16,
-        gather_bytes: 1 << 16,
-        hello_timeout: Duration::from_millis(300),
-        max_connections: 4,
-        ..HolderConfig::default()
-    };
-    let h = Holder::start(engine, TcpListener::bind("127.0.0.1:0")?, held, config)?;
+    let h = holder_with(&fabric, |c| {
+        c.max_requesters = 2;
+        c.hello_timeout = Duration::from_millis(300);
+        c.max_connections = 4;
+    })?;
     // Twenty connections that never say hello.
     let idle: Vec<TcpStream> = (0..20)
         .map(|_| TcpStream::connect(h.addr()))
