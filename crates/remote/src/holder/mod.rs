@@ -181,7 +181,6 @@ impl Holder {
                 .ok_or_else(|| RemoteError::Config("staging larger than memory".into()))
         };
         let entries = chunks.entries(&engine.main_address());
-        staging_bytes(config.slot_bytes)?;
         let inboxes = (0..config.max_requesters)
             .map(|_| engine.alloc_mr(config.slot_bytes))
             .collect::<Result<Vec<_>, _>>()?;

@@ -276,15 +276,8 @@ impl Requester {
         gathered: &'a Gathered,
         layer_index: usize,
     ) -> Result<Cache<'a>, RemoteError> {
-        let ppl = gathered.rows.div_ceil(PAGE_TOKENS);
-        let table = gathered
-            .pages
-            .get(layer_index * ppl..(layer_index + 1) * ppl)
-            .ok_or_else(|| RemoteError::Config(format!("no gathered layer {layer_index}")))?;
-        // SAFETY: as in `fetch`: every row write of the gather has been counted and no
-        // transfer into these pages is in flight while `self` is borrowed.
-        let pool = unsafe { self.pool_mem.u16s(0, self.pool.bytes() / 2)? };
-        Ok(Cache::paged(pool, table, gathered.rows)?)
+        self.pool_layer(&gathered.pages, gathered.rows, layer_index)?
+            .ok_or_else(|| RemoteError::Config(format!("no gathered layer {layer_index}")))
     }
 
     /// Returns gathered rows' pages to the pool.
@@ -298,18 +291,29 @@ impl Requester {
         fetched: &'a Fetched,
         layer: usize,
     ) -> Result<Cache<'a>, RemoteError> {
-        let ppl = fetched.tokens.div_ceil(PAGE_TOKENS);
-        let table =
-            fetched
-                .pages
-                .get(layer * ppl..(layer + 1) * ppl)
-                .ok_or(RemoteError::Chunk {
-                    chunk: fetched.chunk,
-                    why: format!("no fetched layer {layer}"),
-                })?;
-        // SAFETY: as in `fetch`: no writes into the pool are in flight while `self` is borrowed.
+        self.pool_layer(&fetched.pages, fetched.tokens, layer)?
+            .ok_or_else(|| RemoteError::Chunk {
+                chunk: fetched.chunk,
+                why: format!("no fetched layer {layer}"),
+            })
+    }
+
+    /// Layer `layer` of `tokens` rows laid out layer-major over `pages` of the pool, as a
+    /// paged cache; `None` past the last layer.
+    fn pool_layer<'a>(
+        &'a self,
+        pages: &'a [u32],
+        tokens: usize,
+        layer: usize,
+    ) -> Result<Option<Cache<'a>>, RemoteError> {
+        let ppl = tokens.div_ceil(PAGE_TOKENS);
+        let Some(table) = pages.get(layer * ppl..(layer + 1) * ppl) else {
+            return Ok(None);
+        };
+        // SAFETY: as in `fetch`: every write into these pages has been counted and no
+        // transfer into the pool is in flight while `self` is borrowed.
         let pool = unsafe { self.pool_mem.u16s(0, self.pool.bytes() / 2)? };
-        Ok(Cache::paged(pool, table, fetched.tokens)?)
+        Ok(Some(Cache::paged(pool, table, tokens)?))
     }
 
     /// Returns a fetched chunk's pages to the pool.

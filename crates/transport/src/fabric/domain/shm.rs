@@ -23,7 +23,7 @@ pub(super) fn shm_peer_pid(bytes: &[u8]) -> Option<libc::pid_t> {
 /// write this one's memory (`ptrace`, `/proc/PID/mem`, the cross-memory copies `shm` itself
 /// uses), so the trust boundary `shm` can have is the user.
 pub(super) fn check_shm_peer(bytes: &[u8]) -> Result<(), String> {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    use std::os::unix::fs::MetadataExt;
     let name = shm_region_name(bytes).ok_or("not an shm endpoint name (<pid>:<uid>:<n>)")?;
     // SAFETY: geteuid has no preconditions and cannot fail.
     let me = unsafe { libc::geteuid() };
@@ -33,9 +33,8 @@ pub(super) fn check_shm_peer(bytes: &[u8]) -> Result<(), String> {
         &name,
         me,
         RegionFile {
-            regular: meta.file_type().is_file()
-                && !meta.file_type().is_symlink()
-                && !meta.file_type().is_fifo(),
+            // Not followed: a link or a fifo is not a regular file.
+            regular: meta.file_type().is_file(),
             owner: meta.uid(),
             mode: meta.mode(),
         },
@@ -66,15 +65,15 @@ pub(super) struct RegionFile {
 pub(super) fn shm_region_name(bytes: &[u8]) -> Option<RegionName<'_>> {
     let text = std::str::from_utf8(bytes.strip_suffix(&[0])?).ok()?;
     let text = text.split_once("://").map_or(text, |(_, rest)| rest);
-    let (prefix, rest) = text.rsplit_once(':')?.0.rsplit_once(':')?;
-    let n = text.rsplit_once(':')?.1;
+    let (name, n) = text.rsplit_once(':')?;
+    let (prefix, uid) = name.rsplit_once(':')?;
     let digits = |s: &str| !s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit());
     let name_char = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_');
     if prefix.is_empty()
         || prefix.len() > 64
         || !prefix.bytes().all(name_char)
         || !prefix.bytes().any(|b| b != b'.')
-        || !digits(rest)
+        || !digits(uid)
         || !digits(n)
     {
         return None;
@@ -87,7 +86,7 @@ pub(super) fn shm_region_name(bytes: &[u8]) -> Option<RegionName<'_>> {
     Some(RegionName {
         text,
         pid,
-        uid: rest.parse().ok()?,
+        uid: uid.parse().ok()?,
     })
 }
 
