@@ -333,7 +333,7 @@ fn two_hosts_in_network_namespaces_over_tcp() {
     let hosts = match HostPair::create() {
         Ok(h) => h,
         Err(why) => {
-            eprintln!("SKIPPED two_hosts_in_network_namespaces_over_tcp: {why}");
+            kvroute_testkit::skip!("{why}");
             return;
         }
     };

@@ -3,7 +3,8 @@
 //! - `deps [--check]`: check (and as root, install) the system packages the crates need, and
 //!   unpack the pinned NVRTC wheel into `target/nvrtc` (the CUDA compile test's compiler).
 //! - `test`: what CI runs: deps, rustfmt, clippy with warnings denied, every test, rustdoc with
-//!   warnings denied.
+//!   warnings denied; it ends by counting and naming each test that skipped on this machine
+//!   (recorded through `crates/testkit`), grouped by reason.
 //! - `loom`: the loom models of the transport's completion logic (each with a broken variant
 //!   it must catch), built with `--cfg kvroute_loom` in a target folder of their own.
 //! - `demo [ARGS]`: build and run the main job in release mode.
@@ -126,12 +127,22 @@ fn test() -> Result<()> {
     // NVRTC from target/nvrtc, and the sm_90 compile test required (it fails, not skips,
     // if NVRTC cannot be loaded).
     let library_path = nvrtc::library_path(&root);
+    // Tests that cannot run on this machine append themselves here (crates/testkit).
+    let skip_log = root.join("target").join("xtask-skips.tsv");
+    match std::fs::remove_file(&skip_log) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(e).with_context(|| format!("removing {}", skip_log.display()));
+        }
+        _ => {}
+    }
+    let skip_log_env = skip_log.to_string_lossy().into_owned();
     cargo_step(
         "test",
         &["test", "--workspace", "--locked"],
         &[
             ("LD_LIBRARY_PATH", &library_path),
             ("KVROUTE_REQUIRE_NVRTC", "1"),
+            ("KVROUTE_SKIP_LOG", &skip_log_env),
         ],
     )?;
     library_alone()?;
@@ -141,11 +152,42 @@ fn test() -> Result<()> {
         &["doc", "--workspace", "--no-deps", "--locked"],
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
+    let skips = match std::fs::read_to_string(&skip_log) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", skip_log.display())),
+    };
+    let (count, summary) = skip_summary(&skips);
+    print!("{summary}");
     println!(
-        "xtask test: all steps passed in {:.0} s",
-        started.elapsed().as_secs_f64()
+        "xtask test: all steps passed in {:.0} s; {count} test{} skipped on this machine{}",
+        started.elapsed().as_secs_f64(),
+        if count == 1 { "" } else { "s" },
+        if count == 0 { "" } else { " (named above)" },
     );
     Ok(())
+}
+
+/// The skips `crates/testkit` recorded (lines `test<TAB>reason`), grouped by reason: how many
+/// distinct tests skipped, and a listing naming each under its reason.
+fn skip_summary(log: &str) -> (usize, String) {
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::fmt::Write as _;
+    let mut by_reason: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    let mut tests = BTreeSet::new();
+    for line in log.lines().filter(|l| !l.trim().is_empty()) {
+        let (test, why) = line.split_once('\t').unwrap_or((line, "no reason given"));
+        by_reason.entry(why).or_default().insert(test);
+        tests.insert(test);
+    }
+    let mut out = String::new();
+    for (why, names) in &by_reason {
+        let _ = writeln!(out, "xtask skipped ({why}): {} test(s)", names.len());
+        for name in names {
+            let _ = writeln!(out, "    {name}");
+        }
+    }
+    (tests.len(), out)
 }
 
 /// `kvroute-remote` as an adopter gets it: its normal dependencies hold none of the binary's
@@ -248,4 +290,23 @@ pub(crate) fn cargo_step(name: &str, args: &[&str], env: &[(&str, &str)]) -> Res
 pub(crate) fn workspace_root() -> PathBuf {
     let xtask_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     xtask_dir.parent().unwrap_or(xtask_dir).to_path_buf()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::skip_summary;
+
+    #[test]
+    fn skips_are_counted_once_per_test_and_named_under_their_reason() {
+        let log = "k: a\tno AVX-512\nk: b\tno AVX-512\nk: a\tno AVX-512 BF16\nt: c\tno GPU\n\n";
+        let (count, text) = skip_summary(log);
+        assert_eq!(count, 3, "{text}");
+        assert_eq!(
+            text,
+            "xtask skipped (no AVX-512): 2 test(s)\n    k: a\n    k: b\n\
+             xtask skipped (no AVX-512 BF16): 1 test(s)\n    k: a\n\
+             xtask skipped (no GPU): 1 test(s)\n    t: c\n"
+        );
+        assert_eq!(skip_summary(""), (0, String::new()));
+    }
 }

@@ -16,12 +16,10 @@
 mod common;
 
 use common::{Rng, SCALE, assert_close};
-use kvroute_kernels::{
-    Backend, Cache, Isa, Partial, Queries, Selection, partial_dense, partial_sparse,
-};
+use kvroute_kernels::{Backend, Cache, Partial, Queries, Selection, partial_dense, partial_sparse};
 
 fn backends() -> Vec<Backend> {
-    Isa::available().into_iter().map(Backend::CpuWith).collect()
+    common::isas().into_iter().map(Backend::CpuWith).collect()
 }
 
 #[test]

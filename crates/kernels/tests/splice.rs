@@ -12,8 +12,7 @@ use common::{Rng, SCALE};
 use kvroute_kernels::bf16;
 use kvroute_kernels::layout::{D_LATENT, D_QK, PAGE_TOKENS};
 use kvroute_kernels::{
-    Backend, Cache, Isa, Queries, Rope, RopeLayout, Selection, SpliceJob, Yarn, partial_sparse,
-    splice,
+    Backend, Cache, Queries, Rope, RopeLayout, Selection, SpliceJob, Yarn, partial_sparse, splice,
 };
 
 fn ropes() -> Vec<Rope> {
@@ -142,7 +141,7 @@ fn every_cpu_splice_is_bit_identical_to_the_reference_copying_or_in_place() {
         table[layer * pages_per_layer + t / PAGE_TOKENS] as usize * PAGE_TOKENS + t % PAGE_TOKENS
     };
     let mut backends = vec![Backend::Cpu];
-    backends.extend(Isa::available().into_iter().map(Backend::CpuWith));
+    backends.extend(common::isas().into_iter().map(Backend::CpuWith));
     for layout in [RopeLayout::Interleaved, RopeLayout::Half] {
         let rope = Rope::yarn(10_000.0, Yarn::DEEPSEEK, layout).unwrap();
         let copying = |backend| {

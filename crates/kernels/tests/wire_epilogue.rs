@@ -10,12 +10,12 @@ mod common;
 use common::{Rng, SCALE};
 use kvroute_kernels::layout::PARTIAL_ROW_BYTES;
 use kvroute_kernels::{
-    Backend, Cache, Isa, KernelError, Queries, Selection, WireOut, partial_dense,
-    partial_dense_wire, partial_sparse, partial_sparse_wire,
+    Backend, Cache, KernelError, Queries, Selection, WireOut, partial_dense, partial_dense_wire,
+    partial_sparse, partial_sparse_wire,
 };
 
 fn backends() -> Vec<Backend> {
-    let mut b: Vec<Backend> = Isa::available().into_iter().map(Backend::CpuWith).collect();
+    let mut b: Vec<Backend> = common::isas().into_iter().map(Backend::CpuWith).collect();
     b.push(Backend::Reference);
     b
 }

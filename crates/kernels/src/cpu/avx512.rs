@@ -487,7 +487,7 @@ mod tests {
     #[test]
     fn hsum16_puts_each_vectors_sum_in_its_lane() {
         if !has_bf16() {
-            eprintln!("SKIPPED: no AVX-512 BF16 on this CPU");
+            kvroute_testkit::skip!("no AVX-512 BF16 on this CPU");
             return;
         }
         // Distinct powers of two per (vector, lane): any misplaced term changes the sum.
@@ -503,7 +503,7 @@ mod tests {
     #[test]
     fn exp_is_within_2_ulp_of_std_and_keeps_nan() {
         if !has_bf16() {
-            eprintln!("SKIPPED: no AVX-512 BF16 on this CPU");
+            kvroute_testkit::skip!("no AVX-512 BF16 on this CPU");
             return;
         }
         let mut worst = 0u32;

@@ -3,7 +3,17 @@
 #![allow(dead_code)]
 
 use kvroute_kernels::layout::D_QK;
-use kvroute_kernels::{Partial, bf16};
+use kvroute_kernels::{Isa, Partial, bf16};
+
+/// Every instruction set this CPU runs, widest first; each one it lacks is recorded as a skip
+/// of the calling test, so `cargo xtask test` names what this machine did not check.
+pub(crate) fn isas() -> Vec<Isa> {
+    let all = [Isa::Avx512Bf16, Isa::Avx512, Isa::Avx2, Isa::Scalar];
+    for isa in all.iter().filter(|i| !i.is_available()) {
+        kvroute_testkit::skip!("this CPU cannot run {isa:?}");
+    }
+    all.into_iter().filter(|i| i.is_available()).collect()
+}
 
 /// SplitMix64: small, fast, good enough for test data.
 pub(crate) struct Rng(u64);
