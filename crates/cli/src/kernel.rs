@@ -367,6 +367,45 @@ mod tests {
         a.backend = "cpu".into();
         a.cache = d.join("missing.npy");
         assert!(err(&a).contains("missing.npy"));
+        // A NaN in a query row, an infinity in a cache row (f32 files too): refused naming the
+        // row, never an output of NaN or zeroed rows.
+        let mut bad_q = q.clone();
+        bad_q[D_QK + 3] = 0x7fc0;
+        npy::write_u16(&d.join("nan_q.npy"), &[2, D_QK], &bad_q).unwrap();
+        let mut cf: Vec<f32> = c
+            .iter()
+            .map(|&b| kvroute_kernels::bf16::to_f32(b))
+            .collect();
+        cf[4 * D_QK] = f32::INFINITY;
+        npy::write_f32(&d.join("inf_c.npy"), &[10, D_QK], &cf).unwrap();
+        for (qf, cfile, row) in [("nan_q.npy", "c.npy", 1), ("q.npy", "inf_c.npy", 0)] {
+            for backend in ["cpu", "reference"] {
+                let mut a = partial_args(&d, None, "nf");
+                (a.q, a.cache, a.backend) = (d.join(qf), d.join(cfile), backend.into());
+                let e = err(&a);
+                assert!(
+                    e.contains(&format!("query row {row}")) && e.contains("not finite"),
+                    "{e}"
+                );
+                assert!(!d.join("nf").exists(), "an output was written");
+            }
+        }
+        // A partial holding NaN is refused by merge, not merged into zeros.
+        partial(&partial_args(&d, None, "good")).unwrap();
+        let mut m = Array::read(&d.join("good").join("m.npy"))
+            .unwrap()
+            .to_f32()
+            .unwrap();
+        m[1] = f32::NAN;
+        npy::write_f32(&d.join("good").join("m.npy"), &[2], &m).unwrap();
+        let merged = merge(&KernelMergeArgs {
+            parts: vec![d.join("good")],
+            out: d.join("merged_nan"),
+            backend: "cpu".into(),
+        });
+        let e = format!("{:#}", merged.unwrap_err());
+        assert!(e.contains("row 1") && e.contains("finite"), "{e}");
+        assert!(!d.join("merged_nan").exists());
         std::fs::remove_dir_all(&d).ok();
     }
 }

@@ -59,6 +59,19 @@ pub enum KernelError {
         /// What is wrong.
         why: &'static str,
     },
+    /// A query row's partial is not finite although the row attends at least one token: a NaN
+    /// or infinity in its query row or in a cache row it attends, or a score beyond f32's
+    /// range. Every backend refuses it (never NaN in the output, never a finite or empty row
+    /// that would merge into a silently wrong answer).
+    #[error(
+        "query row {row}: the partial is not finite ({why}): a NaN or infinity in the inputs, or a score beyond f32's range"
+    )]
+    NonFinite {
+        /// The first such row.
+        row: usize,
+        /// Which part of the result is not finite.
+        why: &'static str,
+    },
     /// Two destinations of a scatter are the same page.
     #[error("block table: page {page} appears twice (positions {first} and {second})")]
     DuplicatePage {

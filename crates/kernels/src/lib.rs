@@ -158,11 +158,13 @@ pub fn partial_dense(
     if q.is_empty() {
         return Err(KernelError::Empty("query rows"));
     }
-    Ok(match engine(backend)? {
+    let p = match engine(backend)? {
         Engine::Cpu(isa) => cpu::partial_dense(q, cache, scale, isa),
         Engine::Reference => reference::partial_dense(q, cache, scale),
         Engine::Cuda(gpu) => gpu.partial_dense(q, cache, scale)?,
-    })
+    };
+    p.check_finite(|_| cache.tokens() > 0)?;
+    Ok(p)
 }
 
 /// Sparse partial attention: each query row against its selected tokens (`sel` was checked
@@ -179,11 +181,18 @@ pub fn partial_sparse(
         return Err(KernelError::Empty("query rows"));
     }
     let sel = selection_for(sel, q, cache)?;
-    Ok(match engine(backend)? {
+    let p = match engine(backend)? {
         Engine::Cpu(isa) => cpu::partial_sparse(q, cache, &sel, scale, isa),
         Engine::Reference => reference::partial_sparse(q, cache, &sel, scale),
         Engine::Cuda(gpu) => gpu.partial_sparse(q, cache, &sel, scale)?,
-    })
+    };
+    p.check_finite(|r| attends(&sel, r))?;
+    Ok(p)
+}
+
+/// Whether query row `r` selects at least one token (not only padding).
+fn attends(sel: &Selection<'_>, r: usize) -> bool {
+    sel.of_row(r).iter().any(|&i| i >= 0)
 }
 
 /// `sel` checked again against these queries and this cache: a selection built for others
@@ -217,7 +226,8 @@ pub fn partial_dense_wire(
     match engine(backend)? {
         Engine::Cpu(isa) => {
             check_scale(scale)?;
-            cpu::partial_dense_wire(q, cache, scale, isa, out)
+            cpu::partial_dense_wire(q, cache, scale, isa, out)?;
+            out.check_finite(|_| cache.tokens() > 0)
         }
         _ => out.write(&partial_dense(backend, q, cache, scale)?),
     }
@@ -238,7 +248,7 @@ pub fn partial_sparse_wire(
             check_scale(scale)?;
             let sel = selection_for(sel, q, cache)?;
             cpu::partial_sparse_wire(q, cache, &sel, scale, isa, out);
-            Ok(())
+            out.check_finite(|r| attends(&sel, r))
         }
         _ => out.write(&partial_sparse(backend, q, cache, sel, scale)?),
     }

@@ -272,6 +272,66 @@ impl<'a> WireOut<'a> {
     }
 }
 
+/// The non-finite contract ([`KernelError::NonFinite`]): a row that attends at least one token
+/// (`live(r)`) must come out with `m` and `l` finite, `l > 0` and every `o` finite; a row that
+/// attends none is left as the kernel made it (empty). `o_finite(r)` reports row `r`'s values.
+pub(crate) fn check_result(
+    rows: usize,
+    live: impl Fn(usize) -> bool,
+    stats: impl Fn(usize) -> (f32, f32),
+    o_finite: impl Fn(usize) -> bool,
+) -> Result<(), KernelError> {
+    for r in (0..rows).filter(|&r| live(r)) {
+        let (m, l) = stats(r);
+        let why = if !(m.is_finite() && l.is_finite()) {
+            "m or l is NaN or infinite"
+        } else if l <= 0.0 {
+            "every score is -inf or NaN (l = 0)"
+        } else if !o_finite(r) {
+            "o is NaN or infinite"
+        } else {
+            continue;
+        };
+        return Err(KernelError::NonFinite { row: r, why });
+    }
+    Ok(())
+}
+
+impl Partial {
+    /// [`check_result`] on this partial's rows.
+    pub(crate) fn check_finite(&self, live: impl Fn(usize) -> bool) -> Result<(), KernelError> {
+        check_result(
+            self.rows(),
+            live,
+            |r| (self.m[r], self.l[r]),
+            |r| all_finite(self.o_row(r)),
+        )
+    }
+}
+
+impl WireOut<'_> {
+    /// [`check_result`] on the rows written here (the bf16 `o`: a value that rounded to
+    /// infinity on encoding counts as not finite).
+    pub(crate) fn check_finite(&self, live: impl Fn(usize) -> bool) -> Result<(), KernelError> {
+        let f32_at = |row: &[u8], at: usize| {
+            f32::from_le_bytes([row[at], row[at + 1], row[at + 2], row[at + 3]])
+        };
+        check_result(
+            self.rows.len(),
+            live,
+            |r| {
+                let row = &self.rows[r];
+                (f32_at(row, D_LATENT * 2), f32_at(row, D_LATENT * 2 + 4))
+            },
+            |r| {
+                self.rows[r][..D_LATENT * 2]
+                    .chunks_exact(2)
+                    .all(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 != 0x7f80)
+            },
+        )
+    }
+}
+
 /// Row `r`'s `(m, l)` is a valid pair: `l` finite and non-negative, `m` finite where `l > 0`
 /// and `-inf` where `l = 0`.
 fn check_stats(r: usize, m: f32, l: f32) -> Result<(), KernelError> {

@@ -328,3 +328,41 @@ fn idle_control_connections_are_bounded_and_closed() -> Result<()> {
     route_once(&mut req)?;
     Ok(())
 }
+
+/// A query row holding NaN (or one whose scores overflow f32) is refused for its own segment
+/// with `Status::Kernel`, never answered `Ok` with a NaN or silently empty row; a clean call in
+/// the same request is still answered exactly as alone.
+#[test]
+fn a_non_finite_query_is_refused_for_its_segment_only() -> Result<()> {
+    let _serial = serial();
+    let fabric = MemFabric::new();
+    let holder = holder(&fabric)?;
+    let mut req = requester(&fabric, &holder)?;
+    let clean = vec![0x3f80u16; 2 * D_QK];
+    let mut nan = clean.clone();
+    nan[D_QK + 9] = 0x7fc0;
+    let mut huge = clean.clone();
+    huge[..D_QK].fill(0x7f7f); // the largest finite bf16: scores overflow f32
+    let call = |queries| Call {
+        chunk: ChunkId(0),
+        layer: 1,
+        queries,
+        sparse: None,
+    };
+    let alone = req.route(&[call(&clean)]).remove(0)?;
+    let got = req.route(&[call(&nan), call(&clean), call(&huge)]);
+    for bad in [&got[0], &got[2]] {
+        assert!(
+            matches!(
+                bad,
+                Err(kvroute_remote::RouteError::Refused {
+                    status: wire::Status::Kernel,
+                    ..
+                })
+            ),
+            "{bad:?}"
+        );
+    }
+    assert_eq!(got[1].as_ref().unwrap(), &alone);
+    Ok(())
+}

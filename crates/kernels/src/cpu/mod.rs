@@ -102,8 +102,12 @@ fn finish(states: &[RowState], r0: usize, out: &mut Partial) {
 fn finish_rows(states: &[RowState], r0: usize, out: &mut Partial) {
     for r in 0..states[0].m.len() {
         let o = &mut out.o[(r0 + r) * D_LATENT..(r0 + r + 1) * D_LATENT];
-        if states.iter().any(|s| s.m[r].is_nan()) {
-            // Non-finite inputs: propagate rather than hide.
+        if states
+            .iter()
+            .any(|s| s.m[r].is_nan() || s.m[r] == f32::INFINITY || !s.l[r].is_finite())
+        {
+            // Non-finite inputs or scores: propagate rather than hide (the combine skips a
+            // split whose `l` is not positive, so a NaN `l` would drop the whole split).
             o.fill(f32::NAN);
             (out.m[r0 + r], out.l[r0 + r]) = (f32::NAN, f32::NAN);
             continue;

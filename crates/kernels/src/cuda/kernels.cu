@@ -189,9 +189,21 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) mla_combine(
 {
     const int row = blockIdx.x;
     float big = neg_inf();
+    bool poisoned = false;
     for (int p = 0; p < parts; ++p) {
         const long long at = (long long)p * mq + row;
+        // A NaN or infinite state (non-finite inputs or scores) poisons the row: skipping it
+        // as empty would give a finite, wrong result.
+        if (isnan(m[at]) || m[at] == -neg_inf() || !isfinite(l[at])) poisoned = true;
         if (l[at] > 0.0f) big = fmaxf(big, m[at]);
+    }
+    if (poisoned) {
+        for (int d = threadIdx.x; d < D_LATENT; d += COMBINE_THREADS) out_o[(long long)row * D_LATENT + d] = __int_as_float(0x7fc00000);
+        if (threadIdx.x == 0) {
+            out_m[row] = __int_as_float(0x7fc00000);
+            out_l[row] = __int_as_float(0x7fc00000);
+        }
+        return;
     }
     if (big == neg_inf()) {
         for (int d = threadIdx.x; d < D_LATENT; d += COMBINE_THREADS) out_o[(long long)row * D_LATENT + d] = 0.0f;
