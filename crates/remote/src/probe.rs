@@ -53,12 +53,15 @@ pub struct ProbedFabric {
 
 /// Probes the fabric. At each Mq of `config`, the fastest of `reps` routes of the first Mq
 /// rows of `queries` (576 bf16 words a row), each timed from staging the rows to the checked
-/// reply, minus the holder's own kernel time for it: the cost model prices compute and merge
-/// in their own terms, so they must not be in the fabric's. A route whose holder served
-/// anything else meanwhile (another requester's request would bring its kernel time too) is
-/// not kept. The points are fitted to `T_probe + Mq * row_bytes / BW` by relative error. A
-/// sweep too noisy for a line with a positive slope and intercept is measured again, up to
-/// `attempts` times, then bounded from the last sweep ([`fabric_bound`]) and said so.
+/// reply, minus the kernel time the reply's header reports for the batch that served it
+/// (bounded: [`crate::wire::kernel_us_within`]): the cost model prices compute and merge in
+/// their own terms, so they must not be in the fabric's. Other requesters may share the
+/// holder: a route that queued behind their work only comes out slower, and the fastest of
+/// the repetitions is kept, so nothing is dropped and no shared counter is read (a holder's
+/// counters that never advance cost nothing). The points are fitted to
+/// `T_probe + Mq * row_bytes / BW` by relative error. A sweep too noisy for a line with a
+/// positive slope and intercept is measured again, up to `attempts` times, then bounded from
+/// the last sweep ([`fabric_bound`]) and said so.
 pub fn probe_fabric(
     req: &mut Requester,
     config: &ProbeConfig,
@@ -76,7 +79,7 @@ pub fn probe_fabric(
             "a probe to Mq {largest} needs {largest} query rows"
         )));
     }
-    let holder = req.holder_for(config.chunk)?;
+    req.holder_for(config.chunk)?;
     let mut why = String::new();
     let mut last = Vec::new();
     for _ in 0..config.attempts.max(1) {
@@ -90,20 +93,14 @@ pub fn probe_fabric(
             }];
             let mut best = f64::INFINITY;
             for _ in 0..config.reps {
-                let before = req.holder_stats(holder)?;
                 let started = Instant::now();
                 let routed = req.stage_copied(&call).route_wire();
                 routed.partial(0)?;
-                drop(routed);
                 let us = started.elapsed().as_secs_f64() * 1e6;
-                let after = req.holder_stats_counting(holder, before.requests + 1)?;
-                if after.requests == before.requests + 1 {
-                    best = best.min(us - (after.kernel_us - before.kernel_us));
-                }
+                let kernel_us = routed.holder_kernel_us(0, us).unwrap_or(0.0);
+                best = best.min(us - kernel_us);
             }
-            if best.is_finite() {
-                points.push((mq, best));
-            }
+            points.push((mq, best));
         }
         let samples = round_trips(&points, |p| p.0, |p| p.1);
         match fit_round_trips(&samples, row_bytes, Weighting::Relative).and_then(|f| f.fabric()) {

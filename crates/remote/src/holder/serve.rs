@@ -415,7 +415,13 @@ impl Shared {
             };
             stats.refused += layout.statuses.iter().filter(|s| **s != Status::Ok).count() as u64
                 + u64::from(status != Status::Ok);
-            stats.encode_us += self.reply(*slot, session, (status, seq, reply_offset), layout);
+            let kernel_us = stats.kernel_us;
+            stats.encode_us += self.reply(
+                *slot,
+                session,
+                (status, seq, reply_offset, kernel_us),
+                layout,
+            );
         }
         stats.serve_us = started.elapsed().as_secs_f64() * 1e6;
         stats.batches = 1;
@@ -469,12 +475,13 @@ impl Shared {
     /// Finishes one request's reply in the session's staging (the kernels wrote the rows of
     /// the segments they served; this writes the header and status words and zeroes the rows
     /// of refused segments, which would otherwise carry an earlier session's bytes) and writes
-    /// it out; returns the microseconds spent.
+    /// it out; returns the microseconds spent. `kernel_us`: the batch's kernel time, which the
+    /// header carries.
     fn reply(
         &self,
         slot: usize,
         session: &Session,
-        (status, seq, reply_offset): (Status, u64, u64),
+        (status, seq, reply_offset, kernel_us): (Status, u64, u64, f64),
         layout: &ReplyLayout,
     ) -> f64 {
         let (statuses, rows): (&[Status], usize) = if status == Status::Ok {
@@ -488,7 +495,7 @@ impl Shared {
         // SAFETY: as the kernels' runs in `serve_batch`, whose slices are dropped by now; the
         // length fits (checked against `reply_bytes` when the layout was made).
         let encoded = unsafe { self.staging.bytes_mut(staging, len) }.map(|out| {
-            wire::encode_reply_header(out, status, seq, statuses, rows);
+            wire::encode_reply_header(out, (status, seq), statuses, rows, kernel_us as f32);
             let base = wire::reply_rows_offset(statuses.len());
             for (s, &st) in statuses.iter().enumerate() {
                 if st != Status::Ok {

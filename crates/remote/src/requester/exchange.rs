@@ -232,13 +232,14 @@ impl Requester {
 }
 
 /// Checks a reply against what was asked: magic, the request's seq, one status per segment,
-/// and as many rows as the statuses promise.
+/// and as many rows as the statuses promise. Returns the statuses, the holder's kernel-time
+/// claim (unchecked: see [`wire::kernel_us_within`]) and the rows.
 pub(super) fn decode_reply(
     holder: SocketAddr,
     seq: u64,
     bytes: &[u8],
     segments: usize,
-) -> Result<(Vec<Status>, &[u8]), RouteError> {
+) -> Result<(Vec<Status>, f32, &[u8]), RouteError> {
     let bad = |why: &str| RouteError::BadReply {
         holder,
         why: why.to_owned(),
@@ -260,5 +261,5 @@ pub(super) fn decode_reply(
     let rows = bytes
         .get(start..start + header.rows * PARTIAL_ROW_BYTES)
         .ok_or_else(|| bad("rows past the reply"))?;
-    Ok((header.statuses, rows))
+    Ok((header.statuses, header.kernel_us, rows))
 }

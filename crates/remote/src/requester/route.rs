@@ -155,9 +155,9 @@ impl<'r> StagedRoute<'r> {
                 let (holder, seq) = (l.addr, l.seq);
                 let (offset, len) = reply?;
                 let bytes = requester.reply_bytes(holder, (offset, len))?;
-                let (statuses, rows) = decode_reply(holder, seq, bytes, segs.len())?;
+                let (statuses, kernel_us, rows) = decode_reply(holder, seq, bytes, segs.len())?;
                 let start = offset + wire::reply_rows_offset(segs.len());
-                Ok((statuses, start, rows.len()))
+                Ok((statuses, start, rows.len(), kernel_us))
             })
             .collect();
         let firsts: Vec<Vec<usize>> = seg_rows
@@ -170,7 +170,8 @@ impl<'r> StagedRoute<'r> {
             .map(|(c, at)| {
                 let (b, seg) = at?;
                 let holder = requester.links[prepared[b].link].addr;
-                let (statuses, start, len) = decoded[b].as_ref().map_err(Clone::clone)?;
+                let (statuses, start, len, kernel_us) =
+                    decoded[b].as_ref().map_err(Clone::clone)?;
                 if statuses[seg] != Status::Ok {
                     return Err(RouteError::Refused {
                         holder,
@@ -187,7 +188,7 @@ impl<'r> StagedRoute<'r> {
                         why: "fewer rows than asked for".into(),
                     });
                 }
-                Ok((start + from, n, holder))
+                Ok((start + from, n, holder, *kernel_us))
             })
             .collect();
         requester.codec.decode_us += started.elapsed().as_secs_f64() * 1e6;
@@ -195,8 +196,9 @@ impl<'r> StagedRoute<'r> {
     }
 }
 
-/// A reply's segment statuses, where its rows start in the reply region, and their bytes.
-type ReplyRows = (Vec<Status>, usize, usize);
+/// A reply's segment statuses, where its rows start in the reply region, their bytes, and the
+/// holder's kernel-time claim.
+type ReplyRows = (Vec<Status>, usize, usize, f32);
 
 /// What a [`StagedRoute`] brought back: each call's partial rows where they landed, in their
 /// wire encoding, or why the call failed. The rows stay valid (and unwritten) while this
@@ -204,9 +206,9 @@ type ReplyRows = (Vec<Status>, usize, usize);
 /// the next request.
 pub struct Routed<'r> {
     requester: &'r mut Requester,
-    /// Per call: (offset, length) of its rows in the reply region, and the holder that wrote
-    /// them.
-    ranges: Vec<Result<(usize, usize, SocketAddr), RouteError>>,
+    /// Per call: (offset, length) of its rows in the reply region, the holder that wrote them,
+    /// and the kernel time its reply header claims.
+    ranges: Vec<Result<(usize, usize, SocketAddr, f32), RouteError>>,
 }
 
 impl std::fmt::Debug for Routed<'_> {
@@ -240,9 +242,21 @@ impl Routed<'_> {
         })
     }
 
+    /// The time the holder's kernels ran in the batch that served call `c`, as its reply
+    /// claims it, bounded to `round_trip_us` (the route's measured time: a holder's word never
+    /// makes a route look faster than free; [`wire::kernel_us_within`]); `None` if the call
+    /// failed.
+    ///
+    /// # Panics
+    /// If `c` is not a call of this route.
+    pub fn holder_kernel_us(&self, c: usize, round_trip_us: f64) -> Option<f64> {
+        let (.., claimed) = self.ranges[c].as_ref().ok()?;
+        Some(wire::kernel_us_within(*claimed, round_trip_us))
+    }
+
     /// Call `c`'s rows and the holder that wrote them.
     fn rows(&self, c: usize) -> Result<(&[u8], SocketAddr), RouteError> {
-        let (offset, len, holder) = self.ranges[c].clone()?;
+        let (offset, len, holder, _) = self.ranges[c].clone()?;
         Ok((self.requester.reply_bytes(holder, (offset, len))?, holder))
     }
 }

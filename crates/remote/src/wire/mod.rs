@@ -26,15 +26,17 @@ pub const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"KVRP");
 /// fetch arrivals relies on, and a fetch is one write per run of consecutive pages
 /// ([`fetch_runs`]), not per page. 4: every request and ping carries its session's token
 /// (the secret of [`crate::session::Welcome::token`]) and a sequence number that grows with
-/// each, so a holder answers only the session's owner, and each write of its slot once. An
-/// older peer is refused.
-pub const VERSION: u16 = 4;
+/// each, so a holder answers only the session's owner, and each write of its slot once. 5: a
+/// reply header says how long the holder's kernels ran in the batch that served the request
+/// ([`ReplyHeader::kernel_us`]), so a requester can take compute out of a round trip without
+/// asking for the holder's shared counters. An older peer is refused.
+pub const VERSION: u16 = 5;
 /// Bytes of a request header.
 pub const REQUEST_HEADER: usize = 48;
 /// Bytes of one segment descriptor.
 pub const SEGMENT_BYTES: usize = 32;
 /// Bytes of a reply header (before the status words).
-pub const REPLY_HEADER: usize = 24;
+pub const REPLY_HEADER: usize = 32;
 /// Segments one request may carry.
 pub const MAX_SEGMENTS: usize = 256;
 

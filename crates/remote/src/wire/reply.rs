@@ -75,13 +75,14 @@ impl std::fmt::Display for Status {
 }
 
 /// Encodes a reply header and status words into the front of `out` (which must be
-/// [`reply_len`] long); the rows follow at [`reply_rows_offset`].
+/// [`reply_len`] long); the rows follow at [`reply_rows_offset`]. `kernel_us`: the
+/// microseconds the holder's kernels ran in the batch that served the request.
 pub fn encode_reply_header(
     out: &mut [u8],
-    status: Status,
-    seq: u64,
+    (status, seq): (Status, u64),
     statuses: &[Status],
     rows: usize,
+    kernel_us: f32,
 ) {
     out[0..4].copy_from_slice(&REPLY_MAGIC.to_le_bytes());
     out[4..8].copy_from_slice(&(status as u32).to_le_bytes());
@@ -89,6 +90,8 @@ pub fn encode_reply_header(
     out[16..18].copy_from_slice(&(statuses.len() as u16).to_le_bytes());
     out[18..20].copy_from_slice(&[0, 0]);
     out[20..24].copy_from_slice(&(rows as u32).to_le_bytes());
+    out[24..28].copy_from_slice(&kernel_us.to_le_bytes());
+    out[28..32].fill(0);
     for (i, s) in statuses.iter().enumerate() {
         out[REPLY_HEADER + 4 * i..REPLY_HEADER + 4 * i + 4]
             .copy_from_slice(&(*s as u32).to_le_bytes());
@@ -121,7 +124,7 @@ pub fn reply_rows_offset(segments: usize) -> usize {
 }
 
 /// A decoded reply header.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ReplyHeader {
     /// The whole request's status.
     pub status: Status,
@@ -131,6 +134,29 @@ pub struct ReplyHeader {
     pub statuses: Vec<Status>,
     /// Partial rows that follow.
     pub rows: usize,
+    /// Microseconds the holder says its kernels ran in the batch that served the request
+    /// (other sessions' requests batched with it included: they delayed this reply too).
+    /// From the peer: [`ReplyHeader::kernel_us_within`] bounds it before use.
+    pub kernel_us: f32,
+}
+
+impl ReplyHeader {
+    /// [`ReplyHeader::kernel_us`] as a time that can be taken out of a round trip of
+    /// `round_trip_us`: a NaN, negative or infinite claim counts as 0, and no claim exceeds
+    /// the round trip (a holder's word cannot make a route look faster than free).
+    pub fn kernel_us_within(&self, round_trip_us: f64) -> f64 {
+        kernel_us_within(self.kernel_us, round_trip_us)
+    }
+}
+
+/// [`ReplyHeader::kernel_us_within`] of a claim.
+pub fn kernel_us_within(claimed: f32, round_trip_us: f64) -> f64 {
+    let claimed = f64::from(claimed);
+    if claimed.is_finite() && claimed > 0.0 {
+        claimed.min(round_trip_us.max(0.0))
+    } else {
+        0.0
+    }
 }
 
 /// Decodes a reply's header (from the holder: checked).
@@ -149,6 +175,7 @@ pub fn decode_reply_header(bytes: &[u8]) -> Option<ReplyHeader> {
             .map(|i| Status::from_u32(u32_at(bytes, REPLY_HEADER + 4 * i)))
             .collect(),
         rows: u32_at(bytes, 20) as usize,
+        kernel_us: f32::from_bits(u32_at(bytes, 24)),
     })
 }
 

@@ -240,6 +240,7 @@ fn served_arrivals_count_only_served_segments() {
         seq: 1,
         statuses,
         rows: 0,
+        kernel_us: 0.0,
     };
     let per = [5u64, 0, 7, 3];
     let all_ok = header(Status::Ok, vec![Status::Ok; 4]);
@@ -279,6 +280,7 @@ proptest! {
             seq: 0,
             statuses,
             rows: 0,
+            kernel_us: 0.0,
         };
         let mut served = statuses.clone();
         served[at] = Status::Ok;
@@ -296,7 +298,7 @@ proptest! {
 fn reply_header_round_trips() {
     let statuses = [Status::Ok, Status::UnknownChunk, Status::Ok];
     let mut out = vec![0xaa; reply_len(3, 2)];
-    encode_reply_header(&mut out, Status::Ok, 9, &statuses, 2);
+    encode_reply_header(&mut out, (Status::Ok, 9), &statuses, 2, 812.5);
     let h = decode_reply_header(&out);
     assert_eq!(
         h,
@@ -304,10 +306,22 @@ fn reply_header_round_trips() {
             status: Status::Ok,
             seq: 9,
             statuses: statuses.to_vec(),
-            rows: 2
+            rows: 2,
+            kernel_us: 812.5,
         })
     );
-    assert_eq!(reply_rows_offset(3), 40);
+    assert_eq!(reply_rows_offset(3), 48);
+    // The holder's claimed kernel time is bounded before use: never more than the round trip,
+    // never negative or NaN.
+    let claim = |kernel_us| ReplyHeader {
+        kernel_us,
+        ..h.clone().expect("decoded")
+    };
+    assert_eq!(claim(812.5).kernel_us_within(1000.0), 812.5);
+    assert_eq!(claim(5e6).kernel_us_within(1000.0), 1000.0);
+    for bad in [f32::NAN, -3.0, f32::INFINITY, f32::NEG_INFINITY] {
+        assert_eq!(claim(bad).kernel_us_within(1000.0), 0.0, "{bad}");
+    }
     assert!(decode_reply_header(&out[..10]).is_none());
 }
 
