@@ -113,6 +113,11 @@ pub struct HolderStats {
     pub fetches: u64,
     /// Sessions turned away at the cap.
     pub busy: u64,
+    /// Sessions closed by the holder: one that sent no request or ping within the holder's
+    /// `open_timeout`, or one idle for `idle_evict` when a new requester found every slot
+    /// taken.
+    #[serde(default)]
+    pub evicted: u64,
     /// Sessions active now.
     pub active: u64,
 }

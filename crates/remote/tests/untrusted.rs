@@ -366,3 +366,113 @@ fn a_non_finite_query_is_refused_for_its_segment_only() -> Result<()> {
     assert_eq!(got[1].as_ref().unwrap(), &alone);
     Ok(())
 }
+
+fn is_busy(connected: Result<Requester>) -> bool {
+    matches!(
+        connected
+            .err()
+            .and_then(|e| e.downcast::<kvroute_remote::RemoteError>().ok()),
+        Some(kvroute_remote::RemoteError::HolderBusy { .. })
+    )
+}
+
+/// Hellos that never use the data plane hold their slots only for `open_timeout`: then each
+/// is closed and an honest requester gets a session and routes.
+#[test]
+fn sessions_that_never_route_lose_their_slots() -> Result<()> {
+    let _serial = serial();
+    let fabric = MemFabric::new();
+    let h = holder_with(&fabric, |c| {
+        c.open_timeout = Duration::from_millis(300);
+        c.idle_evict = Duration::from_secs(3600);
+    })?;
+    let rogues = (0..CAP)
+        .map(|_| rogue(&fabric, &h))
+        .collect::<Result<Vec<_>>>()?;
+    assert!(is_busy(requester(&fabric, &h)), "every slot is taken");
+    std::thread::sleep(Duration::from_millis(700));
+    let stats = h.stats();
+    assert_eq!((stats.active, stats.evicted), (0, CAP as u64), "{stats:?}");
+    for r in &rogues {
+        let mut rest = String::new();
+        let read = BufReader::new(r._control.try_clone()?).read_line(&mut rest)?;
+        assert_eq!(
+            read, 0,
+            "the holder closed the unopened session's connection"
+        );
+    }
+    let mut honest = requester(&fabric, &h)?;
+    route_once(&mut honest)?;
+    Ok(())
+}
+
+/// A session idle for `idle_evict` yields its slot to a requester that finds every slot
+/// taken; sessions in use are not closed for it, and the newcomer is told busy while every
+/// session is in use.
+#[test]
+fn an_idle_session_yields_its_slot_to_a_waiting_requester() -> Result<()> {
+    let _serial = serial();
+    let fabric = MemFabric::new();
+    let h = holder_with(&fabric, |c| {
+        c.open_timeout = Duration::from_secs(3600);
+        c.idle_evict = Duration::from_millis(400);
+    })?;
+    let mut sessions = (0..CAP)
+        .map(|_| requester(&fabric, &h))
+        .collect::<Result<Vec<_>>>()?;
+    assert!(
+        is_busy(requester(&fabric, &h)),
+        "every session was just used"
+    );
+    // Sessions 1.. keep routing; session 0 goes idle.
+    let until = std::time::Instant::now() + Duration::from_millis(700);
+    while std::time::Instant::now() < until {
+        for s in &mut sessions[1..] {
+            route_once(s)?;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut newcomer = requester(&fabric, &h)?;
+    route_once(&mut newcomer)?;
+    assert_eq!(h.stats().evicted, 1);
+    for s in &mut sessions[1..] {
+        route_once(s)?;
+    }
+    assert!(
+        route_once(&mut sessions[0]).is_err(),
+        "the evicted session still routes"
+    );
+    Ok(())
+}
+
+/// A session's inbox is registered for it alone: after it ends, its descriptor reaches nothing,
+/// so a peer that kept it cannot write into the request of the session that has the slot now.
+#[test]
+fn an_ended_sessions_inbox_descriptor_reaches_nothing() -> Result<()> {
+    let _serial = serial();
+    let fabric = MemFabric::new();
+    let h = holder(&fabric)?;
+    let Rogue {
+        engine,
+        welcome,
+        _control,
+        ..
+    } = rogue(&fabric, &h)?;
+    drop(_control);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(h.stats().active, 0);
+    let mut honest = requester(&fabric, &h)?;
+    let junk = engine.alloc_mr(1 << 12)?;
+    junk.write_at(0, &[0xff; 1 << 12])?;
+    let (done, fut) = OnDone::future();
+    let wrote = engine
+        .submit_single_write(1 << 12, None, (junk.handle(), 0), (&welcome.inbox, 0), done)
+        .map_err(anyhow::Error::from)
+        .and_then(|()| Ok(kvroute_transport::block_on(fut)?));
+    assert!(
+        wrote.is_err(),
+        "a write through an ended session's inbox descriptor landed"
+    );
+    route_once(&mut honest)?;
+    Ok(())
+}

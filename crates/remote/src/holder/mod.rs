@@ -5,13 +5,17 @@
 //! them by (chunk, layer, kind) and runs one kernel call per group (paper 000 section 5.3's
 //! second reduction: the batch is all requests for the same chunk), then answers each request
 //! with one write of its partial rows (the first reduction). A control thread per requester
-//! keeps its session; at the cap the next requester is told [`Answer::Busy`].
+//! keeps its session; at the cap the next requester is told [`Answer::Busy`], unless a session
+//! has been idle long enough to give its slot up ([`HolderConfig::idle_evict`]). A session
+//! that never routes loses its slot after [`HolderConfig::open_timeout`]. Each session gets an
+//! inbox registered for it alone, deregistered when it ends, so a descriptor from an earlier
+//! session of the slot reaches nothing.
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvroute_kernels::Backend;
 use kvroute_kvstore::ChunkEntry;
@@ -28,8 +32,9 @@ mod transfer;
 
 /// How a holder is set up. [`Default`] gives 8 requesters, 4 MiB slots and replies, 16 MiB
 /// of gather staging per requester (14,563 rows: top-2048 over 7 layers), CPU kernels,
-/// 200 us of polling after each batch, 10 s for a hello and 32 control connections. Staging
-/// is touched only as far as it is used.
+/// 200 us of polling after each batch, 10 s for a hello, 32 control connections, 30 s for a
+/// session's first request and 10 s of idleness before a waiting requester may take a
+/// session's slot. Staging is touched only as far as it is used.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HolderConfig {
     /// Concurrent requesters served; the next one is told busy (paper 000 section 6.3: ~8).
@@ -52,6 +57,13 @@ pub struct HolderConfig {
     /// Control connections open at once, sessions included (each holds a thread and a
     /// socket); one more is closed at once. At least `max_requesters`.
     pub max_connections: usize,
+    /// How long a granted session may go without its first request or ping before the holder
+    /// closes it and frees its slot (a hello that never uses the data plane).
+    pub open_timeout: Duration,
+    /// How long a session must have been idle (no request or ping) before a new requester that
+    /// finds every slot taken may have its slot: the session idle longest is closed and the
+    /// newcomer welcomed in its place. Sessions busier than this are never closed.
+    pub idle_evict: Duration,
 }
 
 impl Default for HolderConfig {
@@ -65,6 +77,8 @@ impl Default for HolderConfig {
             idle_spin: Duration::from_micros(200),
             hello_timeout: Duration::from_secs(10),
             max_connections: 32,
+            open_timeout: Duration::from_secs(30),
+            idle_evict: Duration::from_secs(10),
         }
     }
 }
@@ -77,19 +91,53 @@ struct Session {
     /// The least sequence number the session may use next: each write of its slot is served
     /// once, and a stray immediate cannot replay it.
     next_seq: Arc<AtomicU64>,
+    /// The session's inbox, registered for it alone (deregistered when the last clone goes).
+    inbox: Arc<RegisteredBuffer>,
+    /// When it was granted.
+    granted: Instant,
+    /// Microseconds after `granted` of its last admitted request or ping; 0: none yet.
+    last_used_us: Arc<AtomicU64>,
+    /// Its control connection, shut down to close the session from outside its thread.
+    control: Arc<TcpStream>,
+    /// Set once the holder has closed it.
+    closing: Arc<AtomicBool>,
 }
 
 impl Session {
     /// Whether a request or ping with `token` and `seq` is the session's and new; if so,
-    /// `seq` is spent.
+    /// `seq` is spent and the session counts as used now.
     fn admit(&self, token: u64, seq: u64) -> bool {
-        token == self.token
+        let admitted = token == self.token
             && self
                 .next_seq
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |next| {
                     (seq >= next).then(|| seq.saturating_add(1))
                 })
-                .is_ok()
+                .is_ok();
+        if admitted {
+            let us = self.granted.elapsed().as_micros().max(1);
+            self.last_used_us
+                .store(u64::try_from(us).unwrap_or(u64::MAX), Ordering::Release);
+        }
+        admitted
+    }
+
+    /// How long it has been idle (since its grant, if it was never used), and whether it was
+    /// ever used.
+    fn idle(&self) -> (Duration, bool) {
+        let used = self.last_used_us.load(Ordering::Acquire);
+        let since = self.granted.elapsed();
+        (since.saturating_sub(Duration::from_micros(used)), used > 0)
+    }
+
+    /// Ends the session's control connection; its thread then frees the slot (if the slot is
+    /// still this session's). Whether this call closed it (false: it was closing already).
+    fn close(&self) -> bool {
+        if self.closing.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        let _ = self.control.shutdown(std::net::Shutdown::Both);
+        true
     }
 }
 
@@ -124,9 +172,6 @@ struct Shared {
     engine: TransferEngine,
     config: HolderConfig,
     chunks: HeldChunks,
-    /// One inbox region per session, `slot_bytes` each: a session's descriptor reaches only
-    /// its own.
-    inboxes: Vec<RegisteredBuffer>,
     staging: RegisteredBuffer,
     /// Per session, `gather_bytes` of packed gathered rows.
     gather_staging: RegisteredBuffer,
@@ -166,9 +211,14 @@ impl Holder {
                 "max_requesters must be 1 to 65536".into(),
             ));
         }
-        if config.max_connections < config.max_requesters || config.hello_timeout.is_zero() {
+        if config.max_connections < config.max_requesters
+            || config.hello_timeout.is_zero()
+            || config.open_timeout.is_zero()
+        {
             return Err(RemoteError::Config(
-                "max_connections must be at least max_requesters, hello_timeout above zero".into(),
+                "max_connections must be at least max_requesters, hello_timeout and \
+                 open_timeout above zero"
+                    .into(),
             ));
         }
         if config.slot_bytes < wire::REQUEST_HEADER || config.reply_bytes < wire::reply_len(1, 0) {
@@ -181,9 +231,6 @@ impl Holder {
                 .ok_or_else(|| RemoteError::Config("staging larger than memory".into()))
         };
         let entries = chunks.entries(&engine.main_address());
-        let inboxes = (0..config.max_requesters)
-            .map(|_| engine.alloc_mr(config.slot_bytes))
-            .collect::<Result<Vec<_>, _>>()?;
         let staging = engine.alloc_mr_with(staging_bytes(config.reply_bytes)?, Access::Local)?;
         let gather_staging =
             engine.alloc_mr_with(staging_bytes(config.gather_bytes)?.max(1), Access::Local)?;
@@ -196,7 +243,6 @@ impl Holder {
             connections: AtomicUsize::new(0),
             config,
             chunks,
-            inboxes,
             staging,
             gather_staging,
             entries,
@@ -262,8 +308,40 @@ impl Shared {
         s
     }
 
+    /// Closes every session that has not routed within `open_timeout` of its grant.
+    fn close_unopened(&self) {
+        let sessions = lock(&self.sessions);
+        for s in sessions.iter().flatten() {
+            let (idle, used) = s.idle();
+            if !used && idle >= self.config.open_timeout && s.close() {
+                lock(&self.stats).evicted += 1;
+            }
+        }
+    }
+
+    /// A free slot for a new session, or the slot of the session idle longest if it has been
+    /// idle at least `idle_evict` (that session is closed); `None` if every session is busier.
+    fn free_slot(&self, sessions: &[Option<Session>]) -> Option<usize> {
+        if let Some(free) = sessions.iter().position(Option::is_none) {
+            return Some(free);
+        }
+        let (slot, idle) = sessions
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| Some((i, s.as_ref()?.idle().0)))
+            .max_by_key(|&(_, idle)| idle)?;
+        if idle < self.config.idle_evict {
+            return None;
+        }
+        if sessions[slot].as_ref().is_some_and(Session::close) {
+            lock(&self.stats).evicted += 1;
+        }
+        Some(slot)
+    }
+
     fn accept(self: &Arc<Self>, listener: &TcpListener) {
         while !self.stop.load(Ordering::Acquire) {
+            self.close_unopened();
             match listener.accept() {
                 Ok((stream, _)) => {
                     // Bounded: past the cap a connection is closed at once, unread.
@@ -338,15 +416,25 @@ impl Shared {
             return Ok(());
         }
         let token = new_token()?;
+        // Registered before the slot is taken (registration may be slow); dropped unused if the
+        // holder is busy.
+        let inbox = Arc::new(self.engine.alloc_mr(self.config.slot_bytes)?);
+        let session = Session {
+            hello: hello.clone(),
+            token,
+            next_seq: Arc::new(AtomicU64::new(0)),
+            inbox,
+            granted: Instant::now(),
+            last_used_us: Arc::new(AtomicU64::new(0)),
+            control: Arc::new(writer.try_clone().map_err(io)?),
+            closing: Arc::new(AtomicBool::new(false)),
+        };
+        let inbox = session.inbox.desc().clone();
         let slot = {
             let mut sessions = lock(&self.sessions);
-            match sessions.iter().position(Option::is_none) {
+            match self.free_slot(&sessions) {
                 Some(i) => {
-                    sessions[i] = Some(Session {
-                        hello: hello.clone(),
-                        token,
-                        next_seq: Arc::new(AtomicU64::new(0)),
-                    });
+                    sessions[i] = Some(session);
                     i
                 }
                 None => {
@@ -358,12 +446,16 @@ impl Shared {
                 }
             }
         };
-        let _release = SlotGuard { shared: self, slot };
+        let _release = SlotGuard {
+            shared: self,
+            slot,
+            token,
+        };
         let welcome = Welcome {
             session: slot as u16,
             token,
             holder: self.engine.main_address(),
-            inbox: self.inboxes[slot].desc().clone(),
+            inbox,
             slot_offset: 0,
             slot_bytes: self.config.slot_bytes as u64,
             reply_bytes: self.config.reply_bytes as u64,
@@ -392,15 +484,23 @@ impl Shared {
     }
 }
 
-/// Frees a session slot when its control connection ends, however it ends.
+/// Frees a session slot when its control connection ends, however it ends, unless the slot
+/// has passed to another session meanwhile (this one was evicted).
 struct SlotGuard<'a> {
     shared: &'a Shared,
     slot: usize,
+    token: u64,
 }
 
 impl Drop for SlotGuard<'_> {
     fn drop(&mut self) {
-        lock(&self.shared.sessions)[self.slot] = None;
+        let mut sessions = lock(&self.shared.sessions);
+        if sessions[self.slot]
+            .as_ref()
+            .is_some_and(|s| s.token == self.token)
+        {
+            sessions[self.slot] = None;
+        }
     }
 }
 

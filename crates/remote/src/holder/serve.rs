@@ -124,7 +124,8 @@ impl Shared {
             return;
         };
         let mut header = [0u8; wire::PING_HEADER];
-        let parsed = self.inboxes[slot]
+        let parsed = session
+            .inbox
             .read_at(0, &mut header)
             .ok()
             .and_then(|()| wire::parse_ping(&header));
@@ -192,7 +193,7 @@ impl Shared {
         // writes it while this batch reads it. A requester that breaks the protocol changes
         // only the values of its own request, never a bound: the parser reads every length,
         // offset and count once and slices are bounds-checked.
-        let slots: Vec<(usize, Session, &[u8])> = sessions
+        let admitted: Vec<(usize, Session, usize)> = sessions
             .into_iter()
             .filter_map(|(slot, session)| {
                 let Some(session) = session else {
@@ -200,8 +201,7 @@ impl Shared {
                     return None;
                 };
                 let mut header = [0u8; wire::REQUEST_HEADER];
-                let inbox = &self.inboxes[slot];
-                inbox.read_at(0, &mut header).ok()?;
+                session.inbox.read_at(0, &mut header).ok()?;
                 // Nothing is answered, not even a status, without the session's token and a
                 // sequence number it has not used: a request from anyone else, or the
                 // session's last one replayed by a stray immediate, is dropped.
@@ -214,9 +214,15 @@ impl Shared {
                 let total =
                     u32::from_le_bytes([header[24], header[25], header[26], header[27]]) as usize;
                 let len = total.clamp(wire::REQUEST_HEADER, self.config.slot_bytes);
-                // SAFETY: see above; the range is inside this session's slot.
-                let bytes = unsafe { inbox.bytes(0, len) }.ok()?;
-                Some((slot, session, bytes))
+                Some((slot, session, len))
+            })
+            .collect();
+        let slots: Vec<(usize, &Session, &[u8])> = admitted
+            .iter()
+            .filter_map(|(slot, session, len)| {
+                // SAFETY: see above; the range is inside this session's inbox.
+                let bytes = unsafe { session.inbox.bytes(0, *len) }.ok()?;
+                Some((*slot, session, bytes))
             })
             .collect();
         let mut stats = HolderStats::default();
