@@ -155,6 +155,13 @@ pub trait Domain: Send + 'static {
     /// Makes `peer` reachable and returns its id. Idempotent per address.
     fn connect(&mut self, peer: &DomainAddr) -> Result<PeerId, TransportError>;
 
+    /// Releases `peer` and everything this NIC holds for it (its address-vector entry, a
+    /// transmit endpoint of its own, a provider's mapping of its memory). Its writes and sends
+    /// still queued or in flight fail ([`TransferError::PeerUnreachable`], reported by
+    /// [`Domain::poll`]); posts to `peer` fail from now on, until a later [`Domain::connect`]
+    /// reuses the id for some address. An unknown or released id is an error.
+    fn disconnect(&mut self, peer: PeerId) -> Result<(), TransportError>;
+
     /// Posts writes in order; returns how many were accepted. Fewer than `wrs.len()` means the
     /// NIC is full for now (retry the rest later); an error means the request was malformed.
     fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, TransportError>;

@@ -67,6 +67,13 @@ fn a_callback_may_submit_into_its_engine_without_deadlock() {
 }
 
 #[test]
+fn released_peers_free_their_resources() {
+    let fabric = MemFabric::new();
+    let mem = |nics| engine(&fabric, nics);
+    suite::released_peers_free_their_resources(&mem, 200);
+}
+
+#[test]
 fn a_watched_word_reports_its_changes_with_the_old_value() {
     let fabric = MemFabric::new();
     let e = engine(&fabric, 1);

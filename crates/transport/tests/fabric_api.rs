@@ -84,6 +84,11 @@ macro_rules! suite_over {
             }
 
             #[test]
+            fn released_peers_free_their_resources_past_the_providers_limit() {
+                suite::released_peers_free_their_resources(&make, 200);
+            }
+
+            #[test]
             fn ten_thousand_paged_writes_land_byte_exact_and_fire_once() {
                 ten_thousand_pages(&config($provider, 2));
             }

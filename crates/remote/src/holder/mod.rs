@@ -450,6 +450,7 @@ impl Shared {
             shared: self,
             slot,
             token,
+            peer: hello.addr.clone(),
         };
         let welcome = Welcome {
             session: slot as u16,
@@ -485,21 +486,30 @@ impl Shared {
 }
 
 /// Frees a session slot when its control connection ends, however it ends, unless the slot
-/// has passed to another session meanwhile (this one was evicted).
+/// has passed to another session meanwhile (this one was evicted); then releases the
+/// requester's engine in the transport if no other session has it, so a holder that many
+/// requesters came and went to keeps no endpoint, address entry or mapping for them.
 struct SlotGuard<'a> {
     shared: &'a Shared,
     slot: usize,
     token: u64,
+    peer: kvroute_transport::NetAddr,
 }
 
 impl Drop for SlotGuard<'_> {
     fn drop(&mut self) {
-        let mut sessions = lock(&self.shared.sessions);
-        if sessions[self.slot]
-            .as_ref()
-            .is_some_and(|s| s.token == self.token)
-        {
-            sessions[self.slot] = None;
+        let still_used = {
+            let mut sessions = lock(&self.shared.sessions);
+            if sessions[self.slot]
+                .as_ref()
+                .is_some_and(|s| s.token == self.token)
+            {
+                sessions[self.slot] = None;
+            }
+            sessions.iter().flatten().any(|s| s.hello.addr == self.peer)
+        };
+        if !still_used && let Err(e) = self.shared.engine.disconnect(&self.peer) {
+            tracing::debug!(%e, "releasing a requester's engine");
         }
     }
 }

@@ -515,6 +515,19 @@ pub unsafe fn fi_av_insert(
     )
 }
 
+/// `fi_av_remove`.
+///
+/// # Safety
+/// `av` is live; `fi_addr` holds `count` addresses it returned.
+pub unsafe fn fi_av_remove(
+    av: *mut fid_av,
+    fi_addr: *mut fi_addr_t,
+    count: usize,
+    flags: u64,
+) -> c_int {
+    op!((*av).ops, remove, NOSYS, (av, fi_addr, count, flags))
+}
+
 /// `fi_getname` on an endpoint.
 ///
 /// # Safety

@@ -233,6 +233,23 @@ impl TransferEngine {
 
     // ----- peers -----
 
+    /// Releases the peer engine at `addr`: every NIC forgets it (address-vector entries, a
+    /// transmit endpoint of its own, a provider's mapping of its memory), so a long-running
+    /// engine that many peers came and went to holds only what its current peers need. What
+    /// this engine still had queued or in flight to it fails
+    /// ([`crate::TransferError::PeerUnreachable`]). A later transfer to the address connects
+    /// it afresh. Returns whether such a peer was connected.
+    pub fn disconnect(&self, addr: &NetAddr) -> Result<bool, TransportError> {
+        let mut released = false;
+        for group in &self.inner.groups {
+            released |= self.command(group, |reply| Command::Disconnect {
+                addr: addr.clone(),
+                reply,
+            })??;
+        }
+        Ok(released)
+    }
+
     fn peer(&self, group: &GroupShared, addr: &NetAddr) -> Result<Arc<PeerEntry>, TransportError> {
         let nic0 = addr
             .nics

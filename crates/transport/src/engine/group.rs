@@ -21,6 +21,9 @@ use super::stats::{DomainCounters, LatencyLog};
 use super::unit_wr::build_wr;
 use crate::addr::MAX_NICS;
 use crate::domain::{Completion, CompletionKind, Domain, PeerId, RecvWr, SendWr, WriteWr};
+
+/// A released peer's ids on every NIC: no domain knows it, so a post to it fails.
+const RELEASED: PeerId = PeerId::MAX;
 use crate::error::{TransferError, TransportError};
 use crate::imm_counter::Arrival;
 use crate::mr::{Access, Device, MrDesc, MrHandle, RegionKey, RemoteKey};
@@ -440,6 +443,9 @@ impl<D: Domain> Group<D> {
             Command::Connect { addr, reply } => {
                 let _ = reply.send(self.connect(&addr));
             }
+            Command::Disconnect { addr, reply } => {
+                let _ = reply.send(self.disconnect(&addr));
+            }
             Command::InstallRecvPool {
                 buf_len,
                 count,
@@ -591,6 +597,36 @@ impl<D: Domain> Group<D> {
             "connected a peer"
         );
         Ok(entry)
+    }
+
+    /// Releases the peer at `addr` on every NIC ([`Domain::disconnect`]); `false` if no peer
+    /// has that address. Its index is never reused: a transfer resolved to it before the
+    /// release (on another thread, queued after this command) finds it released and fails,
+    /// never reaching a later peer. What the peer's transfers still had queued or in flight
+    /// fails with [`TransferError::PeerUnreachable`].
+    fn disconnect(&mut self, addr: &crate::addr::NetAddr) -> Result<bool, TransportError> {
+        let Some(entry) = addr
+            .nics
+            .first()
+            .and_then(|nic| self.shared.directory.peer(nic))
+            .filter(|e| e.addr == *addr)
+        else {
+            return Ok(false);
+        };
+        self.shared.directory.remove_peer(&entry);
+        let ids = std::mem::replace(&mut self.peers[entry.index as usize], [RELEASED; MAX_NICS]);
+        let mut first_error = None;
+        for (d, id) in self.domains.iter_mut().zip(ids) {
+            if let Err(e) = d.disconnect(id) {
+                first_error.get_or_insert(e);
+            }
+        }
+        tracing::debug!(
+            peer = entry.index,
+            group = self.shared.index,
+            "released a peer"
+        );
+        first_error.map_or(Ok(true), Err)
     }
 
     fn install_recv_pool(&mut self, buf_len: usize, count: u32) -> Result<(), TransportError> {

@@ -106,6 +106,10 @@ pub(crate) enum Command {
         addr: NetAddr,
         reply: Sender<Result<Arc<PeerEntry>, TransportError>>,
     },
+    Disconnect {
+        addr: NetAddr,
+        reply: Sender<Result<bool, TransportError>>,
+    },
     InstallRecvPool {
         buf_len: usize,
         count: u32,

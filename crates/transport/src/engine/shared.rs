@@ -73,6 +73,16 @@ impl Directory {
             .cloned()
     }
 
+    /// Forgets `entry`'s NICs (the peer was released).
+    pub(crate) fn remove_peer(&self, entry: &PeerEntry) {
+        let mut peers = self.peers.write().unwrap_or_else(PoisonError::into_inner);
+        for nic in &entry.addr.nics {
+            if peers.get(nic).is_some_and(|e| e.index == entry.index) {
+                peers.remove(nic);
+            }
+        }
+    }
+
     pub(crate) fn insert_peer(&self, entry: &Arc<PeerEntry>) {
         let mut peers = self.peers.write().unwrap_or_else(PoisonError::into_inner);
         for nic in &entry.addr.nics {
@@ -191,6 +201,9 @@ impl GroupShared {
                     let _ = reply.send(Err(TransportError::Shutdown));
                 }
                 Message::Command(Command::Connect { reply, .. }) => {
+                    let _ = reply.send(Err(TransportError::Shutdown));
+                }
+                Message::Command(Command::Disconnect { reply, .. }) => {
                     let _ = reply.send(Err(TransportError::Shutdown));
                 }
                 Message::Command(Command::Stop) => {}

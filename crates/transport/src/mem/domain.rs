@@ -45,8 +45,10 @@ struct Delayed {
 pub struct MemDomain {
     fabric: Arc<FabricInner>,
     me: Arc<Endpoint>,
-    peers: Vec<Arc<Endpoint>>,
+    /// `None`: released ([`Domain::disconnect`]); its id waits in `free_peers`.
+    peers: Vec<Option<Arc<Endpoint>>>,
     peer_ids: HashMap<u64, PeerId>,
+    free_peers: Vec<PeerId>,
     send_queue: VecDeque<WriteWr>,
     completions: VecDeque<Completion>,
     events: Vec<Event>,
@@ -75,6 +77,7 @@ impl MemDomain {
             me,
             peers: Vec::new(),
             peer_ids: HashMap::new(),
+            free_peers: Vec::new(),
             send_queue: VecDeque::with_capacity(SEND_QUEUE_DEPTH),
             completions: VecDeque::new(),
             events: Vec::new(),
@@ -94,7 +97,10 @@ impl MemDomain {
         self.peers
             .get(id as usize)
             .cloned()
-            .ok_or(TransportError::Domain(format!("unknown peer id {id}")))
+            .flatten()
+            .ok_or(TransportError::Domain(format!(
+                "unknown or released peer id {id}"
+            )))
     }
 
     /// Runs the DMA engine over up to a batch of queued writes, in runs per target.
@@ -112,12 +118,22 @@ impl MemDomain {
                     .iter()
                     .take_while(|w| w.peer == peer)
                     .count();
-            deliver(
-                &self.me,
-                &self.peers[peer as usize],
-                &queued[start..end],
-                &mut self.completions,
-            );
+            match &self.peers[peer as usize] {
+                Some(target) => {
+                    deliver(&self.me, target, &queued[start..end], &mut self.completions)
+                }
+                // Released with writes queued: `disconnect` failed them; none can be here.
+                None => {
+                    for wr in &queued[start..end] {
+                        push_completion(
+                            &mut self.completions,
+                            wr.wr_id,
+                            CompletionKind::Write,
+                            Err(TransferError::PeerUnreachable),
+                        );
+                    }
+                }
+            }
             start = end;
         }
         self.send_queue.drain(..n);
@@ -415,10 +431,55 @@ impl Domain for MemDomain {
         let target = self.fabric.endpoint(endpoint).ok_or_else(|| {
             TransportError::MalformedAddress(format!("no endpoint {endpoint} on this fabric"))
         })?;
-        let id = self.peers.len() as PeerId;
-        self.peers.push(target);
+        let id = match self.free_peers.pop() {
+            Some(id) => {
+                self.peers[id as usize] = Some(target);
+                id
+            }
+            None => {
+                self.peers.push(Some(target));
+                (self.peers.len() - 1) as PeerId
+            }
+        };
         self.peer_ids.insert(endpoint, id);
         Ok(id)
+    }
+
+    fn disconnect(&mut self, peer: PeerId) -> Result<(), TransportError> {
+        let target = self.peer(peer)?;
+        let gone = |wr_id: u64, kind, out: &mut VecDeque<Completion>| {
+            push_completion(out, wr_id, kind, Err(TransferError::PeerUnreachable));
+        };
+        let mut failed = Vec::new();
+        self.send_queue.retain(|w| {
+            let keep = w.peer != peer;
+            if !keep {
+                failed.push((w.wr_id, CompletionKind::Write));
+            }
+            keep
+        });
+        self.delayed.retain(|d| {
+            let keep = d.wr.peer != peer;
+            if !keep {
+                failed.push((d.wr.wr_id, CompletionKind::Write));
+            }
+            keep
+        });
+        self.sends.retain(|s| {
+            let keep = s.peer != peer;
+            if !keep {
+                failed.push((s.wr_id, CompletionKind::Send));
+            }
+            keep
+        });
+        for (wr_id, kind) in failed {
+            gone(wr_id, kind, &mut self.completions);
+        }
+        self.peer_ids.retain(|_, id| *id != peer);
+        self.peers[peer as usize] = None;
+        self.free_peers.push(peer);
+        drop(target);
+        Ok(())
     }
 
     fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, TransportError> {
@@ -429,9 +490,9 @@ impl Domain for MemDomain {
                 own.check(wr.lkey, wr.src_addr, wr.len).map_err(|reason| {
                     TransportError::Domain(format!("source of write {}: {reason}", wr.wr_id))
                 })?;
-                if wr.peer as usize >= self.peers.len() {
+                if self.peers.get(wr.peer as usize).is_none_or(Option::is_none) {
                     return Err(TransportError::Domain(format!(
-                        "unknown peer id {}",
+                        "unknown or released peer id {}",
                         wr.peer
                     )));
                 }
@@ -456,9 +517,9 @@ impl Domain for MemDomain {
     }
 
     unsafe fn post_send(&mut self, wr: &SendWr) -> Result<bool, TransportError> {
-        if wr.peer as usize >= self.peers.len() {
+        if self.peers.get(wr.peer as usize).is_none_or(Option::is_none) {
             return Err(TransportError::Domain(format!(
-                "unknown peer id {}",
+                "unknown or released peer id {}",
                 wr.peer
             )));
         }

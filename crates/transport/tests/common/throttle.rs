@@ -56,6 +56,9 @@ impl Domain for Throttled {
     fn connect(&mut self, peer: &DomainAddr) -> Result<PeerId, TransportError> {
         self.inner.connect(peer)
     }
+    fn disconnect(&mut self, peer: PeerId) -> Result<(), TransportError> {
+        self.inner.disconnect(peer)
+    }
     fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, TransportError> {
         let start = Instant::now();
         while self.controls.gate_closed.load(Ordering::Acquire)

@@ -45,6 +45,10 @@ struct Region {
 /// A peer NIC in the address vector.
 #[derive(Debug)]
 struct Peer {
+    /// Its address as given to `connect` (the key of `peer_ids`).
+    bytes: Vec<u8>,
+    /// Released by `disconnect`: nothing may be posted to it; its id waits in `free_peers`.
+    released: bool,
     fi_addr: fi::fi_addr_t,
     /// Since when the provider has refused new operations to it (`-FI_EAGAIN`).
     refusing_since: Option<Instant>,
@@ -103,6 +107,10 @@ pub struct FabricDomain {
     next_key: u64,
     peers: Vec<Peer>,
     peer_ids: HashMap<Vec<u8>, PeerId>,
+    /// Ids of released peers, reused by the next connections.
+    free_peers: Vec<PeerId>,
+    /// Failures of a released peer's operations, reported by the next poll.
+    released_ops: Vec<Completion>,
     contexts: ContextPool,
     cq_buf: Vec<fi::fi_cq_data_entry>,
     bounce: Option<Bounce>,
@@ -193,6 +201,8 @@ impl FabricDomain {
             next_key: 1,
             peers: Vec::new(),
             peer_ids: HashMap::new(),
+            free_peers: Vec::new(),
+            released_ops: Vec::new(),
             contexts: ContextPool::default(),
             cq_buf: vec![fi::fi_cq_data_entry::default(); config.cq_batch],
             bounce: None,
@@ -368,12 +378,42 @@ impl FabricDomain {
         Ok(r.desc)
     }
 
-    /// The AV address of `peer`.
+    /// The AV address of `peer` (not released).
     fn peer_addr(&self, peer: PeerId) -> Result<fi::fi_addr_t, TransportError> {
         self.peers
             .get(peer as usize)
+            .filter(|p| !p.released)
             .map(|p| p.fi_addr)
-            .ok_or_else(|| TransportError::Domain(format!("unknown peer id {peer}")))
+            .ok_or_else(|| TransportError::Domain(format!("unknown or released peer id {peer}")))
+    }
+
+    /// [`Domain::disconnect`]: fails what `peer` holds, closes its transmit endpoint, removes
+    /// it from the address vector (which unmaps an `shm` peer's region) and frees its id.
+    pub(super) fn release_peer(&mut self, peer: PeerId) -> Result<(), TransportError> {
+        self.peer_addr(peer)?;
+        for ctx in self.contexts.abandon_peer(peer) {
+            self.released_ops.push(Completion {
+                wr_id: ctx.wr_id,
+                count: 1,
+                kind: completion_kind(ctx.kind, 0),
+                result: Err(TransferError::PeerUnreachable),
+            });
+        }
+        let p = &mut self.peers[peer as usize];
+        p.released = true;
+        p.pid = None;
+        self.peer_ids.remove(&p.bytes);
+        let (ep, mut fi_addr) = (std::mem::replace(&mut p.ep, null_mut()), p.fi_addr);
+        self.free_peers.push(peer);
+        if !ep.is_null() {
+            // SAFETY: the peer's own endpoint, live, closed once (the field is now null); its
+            // operations were abandoned above, so no context of it is waited on.
+            let rc = unsafe { fi::fi_close(ep.cast()) };
+            check(self.lib, "fi_close (peer endpoint)", rc)?;
+        }
+        // SAFETY: the AV is live and `fi_addr` is one of its entries, removed once.
+        let rc = unsafe { fi::fi_av_remove(self.av, &raw mut fi_addr, 1, 0) };
+        check(self.lib, "fi_av_remove", rc)
     }
 
     /// Inserts an address (already checked for length) into the AV.
@@ -586,7 +626,7 @@ impl FabricDomain {
         // rather than at the deadline.
         for id in 0..self.peers.len() {
             let p = &mut self.peers[id];
-            let Some(pid) = p.pid else {
+            let Some(pid) = p.pid.filter(|_| !p.released) else {
                 continue;
             };
             match p.process {

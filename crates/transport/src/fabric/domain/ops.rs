@@ -153,19 +153,34 @@ impl Domain for FabricDomain {
         } else {
             null_mut()
         };
-        let id = self.peers.len() as PeerId;
         let pid = (self.provider == "fabric:shm")
             .then(|| shm_peer_pid(&peer.bytes))
             .flatten();
-        self.peers.push(Peer {
+        let entry = Peer {
+            bytes: peer.bytes.clone(),
+            released: false,
             fi_addr,
             refusing_since: None,
             ep,
             pid,
             process: Process::Alive(None),
-        });
+        };
+        let id = match self.free_peers.pop() {
+            Some(id) => {
+                self.peers[id as usize] = entry;
+                id
+            }
+            None => {
+                self.peers.push(entry);
+                (self.peers.len() - 1) as PeerId
+            }
+        };
         self.peer_ids.insert(peer.bytes.clone(), id);
         Ok(id)
+    }
+
+    fn disconnect(&mut self, peer: PeerId) -> Result<(), TransportError> {
+        self.release_peer(peer)
     }
 
     fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, TransportError> {
@@ -247,9 +262,10 @@ impl Domain for FabricDomain {
 
     fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
         let start = out.len();
+        out.append(&mut self.released_ops);
         let want = max.min(self.cq_buf.len());
         if want == 0 {
-            return 0;
+            return out.len() - start;
         }
         // SAFETY: the CQ is live and in FI_CQ_FORMAT_DATA; the buffer has `want` entries.
         let n = unsafe { fi::fi_cq_read(self.cq, self.cq_buf.as_mut_ptr().cast(), want) };
