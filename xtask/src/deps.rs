@@ -35,6 +35,10 @@ pub(crate) const SYSTEM_PACKAGES: &[SystemPackage] = &[
         needed_for: "`ip netns`, the two-host fabric tests",
     },
     SystemPackage {
+        apt: "g++",
+        needed_for: "libFuzzer's runtime, compiled by `cargo xtask fuzz` (libfuzzer-sys)",
+    },
+    SystemPackage {
         apt: "fonts-dejavu-core",
         needed_for: "the text of `kvroute sweep`'s PNG plots (plotters draws with a TrueType font)",
     },

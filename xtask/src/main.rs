@@ -11,10 +11,13 @@
 //! - `bench [ARGS]`: run the criterion benches (ARGS go to criterion, e.g. a name filter).
 //! - `gpu-test [--require-gpu]`: the CUDA kernels against the reference and the CPU path, their
 //!   benchmarks, and PyTorch's SDPA on the same inputs, on a machine with a GPU.
+//! - `fuzz [--seconds N] [TARGET...]`: the libFuzzer targets of `fuzz/` (every parser of
+//!   untrusted bytes), N seconds each; `test` runs each for 10 s.
 //! - `bindgen`: regenerate the checked-in libfabric bindings from the installed headers.
 
 mod bindgen;
 mod deps;
+mod fuzz;
 mod gpu_test;
 mod nvrtc;
 
@@ -29,13 +32,16 @@ const USAGE: &str = "usage: cargo xtask <command>
 commands:
   deps [--check]  check the system packages the workspace needs; install missing ones as root;
                   unpack the pinned NVRTC wheel into target/nvrtc (CUDA compile test)
-  test            what CI runs: deps, fmt --check, clippy -D warnings, tests, loom, docs -D warnings
+  test            what CI runs: deps, fmt --check, clippy -D warnings, tests, loom, 10 s of each
+                  fuzz target, docs -D warnings
   loom            the loom models of the transport's completion logic
   demo [ARGS]     build in release mode and run the main job (ARGS are passed to it)
   bench [ARGS]    run the criterion benches (ARGS are passed to criterion)
   gpu-test [--require-gpu]
                   CUDA kernels vs reference, CPU and PyTorch SDPA, and their benchmarks, on a
                   GPU; without one, says so (and fails only with --require-gpu)
+  fuzz [--seconds N] [TARGET...]
+                  build the libFuzzer targets in fuzz/ and run each for N s (default 10)
   bindgen         regenerate the libfabric bindings (installs libfabric-dev, libclang-dev as root)";
 
 fn main() -> ExitCode {
@@ -62,6 +68,7 @@ fn run(args: &[String]) -> Result<()> {
         "gpu-test" => gpu_test::run(&workspace_root(), rest.iter().any(|a| a == "--require-gpu")),
         "test" | "ci" => test(),
         "loom" => loom(),
+        "fuzz" => fuzz::run(&workspace_root(), rest),
         "demo" => {
             // The demo runs over libfabric: a fresh machine gets it from `deps` first.
             deps::run(false)?;
@@ -147,6 +154,7 @@ fn test() -> Result<()> {
     )?;
     library_alone()?;
     loom()?;
+    fuzz::run(&root, &["--seconds".to_owned(), "10".to_owned()])?;
     cargo_step(
         "doc",
         &["doc", "--workspace", "--no-deps", "--locked"],

@@ -65,14 +65,13 @@ fn requester(provider: &str, holder: &str) -> Result<(), Error> {
         sparse: None,
     };
     let p = req.route(&[call]).remove(0)?;
-    let digest = p
-        .o
-        .iter()
-        .chain(&p.m)
-        .chain(&p.l)
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
-            (h ^ u64::from(x.to_bits())).wrapping_mul(0x100_0000_01b3)
-        });
+    let digest =
+        p.o.iter()
+            .chain(&p.m)
+            .chain(&p.l)
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+                (h ^ u64::from(x.to_bits())).wrapping_mul(0x100_0000_01b3)
+            });
     println!("{digest:016x}");
     Ok(())
 }
@@ -139,7 +138,10 @@ fn main() -> Result<(), Error> {
                 std::thread::sleep(Duration::from_millis(1));
             }
             let (rss, fds, shm) = footprint()?;
-            println!("{i:>10}   {:>7.1}   {fds:>3}   {shm:>8}", rss as f64 / 1024.0);
+            println!(
+                "{i:>10}   {:>7.1}   {fds:>3}   {shm:>8}",
+                rss as f64 / 1024.0
+            );
             if i == 100 {
                 warm = Some((rss, fds, shm));
             }
