@@ -250,7 +250,23 @@ fn library_alone() -> Result<()> {
             &[],
         )?;
     }
-    Ok(())
+    // 150 requester processes one after another against one shm holder, each partial
+    // checked, the holder's memory, fds and /dev/shm flat after 100.
+    cargo_step(
+        "holder_churn",
+        &[
+            "run",
+            "--locked",
+            "-p",
+            "kvroute-remote",
+            "--example",
+            "holder_churn",
+            "--",
+            "shm",
+            "150",
+        ],
+        &[],
+    )
 }
 
 /// The loom models, in release mode (loom explores thousands of interleavings) and in their

@@ -84,11 +84,6 @@ macro_rules! suite_over {
             }
 
             #[test]
-            fn released_peers_free_their_resources_past_the_providers_limit() {
-                suite::released_peers_free_their_resources(&make, 200);
-            }
-
-            #[test]
             fn ten_thousand_paged_writes_land_byte_exact_and_fire_once() {
                 ten_thousand_pages(&config($provider, 2));
             }
@@ -297,6 +292,16 @@ fn writes_to_a_vanished_tcp_peer_fail_in_bounded_time() {
         "failed in bounded time ({:?})",
         started.elapsed()
     );
+}
+
+/// Over tcp in this process. Over shm, engines created and dropped by the hundred in one
+/// process crash libfabric 1.17's shm (SIGSEGV in `fi_enable`, docs/perf.md): there the
+/// same check runs with a process per peer (`holder_churn shm 150`, a step of `cargo xtask
+/// test`; without the release it fails at the 129th).
+#[test]
+fn released_peers_free_their_resources_over_tcp() {
+    let make = |nics| open(&config(ProviderChoice::Tcp, nics));
+    suite::released_peers_free_their_resources(&make, 200);
 }
 
 #[test]
