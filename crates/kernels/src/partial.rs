@@ -213,14 +213,12 @@ impl<'a> WirePartial<'a> {
 
     /// Row `r`'s `m`.
     pub fn m(&self, r: usize) -> f32 {
-        let b = &self.row(r)[D_LATENT * 2..];
-        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        row_stats(self.row(r)).0
     }
 
     /// Row `r`'s `l`.
     pub fn l(&self, r: usize) -> f32 {
-        let b = &self.row(r)[D_LATENT * 2 + 4..];
-        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        row_stats(self.row(r)).1
     }
 
     /// All the bytes.
@@ -313,16 +311,10 @@ impl WireOut<'_> {
     /// [`check_result`] on the rows written here (the bf16 `o`: a value that rounded to
     /// infinity on encoding counts as not finite).
     pub(crate) fn check_finite(&self, live: impl Fn(usize) -> bool) -> Result<(), KernelError> {
-        let f32_at = |row: &[u8], at: usize| {
-            f32::from_le_bytes([row[at], row[at + 1], row[at + 2], row[at + 3]])
-        };
         check_result(
             self.rows.len(),
             live,
-            |r| {
-                let row = &self.rows[r];
-                (f32_at(row, D_LATENT * 2), f32_at(row, D_LATENT * 2 + 4))
-            },
+            |r| row_stats(self.rows[r]),
             |r| {
                 self.rows[r][..D_LATENT * 2]
                     .chunks_exact(2)
@@ -330,6 +322,15 @@ impl WireOut<'_> {
             },
         )
     }
+}
+
+/// A 1032-byte wire row's `(m, l)`, after its 512 bf16 values.
+fn row_stats(row: &[u8]) -> (f32, f32) {
+    let b = &row[D_LATENT * 2..D_LATENT * 2 + 8];
+    (
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        f32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+    )
 }
 
 /// Row `r`'s `(m, l)` is a valid pair: `l` finite and non-negative, `m` finite where `l > 0`

@@ -447,38 +447,29 @@ impl Domain for MemDomain {
 
     fn disconnect(&mut self, peer: PeerId) -> Result<(), TransportError> {
         let target = self.peer(peer)?;
-        let gone = |wr_id: u64, kind, out: &mut VecDeque<Completion>| {
-            push_completion(out, wr_id, kind, Err(TransferError::PeerUnreachable));
+        // Whatever is still queued for it fails; the rest keeps its order.
+        let completions = &mut self.completions;
+        let mut kept = |to: PeerId, wr_id: u64, kind| {
+            let keep = to != peer;
+            if !keep {
+                push_completion(
+                    completions,
+                    wr_id,
+                    kind,
+                    Err(TransferError::PeerUnreachable),
+                );
+            }
+            keep
         };
-        let mut failed = Vec::new();
-        self.send_queue.retain(|w| {
-            let keep = w.peer != peer;
-            if !keep {
-                failed.push((w.wr_id, CompletionKind::Write));
-            }
-            keep
-        });
-        self.delayed.retain(|d| {
-            let keep = d.wr.peer != peer;
-            if !keep {
-                failed.push((d.wr.wr_id, CompletionKind::Write));
-            }
-            keep
-        });
-        self.sends.retain(|s| {
-            let keep = s.peer != peer;
-            if !keep {
-                failed.push((s.wr_id, CompletionKind::Send));
-            }
-            keep
-        });
-        for (wr_id, kind) in failed {
-            gone(wr_id, kind, &mut self.completions);
-        }
-        self.peer_ids.retain(|_, id| *id != peer);
+        self.send_queue
+            .retain(|w| kept(w.peer, w.wr_id, CompletionKind::Write));
+        self.delayed
+            .retain(|d| kept(d.wr.peer, d.wr.wr_id, CompletionKind::Write));
+        self.sends
+            .retain(|s| kept(s.peer, s.wr_id, CompletionKind::Send));
+        self.peer_ids.remove(&target.id);
         self.peers[peer as usize] = None;
         self.free_peers.push(peer);
-        drop(target);
         Ok(())
     }
 
