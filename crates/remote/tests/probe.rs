@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,8 +17,8 @@ use kvroute_kernels::RopeLayout;
 use kvroute_kernels::layout::D_QK;
 use kvroute_kvstore::{ChunkId, CorpusSpec};
 use kvroute_remote::probe::{ProbeConfig, probe_fabric};
-use kvroute_remote::{Call, HeldChunks, Holder, HolderConfig, Requester, RequesterConfig};
-use kvroute_transport::{MemFabric, TransferEngine};
+use kvroute_remote::{Call, Holder, HolderConfig, Requester, RequesterConfig};
+use kvroute_transport::MemFabric;
 
 /// Bytes a routed query row and its partial row take on the wire.
 const ROW_BYTES: u64 = (D_QK * 2 + 1032) as u64;
@@ -34,8 +36,6 @@ fn holder(fabric: &MemFabric, cap: usize) -> Result<Holder> {
         yarn: None,
         rope_layout: RopeLayout::Interleaved,
     };
-    let engine = TransferEngine::mem(fabric, 1)?;
-    let held = HeldChunks::generate(&engine, &spec, &[ChunkId(0)])?;
     let config = HolderConfig {
         max_requesters: cap,
         max_connections: cap.max(32),
@@ -44,12 +44,7 @@ fn holder(fabric: &MemFabric, cap: usize) -> Result<Holder> {
         gather_bytes: 1 << 16,
         ..HolderConfig::default()
     };
-    Ok(Holder::start(
-        engine,
-        TcpListener::bind("127.0.0.1:0")?,
-        held,
-        config,
-    )?)
+    common::start_holder(fabric, &spec, &[0], config)
 }
 
 fn requester(fabric: &MemFabric, at: SocketAddr) -> Result<Requester> {
@@ -59,11 +54,7 @@ fn requester(fabric: &MemFabric, at: SocketAddr) -> Result<Requester> {
         pool_pages: 8,
         ..RequesterConfig::new(0.1)
     };
-    Ok(Requester::connect(
-        TransferEngine::mem(fabric, 1)?,
-        &[at],
-        config,
-    )?)
+    common::connect(fabric, &[at], config)
 }
 
 fn probe_config() -> ProbeConfig {

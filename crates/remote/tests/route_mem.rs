@@ -2,6 +2,8 @@
 //! with their own engines, the TCP rendezvous on loopback. Checks every output against
 //! single-instance attention over the whole document.
 
+mod common;
+
 use std::net::TcpListener;
 use std::time::Duration;
 
@@ -42,15 +44,7 @@ fn holder(fabric: &MemFabric, chunks: &[u32], cap: usize) -> Result<Holder> {
         reply_bytes: 1 << 20,
         ..HolderConfig::default()
     };
-    let engine = TransferEngine::mem(fabric, 1)?;
-    let ids: Vec<ChunkId> = chunks.iter().map(|&c| ChunkId(c)).collect();
-    let held = HeldChunks::generate(&engine, &spec(), &ids)?;
-    Ok(Holder::start(
-        engine,
-        TcpListener::bind("127.0.0.1:0")?,
-        held,
-        config,
-    )?)
+    common::start_holder(fabric, &spec(), chunks, config)
 }
 
 fn requester(fabric: &MemFabric, holders: &[&Holder]) -> Result<Requester> {
@@ -62,11 +56,8 @@ fn requester(fabric: &MemFabric, holders: &[&Holder]) -> Result<Requester> {
         tag: 0,
         spin: Duration::from_millis(1),
     };
-    Ok(Requester::connect(
-        TransferEngine::mem(fabric, 1)?,
-        &holders.iter().map(|h| h.addr()).collect::<Vec<_>>(),
-        config,
-    )?)
+    let addrs: Vec<_> = holders.iter().map(|h| h.addr()).collect();
+    common::connect(fabric, &addrs, config)
 }
 
 /// One dense call per chunk in `chunks`, all with the query rows `q`, at `layer`.

@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
@@ -13,7 +15,7 @@ use kvroute_kernels::RopeLayout;
 use kvroute_kernels::layout::D_QK;
 use kvroute_kvstore::{ChunkId, CorpusSpec};
 use kvroute_remote::session::{Answer, Hello, Welcome};
-use kvroute_remote::{Call, HeldChunks, Holder, HolderConfig, Requester, RequesterConfig, wire};
+use kvroute_remote::{Call, Holder, HolderConfig, Requester, RequesterConfig, wire};
 use kvroute_transport::{MemFabric, OnDone, RegisteredBuffer, TransferEngine};
 
 const CAP: usize = 4;
@@ -43,8 +45,6 @@ fn holder_with(fabric: &MemFabric, tune: impl FnOnce(&mut HolderConfig)) -> Resu
         yarn: None,
         rope_layout: RopeLayout::Interleaved,
     };
-    let engine = TransferEngine::mem(fabric, 1)?;
-    let held = HeldChunks::generate(&engine, &spec, &[ChunkId(0)])?;
     let mut config = HolderConfig {
         max_requesters: CAP,
         slot_bytes: 1 << 16,
@@ -53,12 +53,7 @@ fn holder_with(fabric: &MemFabric, tune: impl FnOnce(&mut HolderConfig)) -> Resu
         ..HolderConfig::default()
     };
     tune(&mut config);
-    Ok(Holder::start(
-        engine,
-        TcpListener::bind("127.0.0.1:0")?,
-        held,
-        config,
-    )?)
+    common::start_holder(fabric, &spec, &[0], config)
 }
 
 fn requester(fabric: &MemFabric, holder: &Holder) -> Result<Requester> {
@@ -68,11 +63,7 @@ fn requester(fabric: &MemFabric, holder: &Holder) -> Result<Requester> {
         pool_pages: 8,
         ..RequesterConfig::new(0.1)
     };
-    Ok(Requester::connect(
-        TransferEngine::mem(fabric, 1)?,
-        &[holder.addr()],
-        config,
-    )?)
+    common::connect(fabric, &[holder.addr()], config)
 }
 
 fn route_once(req: &mut Requester) -> Result<()> {
