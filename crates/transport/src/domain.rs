@@ -162,6 +162,22 @@ pub trait Domain: Send + 'static {
     /// reuses the id for some address. An unknown or released id is an error.
     fn disconnect(&mut self, peer: PeerId) -> Result<(), TransportError>;
 
+    /// The address this NIC's operations to `peer` leave from, when that is not
+    /// [`Domain::address`]: a provider with a transmit endpoint per peer (`shm`) sends from
+    /// it, and a receiver that maps its senders (`shm` again) needs that name to forget it
+    /// ([`Domain::adopt_sender`]). `None` when operations leave from this NIC's own address.
+    fn sender_name(&mut self, _peer: PeerId) -> Result<Option<DomainAddr>, TransportError> {
+        Ok(None)
+    }
+
+    /// Records that `peer` sends to this NIC from `sender` (what its [`Domain::sender_name`]
+    /// returned), so that releasing `peer` also releases what this NIC holds for that sender
+    /// once the sender can no longer send. A NIC that keeps nothing per sender accepts and
+    /// ignores it. A `sender` that is not `peer`'s (another process's) is an error.
+    fn adopt_sender(&mut self, _peer: PeerId, _sender: &DomainAddr) -> Result<(), TransportError> {
+        Ok(())
+    }
+
     /// Posts writes in order; returns how many were accepted. Fewer than `wrs.len()` means the
     /// NIC is full for now (retry the rest later); an error means the request was malformed.
     fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, TransportError>;

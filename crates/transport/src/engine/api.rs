@@ -250,6 +250,34 @@ impl TransferEngine {
         Ok(released)
     }
 
+    /// The address this engine's operations to the peer at `addr` leave from, when that is
+    /// not [`TransferEngine::main_address`]: over `shm` each peer gets a transmit endpoint of
+    /// its own, and the peer maps it when it first receives from it. Connects the peer (main
+    /// group) if it is not yet. A receiver that keeps its senders mapped (`shm`) needs this
+    /// name to forget them: tell it to the peer, which passes it to
+    /// [`TransferEngine::adopt_sender`]. `None` when operations leave from the main address.
+    pub fn sender_address(&self, addr: &NetAddr) -> Result<Option<NetAddr>, TransportError> {
+        self.command(self.main_group(), |reply| Command::SenderAddress {
+            addr: addr.clone(),
+            reply,
+        })?
+    }
+
+    /// Records that the peer at `addr` sends to this engine's main group from `sender` (its
+    /// [`TransferEngine::sender_address`] for this engine), so that
+    /// [`TransferEngine::disconnect`] releases what the provider holds for that sender too,
+    /// once the sender can no longer send (`shm` keeps every endpoint that ever sent to it
+    /// mapped, in a table of 256). Connects the peer if it is not yet. A `sender` of another
+    /// process than the peer's, or more than 4 of them, is refused; providers that keep
+    /// nothing per sender accept it and do nothing.
+    pub fn adopt_sender(&self, addr: &NetAddr, sender: &NetAddr) -> Result<(), TransportError> {
+        self.command(self.main_group(), |reply| Command::AdoptSender {
+            addr: addr.clone(),
+            sender: sender.clone(),
+            reply,
+        })?
+    }
+
     fn peer(&self, group: &GroupShared, addr: &NetAddr) -> Result<Arc<PeerEntry>, TransportError> {
         let nic0 = addr
             .nics

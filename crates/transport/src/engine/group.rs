@@ -446,6 +446,16 @@ impl<D: Domain> Group<D> {
             Command::Disconnect { addr, reply } => {
                 let _ = reply.send(self.disconnect(&addr));
             }
+            Command::SenderAddress { addr, reply } => {
+                let _ = reply.send(self.sender_address(&addr));
+            }
+            Command::AdoptSender {
+                addr,
+                sender,
+                reply,
+            } => {
+                let _ = reply.send(self.adopt_sender(&addr, &sender));
+            }
             Command::InstallRecvPool {
                 buf_len,
                 count,
@@ -627,6 +637,51 @@ impl<D: Domain> Group<D> {
             "released a peer"
         );
         first_error.map_or(Ok(true), Err)
+    }
+
+    /// The address this group's operations to `addr` leave from ([`Domain::sender_name`] per
+    /// NIC, this NIC's own address where it has no other), connecting the peer first;
+    /// `None` when every NIC sends from its own address.
+    fn sender_address(
+        &mut self,
+        addr: &crate::addr::NetAddr,
+    ) -> Result<Option<crate::addr::NetAddr>, TransportError> {
+        let entry = self.connect(addr)?;
+        let ids = self.peers[entry.index as usize];
+        let mut nics = Vec::with_capacity(self.domains.len());
+        let mut differs = false;
+        for (d, id) in self.domains.iter_mut().zip(ids) {
+            match d.sender_name(id)? {
+                Some(name) => {
+                    differs = true;
+                    nics.push(name);
+                }
+                None => nics.push(d.address()),
+            }
+        }
+        Ok(differs.then_some(crate::addr::NetAddr { nics }))
+    }
+
+    /// Records that the peer at `addr` sends to this group from `sender`
+    /// ([`Domain::adopt_sender`] per NIC), connecting the peer first.
+    fn adopt_sender(
+        &mut self,
+        addr: &crate::addr::NetAddr,
+        sender: &crate::addr::NetAddr,
+    ) -> Result<(), TransportError> {
+        sender.validate()?;
+        if sender.nics.len() != self.domains.len() {
+            return Err(TransportError::NicCountMismatch {
+                local: self.domains.len(),
+                remote: sender.nics.len(),
+            });
+        }
+        let entry = self.connect(addr)?;
+        let ids = self.peers[entry.index as usize];
+        for ((d, id), nic) in self.domains.iter_mut().zip(ids).zip(&sender.nics) {
+            d.adopt_sender(id, nic)?;
+        }
+        Ok(())
     }
 
     fn install_recv_pool(&mut self, buf_len: usize, count: u32) -> Result<(), TransportError> {

@@ -110,6 +110,15 @@ pub(crate) enum Command {
         addr: NetAddr,
         reply: Sender<Result<bool, TransportError>>,
     },
+    SenderAddress {
+        addr: NetAddr,
+        reply: Sender<Result<Option<NetAddr>, TransportError>>,
+    },
+    AdoptSender {
+        addr: NetAddr,
+        sender: NetAddr,
+        reply: Sender<Result<(), TransportError>>,
+    },
     InstallRecvPool {
         buf_len: usize,
         count: u32,

@@ -196,7 +196,9 @@ impl GroupShared {
                     let _ = reply.send(Err(TransportError::Shutdown));
                 }
                 Message::Command(
-                    Command::Deregister { reply, .. } | Command::InstallRecvPool { reply, .. },
+                    Command::Deregister { reply, .. }
+                    | Command::InstallRecvPool { reply, .. }
+                    | Command::AdoptSender { reply, .. },
                 ) => {
                     let _ = reply.send(Err(TransportError::Shutdown));
                 }
@@ -204,6 +206,9 @@ impl GroupShared {
                     let _ = reply.send(Err(TransportError::Shutdown));
                 }
                 Message::Command(Command::Disconnect { reply, .. }) => {
+                    let _ = reply.send(Err(TransportError::Shutdown));
+                }
+                Message::Command(Command::SenderAddress { reply, .. }) => {
                     let _ = reply.send(Err(TransportError::Shutdown));
                 }
                 Message::Command(Command::Stop) => {}

@@ -59,7 +59,21 @@ struct Peer {
     pid: Option<libc::pid_t>,
     /// What is known of that process.
     process: Process,
+    /// The endpoints it sends to this NIC from that this NIC holds an entry for
+    /// ([`Domain::adopt_sender`]), released after the peer.
+    senders: Vec<Sender>,
 }
+
+/// An endpoint a peer sends from, in this NIC's address vector: `shm` maps every endpoint
+/// that sends to it under the sender's name and keeps the mapping until that name is removed.
+#[derive(Debug)]
+struct Sender {
+    bytes: Vec<u8>,
+    fi_addr: fi::fi_addr_t,
+}
+
+/// Most sending endpoints one peer may name (one per NIC group it sends from).
+const MAX_SENDERS: usize = 4;
 
 /// What a [`Peer`]'s `shm` process was last found to be.
 #[derive(Debug, Clone, Copy)]
@@ -111,6 +125,11 @@ pub struct FabricDomain {
     free_peers: Vec<PeerId>,
     /// Failures of a released peer's operations, reported by the next poll.
     released_ops: Vec<Completion>,
+    /// Senders of released peers, removed from the address vector once they can no longer
+    /// send (their region is gone or their process has exited): `shm` reads a sender's
+    /// region for each of its commands, so an entry removed while the sender may still post
+    /// would leave it naming a slot that is empty or another peer's.
+    retired_senders: Vec<Sender>,
     contexts: ContextPool,
     cq_buf: Vec<fi::fi_cq_data_entry>,
     bounce: Option<Bounce>,
@@ -203,6 +222,7 @@ impl FabricDomain {
             peer_ids: HashMap::new(),
             free_peers: Vec::new(),
             released_ops: Vec::new(),
+            retired_senders: Vec::new(),
             contexts: ContextPool::default(),
             cq_buf: vec![fi::fi_cq_data_entry::default(); config.cq_batch],
             bounce: None,
@@ -216,7 +236,7 @@ impl FabricDomain {
         d.open_objects(config.cq_size)?;
         d.addr = DomainAddr {
             provider: d.provider.clone(),
-            bytes: d.local_name()?,
+            bytes: d.endpoint_name(d.ep)?,
         };
         if d.mr_mode.has(fi::FI_MR_LOCAL) {
             d.bounce = Some(d.bounce_buffers(config.send_buffers, config.send_buffer_len)?);
@@ -312,11 +332,12 @@ impl FabricDomain {
             .unwrap_or(self.ep)
     }
 
-    fn local_name(&mut self) -> Result<Vec<u8>, TransportError> {
+    /// The name of `ep`, one of this NIC's enabled endpoints.
+    fn endpoint_name(&self, ep: *mut fi::fid_ep) -> Result<Vec<u8>, TransportError> {
         let mut buf = vec![0u8; MAX_ADDR_LEN];
         let mut len = buf.len();
         // SAFETY: the endpoint is enabled; `buf` has `len` bytes.
-        let rc = unsafe { fi::fi_getname(self.ep, buf.as_mut_ptr().cast(), &raw mut len) };
+        let rc = unsafe { fi::fi_getname(ep.cast(), buf.as_mut_ptr().cast(), &raw mut len) };
         check(self.lib, "fi_getname", rc)?;
         buf.truncate(len);
         Ok(buf)
@@ -402,6 +423,7 @@ impl FabricDomain {
         let p = &mut self.peers[peer as usize];
         p.released = true;
         p.pid = None;
+        self.retired_senders.append(&mut p.senders);
         self.peer_ids.remove(&p.bytes);
         let (ep, mut fi_addr) = (std::mem::replace(&mut p.ep, null_mut()), p.fi_addr);
         self.free_peers.push(peer);
@@ -413,7 +435,88 @@ impl FabricDomain {
         }
         // SAFETY: the AV is live and `fi_addr` is one of its entries, removed once.
         let rc = unsafe { fi::fi_av_remove(self.av, &raw mut fi_addr, 1, 0) };
-        check(self.lib, "fi_av_remove", rc)
+        check(self.lib, "fi_av_remove", rc)?;
+        self.reap_senders()
+    }
+
+    /// [`Domain::adopt_sender`]: over `shm`, inserts `sender` (an endpoint of `peer`'s own
+    /// process, checked like any peer address) into the address vector, which finds the entry
+    /// `shm` made when that endpoint first sent here, so that it can be removed later.
+    pub(super) fn adopt(
+        &mut self,
+        peer: PeerId,
+        sender: &DomainAddr,
+    ) -> Result<(), TransportError> {
+        let p = self
+            .peers
+            .get(peer as usize)
+            .filter(|p| !p.released)
+            .ok_or_else(|| TransportError::Domain(format!("unknown or released peer id {peer}")))?;
+        if self.provider != "fabric:shm" || p.bytes == sender.bytes {
+            return Ok(());
+        }
+        if sender.provider != self.provider {
+            return Err(TransportError::ProviderMismatch {
+                local: self.provider.clone(),
+                remote: sender.provider.clone(),
+            });
+        }
+        if p.senders.iter().any(|s| s.bytes == sender.bytes) {
+            return Ok(());
+        }
+        if p.senders.len() >= MAX_SENDERS {
+            return Err(TransportError::MalformedAddress(format!(
+                "a peer names at most {MAX_SENDERS} sending endpoints"
+            )));
+        }
+        if !same_shm_process(&p.bytes, &sender.bytes) {
+            return Err(TransportError::MalformedAddress(
+                "a sending endpoint of another process than the peer's".to_owned(),
+            ));
+        }
+        if self.peer_ids.contains_key(&sender.bytes) {
+            return Err(TransportError::MalformedAddress(
+                "a sending endpoint that is a peer of its own".to_owned(),
+            ));
+        }
+        // A sender retired with an earlier session of the same process, still open: its entry
+        // is still in the address vector (inserting it again would count it twice).
+        let adopted = match self
+            .retired_senders
+            .iter()
+            .position(|s| s.bytes == sender.bytes)
+        {
+            Some(i) => self.retired_senders.swap_remove(i),
+            None => {
+                check_shm_peer(&sender.bytes).map_err(TransportError::MalformedAddress)?;
+                Sender {
+                    bytes: sender.bytes.clone(),
+                    fi_addr: self.insert(&sender.bytes)?,
+                }
+            }
+        };
+        self.peers[peer as usize].senders.push(adopted);
+        Ok(())
+    }
+
+    /// Removes the retired senders that can no longer send: their region is gone (the
+    /// endpoint closed) or their process has exited.
+    fn reap_senders(&mut self) -> Result<(), TransportError> {
+        let mut first_error = Ok(());
+        let mut i = 0;
+        while i < self.retired_senders.len() {
+            if shm_sender_may_send(&self.retired_senders[i].bytes) {
+                i += 1;
+                continue;
+            }
+            let mut gone = self.retired_senders.swap_remove(i);
+            // SAFETY: the AV is live and the entry is one `adopt` inserted, removed once.
+            let rc = unsafe { fi::fi_av_remove(self.av, &raw mut gone.fi_addr, 1, 0) };
+            if let Err(e) = check(self.lib, "fi_av_remove (sender)", rc) {
+                first_error = first_error.and(Err(e));
+            }
+        }
+        first_error
     }
 
     /// Inserts an address (already checked for length) into the AV.
@@ -648,6 +751,11 @@ impl FabricDomain {
                 "an shm peer's process has exited; failed its operations"
             );
         }
+        if !self.retired_senders.is_empty()
+            && let Err(e) = self.reap_senders()
+        {
+            tracing::warn!(%e, "releasing a departed peer's sending endpoint");
+        }
         for ctx in self.contexts.expire(now, self.op_timeout) {
             tracing::warn!(wr_id = ctx.wr_id, peer = ctx.peer, timeout = ?self.op_timeout, "an operation was not completed in time; failing it");
             out.push(Completion {
@@ -714,4 +822,7 @@ mod ops;
 mod shm;
 
 pub use shm::remove_shm_regions_of_dead_process;
-use shm::{check_shm_peer, clear_stale_shm_regions, process_exists, shm_peer_pid};
+use shm::{
+    check_shm_peer, clear_stale_shm_regions, process_exists, same_shm_process, shm_peer_pid,
+    shm_sender_may_send,
+};

@@ -164,6 +164,7 @@ impl Domain for FabricDomain {
             ep,
             pid,
             process: Process::Alive(None),
+            senders: Vec::new(),
         };
         let id = match self.free_peers.pop() {
             Some(id) => {
@@ -181,6 +182,23 @@ impl Domain for FabricDomain {
 
     fn disconnect(&mut self, peer: PeerId) -> Result<(), TransportError> {
         self.release_peer(peer)
+    }
+
+    fn sender_name(&mut self, peer: PeerId) -> Result<Option<DomainAddr>, TransportError> {
+        self.peer_addr(peer)?;
+        let ep = self.tx_ep(peer);
+        if ep == self.ep {
+            return Ok(None);
+        }
+        let bytes = self.endpoint_name(ep)?;
+        Ok(Some(DomainAddr {
+            provider: self.provider.clone(),
+            bytes,
+        }))
+    }
+
+    fn adopt_sender(&mut self, peer: PeerId, sender: &DomainAddr) -> Result<(), TransportError> {
+        self.adopt(peer, sender)
     }
 
     fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, TransportError> {

@@ -42,6 +42,25 @@ pub(super) fn check_shm_peer(bytes: &[u8]) -> Result<(), String> {
     )
 }
 
+/// Whether two `shm` endpoint names are of one process: the same pid (or node) and user.
+pub(super) fn same_shm_process(a: &[u8], b: &[u8]) -> bool {
+    match (shm_region_name(a), shm_region_name(b)) {
+        (Some(a), Some(b)) => a.uid == b.uid && a.prefix() == b.prefix(),
+        _ => false,
+    }
+}
+
+/// Whether the `shm` endpoint named `bytes` may still send: its region exists and, when it is
+/// named by its pid, its process too. An endpoint that closed has unlinked its region; one
+/// whose process was killed sends nothing more, whatever its region's fate.
+pub(super) fn shm_sender_may_send(bytes: &[u8]) -> bool {
+    let Some(name) = shm_region_name(bytes) else {
+        return false;
+    };
+    name.pid.is_none_or(process_exists)
+        && std::fs::symlink_metadata(format!("/dev/shm/{}", name.text)).is_ok()
+}
+
 /// The parts of an `shm` endpoint name.
 #[derive(Debug)]
 pub(super) struct RegionName<'a> {
@@ -49,6 +68,13 @@ pub(super) struct RegionName<'a> {
     /// The process, when the region is named by its pid.
     pid: Option<libc::pid_t>,
     uid: u32,
+}
+
+impl RegionName<'_> {
+    /// The pid or node the name starts with.
+    fn prefix(&self) -> &str {
+        self.text.split(':').next().unwrap_or_default()
+    }
 }
 
 /// What [`region_is_trusted`] needs to know of a region's file.
@@ -214,6 +240,59 @@ mod tests {
         ] {
             assert_eq!(shm_peer_pid(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_sender_is_of_its_peers_process_only() {
+        assert!(same_shm_process(
+            b"fi_shm://42:1000:0\0",
+            b"fi_shm://42:1000:7\0"
+        ));
+        assert!(same_shm_process(
+            b"node-a:1000:0\0",
+            b"fi_shm://node-a:1000:2\0"
+        ));
+        for (peer, sender) in [
+            (&b"fi_shm://42:1000:0\0"[..], &b"fi_shm://43:1000:1\0"[..]),
+            (b"fi_shm://42:1000:0\0", b"fi_shm://42:1001:1\0"),
+            (b"fi_shm://42:1000:0\0", b"fi_shm://420:1000:1\0"),
+            (b"fi_shm://42:1000:0\0", b"not a name"),
+            (b"junk", b"fi_shm://42:1000:1\0"),
+        ] {
+            assert!(!same_shm_process(peer, sender), "{sender:?}");
+        }
+    }
+
+    #[test]
+    fn a_sender_may_send_while_its_region_and_process_exist() {
+        use std::os::unix::fs::OpenOptionsExt;
+        let me = std::process::id();
+        let name = format!("{me}:0:{}", u32::MAX - 3);
+        let path = format!("/dev/shm/{name}");
+        let bytes = format!("fi_shm://{name}\0").into_bytes();
+        assert!(!shm_sender_may_send(&bytes), "no region yet");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .expect("creating a region file");
+        assert!(shm_sender_may_send(&bytes));
+        std::fs::remove_file(&path).expect("removing it");
+        assert!(!shm_sender_may_send(&bytes), "its endpoint closed");
+        // A region whose process has exited: a reaped child.
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .expect("spawning true");
+        let pid = child.id();
+        child.wait().expect("reaping it");
+        let name = format!("{pid}:0:{}", u32::MAX - 4);
+        let path = format!("/dev/shm/{name}");
+        std::fs::write(&path, b"").expect("planting a region file");
+        let gone = shm_sender_may_send(format!("{name}\0").as_bytes());
+        std::fs::remove_file(&path).expect("removing it");
+        assert!(!gone, "a killed sender's leftover region");
+        assert!(!shm_sender_may_send(b"/etc/passwd\0"));
     }
 
     #[test]
