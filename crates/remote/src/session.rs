@@ -72,6 +72,11 @@ pub struct Welcome {
 pub enum Control {
     /// Ask for the holder's counters.
     Stats,
+    /// The address the requester's engine sends to the holder from, when it is not the
+    /// hello's ([`kvroute_transport::TransferEngine::sender_address`]): an `shm` holder maps
+    /// every endpoint that sends to it and can forget one only by name, which it learns here.
+    /// Sent before the first request; no answer.
+    Sender(NetAddr),
 }
 
 /// A holder's counters, since it started.

@@ -4,16 +4,16 @@
 //! One serving thread drains every request that has arrived, groups the segments of all of
 //! them by (chunk, layer, kind) and runs one kernel call per group (paper 000 section 5.3's
 //! second reduction: the batch is all requests for the same chunk), then answers each request
-//! with one write of its partial rows (the first reduction). A control thread per requester
-//! keeps its session; at the cap the next requester is told [`Answer::Busy`], unless a session
-//! has been idle long enough to give its slot up ([`HolderConfig::idle_evict`]). A session
-//! that never routes loses its slot after [`HolderConfig::open_timeout`]. Each session gets an
-//! inbox registered for it alone, deregistered when it ends, so a descriptor from an earlier
-//! session of the slot reaches nothing.
+//! with one write of its partial rows (the first reduction). One control thread keeps every
+//! requester's rendezvous connection (non-blocking, woken by `poll`; a connection costs no
+//! thread); at the cap the next requester is told [`crate::session::Answer::Busy`], unless a
+//! session has been idle long enough to give its slot up ([`HolderConfig::idle_evict`]). A
+//! session that never routes loses its slot after [`HolderConfig::open_timeout`]. Each session
+//! gets an inbox registered for it alone, deregistered when it ends, so a descriptor from an
+//! earlier session of the slot reaches nothing.
 
-use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,11 +22,11 @@ use kvroute_kvstore::ChunkEntry;
 use kvroute_transport::{Access, RegisteredBuffer, TransferEngine};
 
 use crate::chunks::HeldChunks;
-use crate::control::send_line;
 use crate::error::RemoteError;
-use crate::session::{Answer, Control, Hello, HolderStats, Welcome};
+use crate::session::{Hello, HolderStats};
 use crate::wire;
 
+mod control;
 mod serve;
 mod transfer;
 
@@ -54,8 +54,9 @@ pub struct HolderConfig {
     pub idle_spin: Duration,
     /// How long a new control connection may take to send its hello before it is closed.
     pub hello_timeout: Duration,
-    /// Control connections open at once, sessions included (each holds a thread and a
-    /// socket); one more is closed at once. At least `max_requesters`.
+    /// Control connections open at once, sessions included (each holds a socket and its
+    /// buffers on the one control thread); one more is closed at once. At least
+    /// `max_requesters`.
     pub max_connections: usize,
     /// How long a granted session may go without its first request or ping before the holder
     /// closes it and frees its slot (a hello that never uses the data plane).
@@ -97,7 +98,8 @@ struct Session {
     granted: Instant,
     /// Microseconds after `granted` of its last admitted request or ping; 0: none yet.
     last_used_us: Arc<AtomicU64>,
-    /// Its control connection, shut down to close the session from outside its thread.
+    /// Its control connection, shut down to close the session from outside the control
+    /// thread's handling of it.
     control: Arc<TcpStream>,
     /// Set once the holder has closed it.
     closing: Arc<AtomicBool>,
@@ -130,8 +132,8 @@ impl Session {
         (since.saturating_sub(Duration::from_micros(used)), used > 0)
     }
 
-    /// Ends the session's control connection; its thread then frees the slot (if the slot is
-    /// still this session's). Whether this call closed it (false: it was closing already).
+    /// Ends the session's control connection; the control thread then frees the slot (if the
+    /// slot is still this session's). Whether this call closed it (false: it was closing already).
     fn close(&self) -> bool {
         if self.closing.swap(true, Ordering::AcqRel) {
             return false;
@@ -177,8 +179,6 @@ struct Shared {
     gather_staging: RegisteredBuffer,
     entries: Vec<ChunkEntry>,
     sessions: Mutex<Vec<Option<Session>>>,
-    /// Control connections open now (each on its own thread).
-    connections: AtomicUsize,
     stats: Mutex<HolderStats>,
     stop: AtomicBool,
 }
@@ -240,7 +240,6 @@ impl Holder {
         let shared = Arc::new(Shared {
             engine,
             sessions: Mutex::new(vec![None; config.max_requesters]),
-            connections: AtomicUsize::new(0),
             config,
             chunks,
             staging,
@@ -262,17 +261,17 @@ impl Holder {
                 .spawn(move || shared.serve(&rx))
                 .map_err(RemoteError::io("starting the serving thread"))?
         };
-        let accept = {
+        let control = {
             let shared = shared.clone();
             std::thread::Builder::new()
-                .name("holder-accept".into())
-                .spawn(move || shared.accept(&listener))
-                .map_err(RemoteError::io("starting the accepting thread"))?
+                .name("holder-control".into())
+                .spawn(move || shared.control(&listener))
+                .map_err(RemoteError::io("starting the control thread"))?
         };
         Ok(Self {
             shared,
             addr,
-            threads: vec![serve, accept],
+            threads: vec![serve, control],
         })
     }
 
@@ -337,180 +336,6 @@ impl Shared {
             lock(&self.stats).evicted += 1;
         }
         Some(slot)
-    }
-
-    fn accept(self: &Arc<Self>, listener: &TcpListener) {
-        while !self.stop.load(Ordering::Acquire) {
-            self.close_unopened();
-            match listener.accept() {
-                Ok((stream, _)) => {
-                    // Bounded: past the cap a connection is closed at once, unread.
-                    let open = self.connections.fetch_add(1, Ordering::AcqRel);
-                    if open >= self.config.max_connections {
-                        self.connections.fetch_sub(1, Ordering::AcqRel);
-                        lock(&self.stats).busy += 1;
-                        continue;
-                    }
-                    let shared = self.clone();
-                    let spawned = std::thread::Builder::new()
-                        .name("holder-session".into())
-                        .spawn(move || {
-                            if let Err(e) = shared.session(stream) {
-                                tracing::debug!(%e, "session ended");
-                            }
-                            shared.connections.fetch_sub(1, Ordering::AcqRel);
-                        });
-                    if spawned.is_err() {
-                        self.connections.fetch_sub(1, Ordering::AcqRel);
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err(e) => {
-                    tracing::warn!(%e, "accept failed");
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-            }
-        }
-    }
-
-    /// One requester's control connection: hello, answer, then stats requests until it closes.
-    fn session(&self, stream: TcpStream) -> Result<(), RemoteError> {
-        let peer = stream
-            .peer_addr()
-            .map_err(RemoteError::io("reading a peer's address"))?;
-        let io = |source| RemoteError::Control { peer, source };
-        stream.set_nodelay(true).map_err(io)?;
-        stream.set_nonblocking(false).map_err(io)?;
-        // A connection that sends no hello in time is closed: it holds a thread and a socket.
-        stream
-            .set_read_timeout(Some(self.config.hello_timeout))
-            .map_err(io)?;
-        let mut writer = stream.try_clone().map_err(io)?;
-        let mut reader = BufReader::new(stream);
-        let mut line = String::new();
-        // A hello is small; a peer that sends megabytes without a newline is cut off.
-        if (&mut reader)
-            .take(1 << 20)
-            .read_line(&mut line)
-            .map_err(io)?
-            == 0
-        {
-            return Ok(());
-        }
-        let hello: Hello = match serde_json::from_str(&line) {
-            Ok(h) => h,
-            Err(e) => {
-                send_line(
-                    &mut writer,
-                    peer,
-                    &Answer::Refused(format!("malformed hello: {e}")),
-                )?;
-                return Ok(());
-            }
-        };
-        if let Err(why) = check_hello(&hello) {
-            lock(&self.stats).refused += 1;
-            send_line(&mut writer, peer, &Answer::Refused(why))?;
-            return Ok(());
-        }
-        let token = new_token()?;
-        // Registered before the slot is taken (registration may be slow); dropped unused if the
-        // holder is busy.
-        let inbox = Arc::new(self.engine.alloc_mr(self.config.slot_bytes)?);
-        let session = Session {
-            hello: hello.clone(),
-            token,
-            next_seq: Arc::new(AtomicU64::new(0)),
-            inbox,
-            granted: Instant::now(),
-            last_used_us: Arc::new(AtomicU64::new(0)),
-            control: Arc::new(writer.try_clone().map_err(io)?),
-            closing: Arc::new(AtomicBool::new(false)),
-        };
-        let inbox = session.inbox.desc().clone();
-        let slot = {
-            let mut sessions = lock(&self.sessions);
-            match self.free_slot(&sessions) {
-                Some(i) => {
-                    sessions[i] = Some(session);
-                    i
-                }
-                None => {
-                    let cap = sessions.len();
-                    drop(sessions);
-                    lock(&self.stats).busy += 1;
-                    send_line(&mut writer, peer, &Answer::Busy { active: cap, cap })?;
-                    return Ok(());
-                }
-            }
-        };
-        let _release = SlotGuard {
-            shared: self,
-            slot,
-            token,
-            peer: hello.addr.clone(),
-        };
-        let welcome = Welcome {
-            session: slot as u16,
-            token,
-            holder: self.engine.main_address(),
-            inbox,
-            slot_offset: 0,
-            slot_bytes: self.config.slot_bytes as u64,
-            reply_bytes: self.config.reply_bytes as u64,
-            gather_bytes: self.config.gather_bytes as u64,
-            chunks: self.entries.clone(),
-        };
-        send_line(&mut writer, peer, &Answer::Welcome(welcome))?;
-        // A session's control lines may be minutes apart; the session ends when the
-        // connection closes.
-        writer.set_read_timeout(None).map_err(io)?;
-        loop {
-            line.clear();
-            if (&mut reader)
-                .take(1 << 16)
-                .read_line(&mut line)
-                .map_err(io)?
-                == 0
-            {
-                return Ok(());
-            }
-            match serde_json::from_str::<Control>(&line) {
-                Ok(Control::Stats) => send_line(&mut writer, peer, &self.stats())?,
-                Err(e) => tracing::debug!(%e, "ignoring a malformed control line"),
-            }
-        }
-    }
-}
-
-/// Frees a session slot when its control connection ends, however it ends, unless the slot
-/// has passed to another session meanwhile (this one was evicted); then releases the
-/// requester's engine in the transport if no other session has it, so a holder that many
-/// requesters came and went to keeps no endpoint, address entry or mapping for them.
-struct SlotGuard<'a> {
-    shared: &'a Shared,
-    slot: usize,
-    token: u64,
-    peer: kvroute_transport::NetAddr,
-}
-
-impl Drop for SlotGuard<'_> {
-    fn drop(&mut self) {
-        let still_used = {
-            let mut sessions = lock(&self.shared.sessions);
-            if sessions[self.slot]
-                .as_ref()
-                .is_some_and(|s| s.token == self.token)
-            {
-                sessions[self.slot] = None;
-            }
-            sessions.iter().flatten().any(|s| s.hello.addr == self.peer)
-        };
-        if !still_used && let Err(e) = self.shared.engine.disconnect(&self.peer) {
-            tracing::debug!(%e, "releasing a requester's engine");
-        }
     }
 }
 

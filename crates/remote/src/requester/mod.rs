@@ -203,6 +203,11 @@ impl Requester {
                     return Err(RemoteError::SessionRefused { holder: addr, why });
                 }
             };
+            // Named before anything is sent from it, so the holder can forget it whenever this
+            // requester leaves (see `Control::Sender`).
+            if let Some(sender) = engine.sender_address(&welcome.holder)? {
+                send_line(&mut writer, addr, &Control::Sender(sender))?;
+            }
             for entry in &welcome.chunks {
                 registry.register(entry.clone())?;
             }

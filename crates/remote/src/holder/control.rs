@@ -1,0 +1,373 @@
+//! The holder's control plane: one thread serves the listener and every rendezvous
+//! connection, non-blocking, woken by `poll(2)`. A connection costs a socket and a few
+//! buffers, never a thread: [`HolderConfig::max_connections`] bounds them, a connection that
+//! sends no hello within [`HolderConfig::hello_timeout`] is closed, and one that leaves more
+//! than [`OUT_LIMIT`] of answers unread is closed too.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvroute_transport::NetAddr;
+
+use super::{HolderConfig, Session, Shared, check_hello, lock, new_token};
+use crate::error::RemoteError;
+use crate::session::{Answer, Control, Hello, Welcome};
+
+/// Longest hello line (its descriptors are small).
+const HELLO_LIMIT: usize = 1 << 20;
+/// Longest control line after the hello.
+const LINE_LIMIT: usize = 1 << 16;
+/// Answer bytes a connection may leave unread (a welcome listing many chunks is the largest
+/// answer) before it is closed.
+const OUT_LIMIT: usize = 64 << 20;
+/// Longest sleep in `poll`: how often the loop looks at the stop flag and at sessions past
+/// their `open_timeout`.
+const TICK: Duration = Duration::from_millis(50);
+
+/// Where a connection is in the rendezvous.
+enum Phase {
+    /// Waiting for its hello until the deadline.
+    Hello { deadline: Instant },
+    /// A granted session: released when the connection ends.
+    Session {
+        slot: usize,
+        token: u64,
+        hello: Hello,
+    },
+    /// Answered busy or refused: closed once the answer is out.
+    Closing,
+}
+
+struct Conn {
+    stream: TcpStream,
+    peer: SocketAddr,
+    phase: Phase,
+    /// Bytes read and not yet a whole line.
+    input: Vec<u8>,
+    /// Answer bytes not yet written, from `sent` on.
+    output: Vec<u8>,
+    sent: usize,
+}
+
+impl Conn {
+    /// Queues `msg` as one JSON line.
+    fn answer<T: serde::Serialize>(&mut self, msg: &T) -> Result<(), RemoteError> {
+        let line = serde_json::to_vec(msg).map_err(|e| RemoteError::MalformedControl {
+            peer: self.peer,
+            why: format!("encoding: {e}"),
+        })?;
+        self.output.extend_from_slice(&line);
+        self.output.push(b'\n');
+        Ok(())
+    }
+
+    /// Writes what the socket takes now; false once the peer has left more than
+    /// [`OUT_LIMIT`] unread or the socket failed.
+    fn flush(&mut self) -> bool {
+        while self.sent < self.output.len() {
+            match self.stream.write(&self.output[self.sent..]) {
+                Ok(0) => return false,
+                Ok(n) => self.sent += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return false,
+            }
+        }
+        if self.sent == self.output.len() {
+            self.output.clear();
+            self.sent = 0;
+        }
+        self.output.len() - self.sent <= OUT_LIMIT
+    }
+
+    fn wants_write(&self) -> bool {
+        self.sent < self.output.len()
+    }
+}
+
+impl Shared {
+    /// The control thread: accepts connections, reads hellos and control lines, answers them,
+    /// and releases each session when its connection ends, until the holder stops.
+    pub(super) fn control(self: &Arc<Self>, listener: &TcpListener) {
+        let mut conns: Vec<Conn> = Vec::new();
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        while !self.stop.load(Ordering::Acquire) {
+            self.close_unopened();
+            fds.clear();
+            fds.push(pollfd(listener.as_raw_fd(), libc::POLLIN));
+            for c in &conns {
+                let write = if c.wants_write() { libc::POLLOUT } else { 0 };
+                fds.push(pollfd(c.stream.as_raw_fd(), libc::POLLIN | write));
+            }
+            let now = Instant::now();
+            let wait = conns
+                .iter()
+                .filter_map(|c| match c.phase {
+                    Phase::Hello { deadline } => Some(deadline.saturating_duration_since(now)),
+                    _ => None,
+                })
+                .fold(TICK, Duration::min);
+            let ms = libc::c_int::try_from(wait.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
+            // SAFETY: `fds` holds `fds.len()` initialized pollfds of open descriptors.
+            let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+            if ready < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    tracing::warn!(%e, "poll failed");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                continue;
+            }
+            let now = Instant::now();
+            let mut i = 0;
+            conns.retain_mut(|c| {
+                i += 1;
+                let keep = self.drive(c, fds[i].revents, now);
+                if !keep {
+                    self.end(c);
+                }
+                keep
+            });
+            if fds[0].revents & libc::POLLIN != 0 {
+                self.accept_ready(listener, &mut conns);
+            }
+        }
+        for c in &mut conns {
+            self.end(c);
+        }
+    }
+
+    /// Takes every pending connection; past `max_connections` one is closed at once, unread.
+    fn accept_ready(&self, listener: &TcpListener, conns: &mut Vec<Conn>) {
+        loop {
+            match listener.accept() {
+                Ok((stream, peer)) => {
+                    if conns.len() >= self.config.max_connections {
+                        lock(&self.stats).busy += 1;
+                        continue;
+                    }
+                    let ready = stream
+                        .set_nonblocking(true)
+                        .and_then(|()| stream.set_nodelay(true));
+                    if let Err(e) = ready {
+                        tracing::debug!(%e, %peer, "setting up a control connection");
+                        continue;
+                    }
+                    conns.push(Conn {
+                        stream,
+                        peer,
+                        phase: Phase::Hello {
+                            deadline: Instant::now() + self.config.hello_timeout,
+                        },
+                        input: Vec::new(),
+                        output: Vec::new(),
+                        sent: 0,
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // Out of descriptors, most likely: leave the rest queued for later.
+                    tracing::warn!(%e, "accept failed");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Handles what `poll` reported for `c`; false when the connection is done.
+    fn drive(&self, c: &mut Conn, revents: libc::c_short, now: Instant) -> bool {
+        if revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 && !self.read_lines(c) {
+            return false;
+        }
+        if !c.flush() {
+            return false;
+        }
+        match c.phase {
+            // A connection that sends no hello in time is closed.
+            Phase::Hello { deadline } => now < deadline,
+            Phase::Closing => c.wants_write(),
+            Phase::Session { .. } => true,
+        }
+    }
+
+    /// Reads what has arrived and handles each whole line; false when the peer closed, the
+    /// socket failed or a line is too long.
+    fn read_lines(&self, c: &mut Conn) -> bool {
+        let mut chunk = [0u8; 16 << 10];
+        let mut open = true;
+        loop {
+            match c.stream.read(&mut chunk) {
+                Ok(0) => {
+                    open = false;
+                    break;
+                }
+                Ok(n) => c.input.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return false,
+            }
+            if c.input.len() > HELLO_LIMIT + LINE_LIMIT {
+                break;
+            }
+        }
+        let mut start = 0;
+        while let Some(len) = c.input[start..].iter().position(|&b| b == b'\n') {
+            let line = std::mem::take(&mut c.input);
+            let handled = self.line(c, &line[start..start + len]);
+            c.input = line;
+            start += len + 1;
+            if let Err(e) = handled {
+                tracing::debug!(%e, peer = %c.peer, "control connection ended");
+                return false;
+            }
+        }
+        c.input.drain(..start);
+        let limit = match c.phase {
+            Phase::Hello { .. } => HELLO_LIMIT,
+            _ => LINE_LIMIT,
+        };
+        if c.input.len() > limit {
+            // A peer that sends a line longer than any this protocol has is cut off.
+            if matches!(c.phase, Phase::Hello { .. }) {
+                let _ = c.answer(&Answer::Refused("a hello longer than 1 MiB".into()));
+                c.phase = Phase::Closing;
+                c.input.clear();
+                return c.flush();
+            }
+            return false;
+        }
+        open
+    }
+
+    /// One line of `c`.
+    fn line(&self, c: &mut Conn, line: &[u8]) -> Result<(), RemoteError> {
+        match &c.phase {
+            Phase::Hello { .. } => match serde_json::from_slice::<Hello>(line) {
+                Ok(hello) => self.hello(c, hello)?,
+                Err(e) => {
+                    c.phase = Phase::Closing;
+                    c.answer(&Answer::Refused(format!("malformed hello: {e}")))?;
+                }
+            },
+            Phase::Session { hello, .. } => {
+                let requester = hello.addr.clone();
+                match serde_json::from_slice::<Control>(line) {
+                    Ok(Control::Stats) => c.answer(&self.stats())?,
+                    Ok(Control::Sender(sender)) => {
+                        if let Err(e) = self.engine.adopt_sender(&requester, &sender) {
+                            lock(&self.stats).refused += 1;
+                            tracing::debug!(%e, "refusing a requester's sending address");
+                        }
+                    }
+                    Err(e) => tracing::debug!(%e, "ignoring a malformed control line"),
+                }
+            }
+            Phase::Closing => {}
+        }
+        Ok(())
+    }
+
+    /// Answers a hello: refused or busy (then `c` closes once the answer is out), or a
+    /// session in a slot of its own (`c` holds it from then on, so however `c` ends, `end`
+    /// frees the slot).
+    fn hello(&self, c: &mut Conn, hello: Hello) -> Result<(), RemoteError> {
+        c.phase = Phase::Closing;
+        if let Err(why) = check_hello(&hello) {
+            lock(&self.stats).refused += 1;
+            return c.answer(&Answer::Refused(why));
+        }
+        let token = new_token()?;
+        // Registered before the slot is taken; dropped unused if the holder is busy.
+        let inbox = Arc::new(self.engine.alloc_mr(self.config.slot_bytes)?);
+        let control = c
+            .stream
+            .try_clone()
+            .map_err(|source| RemoteError::Control {
+                peer: c.peer,
+                source,
+            })?;
+        let session = Session {
+            hello: hello.clone(),
+            token,
+            next_seq: Arc::new(AtomicU64::new(0)),
+            inbox,
+            granted: Instant::now(),
+            last_used_us: Arc::new(AtomicU64::new(0)),
+            control: Arc::new(control),
+            closing: Arc::new(AtomicBool::new(false)),
+        };
+        let inbox = session.inbox.desc().clone();
+        let slot = {
+            let mut sessions = lock(&self.sessions);
+            match self.free_slot(&sessions) {
+                Some(i) => {
+                    sessions[i] = Some(session);
+                    i
+                }
+                None => {
+                    let cap = sessions.len();
+                    drop(sessions);
+                    lock(&self.stats).busy += 1;
+                    return c.answer(&Answer::Busy { active: cap, cap });
+                }
+            }
+        };
+        let config: &HolderConfig = &self.config;
+        let welcome = Welcome {
+            session: slot as u16,
+            token,
+            holder: self.engine.main_address(),
+            inbox,
+            slot_offset: 0,
+            slot_bytes: config.slot_bytes as u64,
+            reply_bytes: config.reply_bytes as u64,
+            gather_bytes: config.gather_bytes as u64,
+            chunks: self.entries.clone(),
+        };
+        c.phase = Phase::Session { slot, token, hello };
+        c.answer(&Answer::Welcome(welcome))
+    }
+
+    /// A connection is done: a session's slot is freed (unless it has passed to another
+    /// session meanwhile: this one was evicted), and the requester's engine is released in
+    /// the transport if no other session has it, so a holder that many requesters came and
+    /// went to keeps no endpoint, address entry or mapping for them.
+    fn end(&self, c: &mut Conn) {
+        let Phase::Session { slot, token, hello } = std::mem::replace(&mut c.phase, Phase::Closing)
+        else {
+            return;
+        };
+        let still_used = {
+            let mut sessions = lock(&self.sessions);
+            if sessions[slot].as_ref().is_some_and(|s| s.token == token) {
+                sessions[slot] = None;
+            }
+            sessions
+                .iter()
+                .flatten()
+                .any(|s| s.hello.addr == hello.addr)
+        };
+        if !still_used {
+            self.release_peer(&hello.addr);
+        }
+    }
+
+    fn release_peer(&self, peer: &NetAddr) {
+        if let Err(e) = self.engine.disconnect(peer) {
+            tracing::debug!(%e, "releasing a requester's engine");
+        }
+    }
+}
+
+fn pollfd(fd: std::os::fd::RawFd, events: libc::c_short) -> libc::pollfd {
+    libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    }
+}
