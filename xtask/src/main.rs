@@ -13,6 +13,8 @@
 //!   benchmarks, and PyTorch's SDPA on the same inputs, on a machine with a GPU.
 //! - `fuzz [--seconds N] [TARGET...]`: the libFuzzer targets of `fuzz/` (every parser of
 //!   untrusted bytes), N seconds each; `test` runs each for 10 s.
+//! - `soak [--minutes N]`: holders over shm and tcp under requesters that come and go,
+//!   misbehave, are killed or stopped (`crates/remote/examples/soak.rs`); `test` runs 1 minute.
 //! - `bindgen`: regenerate the checked-in libfabric bindings from the installed headers.
 
 mod bindgen;
@@ -33,7 +35,7 @@ commands:
   deps [--check]  check the system packages the workspace needs; install missing ones as root;
                   unpack the pinned NVRTC wheel into target/nvrtc (CUDA compile test)
   test            what CI runs: deps, fmt --check, clippy -D warnings, tests, loom, 10 s of each
-                  fuzz target, docs -D warnings
+                  fuzz target, a 1-minute soak, docs -D warnings
   loom            the loom models of the transport's completion logic
   demo [ARGS]     build in release mode and run the main job (ARGS are passed to it)
   bench [ARGS]    run the criterion benches (ARGS are passed to criterion)
@@ -42,6 +44,10 @@ commands:
                   GPU; without one, says so (and fails only with --require-gpu)
   fuzz [--seconds N] [TARGET...]
                   build the libFuzzer targets in fuzz/ and run each for N s (default 10)
+  soak [--minutes N]
+                  holders over shm and tcp under requesters that come, go, misbehave, are killed
+                  or stopped, for N minutes (default 1): exact routes, no hang, flat holders,
+                  clean /dev/shm
   bindgen         regenerate the libfabric bindings (installs libfabric-dev, libclang-dev as root)";
 
 fn main() -> ExitCode {
@@ -69,6 +75,10 @@ fn run(args: &[String]) -> Result<()> {
         "test" | "ci" => test(),
         "loom" => loom(),
         "fuzz" => fuzz::run(&workspace_root(), rest),
+        "soak" => {
+            deps::run(false)?;
+            soak(rest, true)
+        }
         "demo" => {
             // The demo runs over libfabric: a fresh machine gets it from `deps` first.
             deps::run(false)?;
@@ -250,8 +260,10 @@ fn library_alone() -> Result<()> {
             &[],
         )?;
     }
-    // 150 requester processes one after another against one shm holder, each partial
-    // checked, the holder's memory, fds and /dev/shm flat after 100.
+    // 300 requester processes one after another against one shm holder, each partial
+    // checked, the holder's memory, fds and /dev/shm flat after 100 (shm's table of peers
+    // holds 256: a holder that kept its requesters' endpoints refused the 129th, one that
+    // kept their senders' the 256th).
     cargo_step(
         "holder_churn",
         &[
@@ -263,10 +275,39 @@ fn library_alone() -> Result<()> {
             "holder_churn",
             "--",
             "shm",
-            "150",
+            "300",
         ],
         &[],
-    )
+    )?;
+    soak(&["--minutes".to_owned(), "1".to_owned()], false)
+}
+
+/// `soak [--minutes N]`: the holders-and-requesters soak (crates/remote/examples/soak.rs) for
+/// N minutes (default 1), in release mode for a long run.
+fn soak(rest: &[String], release: bool) -> Result<()> {
+    let minutes = match rest {
+        [] => "1",
+        [flag, n] if flag == "--minutes" => n.as_str(),
+        _ => bail!("usage: cargo xtask soak [--minutes N]"),
+    };
+    let minutes_ok = minutes.parse::<f64>().is_ok_and(|m| m > 0.0);
+    if !minutes_ok {
+        bail!("--minutes takes a positive number, not {minutes:?}");
+    }
+    let mut args = vec!["run", "--locked"];
+    if release {
+        args.push("--release");
+    }
+    args.extend([
+        "-p",
+        "kvroute-remote",
+        "--example",
+        "soak",
+        "--",
+        "--minutes",
+        minutes,
+    ]);
+    cargo_step("soak", &args, &[])
 }
 
 /// The loom models, in release mode (loom explores thousands of interleavings) and in their

@@ -17,38 +17,10 @@ use kvroute_kernels::RopeLayout;
 use kvroute_kernels::layout::D_QK;
 use kvroute_kvstore::{ChunkId, CorpusSpec};
 use kvroute_remote::{Call, HeldChunks, Holder, HolderConfig, Requester, RequesterConfig};
-use kvroute_transport::{FabricConfig, ProviderChoice, TransferEngine};
 
-type Error = Box<dyn std::error::Error>;
+mod common;
 
-/// (resident KiB, open fds, /dev/shm entries) of this process now.
-fn footprint() -> Result<(u64, usize, usize), Error> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let rss = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .ok_or("no VmRSS in /proc/self/status")?;
-    let fds = std::fs::read_dir("/proc/self/fd")?.count();
-    let shm = std::fs::read_dir("/dev/shm").map_or(0, Iterator::count);
-    Ok((rss, fds, shm))
-}
-
-/// An engine on `provider` (tcp or shm) bound to loopback.
-fn engine(provider: &str) -> Result<TransferEngine, Error> {
-    let choice = match provider {
-        "shm" => ProviderChoice::Shm,
-        "tcp" => ProviderChoice::Tcp,
-        other => return Err(format!("unknown provider {other} (tcp or shm)").into()),
-    };
-    let config = FabricConfig {
-        // shm names its regions by the node when one is given: processes would collide.
-        node: (provider == "tcp").then(|| "127.0.0.1".to_owned()),
-        required: true,
-        ..FabricConfig::provider(choice)
-    };
-    Ok(TransferEngine::fabric(&config, Default::default())?.0)
-}
+use common::{Error, digest, engine, footprint, shm_entries};
 
 /// The requester process: connect, route one step, print the partial's digest.
 fn requester(provider: &str, holder: &str) -> Result<(), Error> {
@@ -67,13 +39,7 @@ fn requester(provider: &str, holder: &str) -> Result<(), Error> {
         sparse: None,
     };
     let p = req.route(&[call]).remove(0)?;
-    let digest =
-        p.o.iter()
-            .chain(&p.m)
-            .chain(&p.l)
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
-                (h ^ u64::from(x.to_bits())).wrapping_mul(0x100_0000_01b3)
-            });
+    let digest = digest(&p);
     println!("{digest:016x}");
     Ok(())
 }
@@ -139,7 +105,7 @@ fn main() -> Result<(), Error> {
             while holder.stats().active > 0 && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(1));
             }
-            let (rss, fds, shm) = footprint()?;
+            let ((rss, fds), shm) = (footprint("self")?, shm_entries());
             println!(
                 "{i:>10}   {:>7.1}   {fds:>3}   {shm:>8}",
                 rss as f64 / 1024.0

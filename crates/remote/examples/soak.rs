@@ -1,0 +1,770 @@
+//! A soak of holders under requesters that come and go, misbehave and die, over shm and tcp at
+//! once. Holders and requesters are processes of their own (this program, run with `--holder`,
+//! `--requester` or `--rogue`). For `--minutes N` it keeps up to eight at a time, of these kinds:
+//!
+//! - **honest**: connects, routes 1-12 steps of two calls (two chunks, four query sets), and
+//!   checks each partial bit for bit against the reference computed at start over the `mem`
+//!   domain; a mismatch is a failure;
+//! - **killed**: an honest requester sent SIGKILL at a random point;
+//! - **stopped**: an honest requester sent SIGSTOP for 0.5-4 s, then SIGCONT (its holder may
+//!   evict it meanwhile: an error of its own, never a wrong answer);
+//! - **rogue**: a session that writes forged immediates, wrong tokens, replays, random bytes
+//!   and corrupted requests into its inbox;
+//! - **malformed control**: connections that send garbage, truncated or forged hellos, or
+//!   nothing at all.
+//!
+//! Per provider there is a **main** holder, never killed, whose memory and fds are measured, and
+//! a **victim** holder, killed with SIGKILL and restarted every 10-30 s. A requester may end in
+//! an error (busy, timed out, evicted, its holder killed); it must never give a wrong partial,
+//! panic, die of a signal it was not sent, or run past 60 s (a hang). The main holders' resident
+//! memory and fds are taken after a quarter of the run and at the end, each time with no
+//! requester running; the end may not exceed the first by more than 16 MiB or 4 fds. When all
+//! is done, the holders exit cleanly and `/dev/shm` must hold no region of any process this soak
+//! started (the regions of processes it killed are removed by it, as their supervisor).
+//!
+//! `cargo run --release -p kvroute-remote --example soak -- --minutes 30`; `cargo xtask soak
+//! --minutes N` builds and runs it, and `cargo xtask test` runs one minute.
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Error, digest, engine, footprint, shm_entries};
+use kvroute_kernels::RopeLayout;
+use kvroute_kernels::layout::D_QK;
+use kvroute_kvstore::{ChunkId, CorpusSpec};
+use kvroute_remote::session::{Answer, Control, Hello};
+use kvroute_remote::wire;
+use kvroute_remote::{Call, HeldChunks, Holder, HolderConfig, Requester, RequesterConfig};
+use kvroute_transport::{MemFabric, OnDone, TransferEngine};
+
+/// Query rows per call.
+const ROWS: usize = 4;
+/// Distinct query sets.
+const QUERIES: u64 = 4;
+/// Children alive at once.
+const LIVE: usize = 8;
+/// A child running longer than this is hung.
+const HANG: Duration = Duration::from_secs(60);
+/// Exit code of a requester that saw a wrong partial.
+const WRONG: i32 = 3;
+/// Exit code of a requester that ended in a typed error.
+const ERRORED: i32 = 2;
+
+fn corpus() -> CorpusSpec {
+    CorpusSpec {
+        layers: 1,
+        chunk_tokens: 256,
+        chunks: 2,
+        seed: 7,
+        rope_theta: 10_000.0,
+        yarn: None,
+        rope_layout: RopeLayout::Interleaved,
+    }
+}
+
+fn holder_config() -> HolderConfig {
+    HolderConfig {
+        max_requesters: 4,
+        slot_bytes: 1 << 16,
+        reply_bytes: 1 << 16,
+        gather_bytes: 1 << 16,
+        hello_timeout: Duration::from_secs(2),
+        open_timeout: Duration::from_secs(5),
+        idle_evict: Duration::from_secs(2),
+        ..HolderConfig::default()
+    }
+}
+
+/// Query set `v`: bf16 rows with values in [-0.5, 0.5).
+fn queries(v: u64) -> Vec<u16> {
+    (0..ROWS * D_QK)
+        .map(|j| {
+            let x = ((j as u64 * 7 + v * 13) % 17) as f32 / 17.0 - 0.5;
+            (x.to_bits() >> 16) as u16
+        })
+        .collect()
+}
+
+/// One step's calls for query set `v`: a call on each chunk.
+fn calls(q: &[u16]) -> [Call<'_>; 2] {
+    [0, 1].map(|c| Call {
+        chunk: ChunkId(c),
+        layer: 0,
+        queries: q,
+        sparse: None,
+    })
+}
+
+/// A tiny generator (xorshift64*), seeded per process.
+struct Rng(u64);
+
+impl Rng {
+    fn seeded() -> Self {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        Self(t ^ u64::from(std::process::id()).rotate_left(32) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in `lo..hi`.
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo).max(1)
+    }
+
+    fn millis(&mut self, lo: u64, hi: u64) -> Duration {
+        Duration::from_millis(self.range(lo, hi))
+    }
+}
+
+// ----- children -----
+
+/// `--holder PROVIDER`: serves the corpus, prints its control address, and exits cleanly when
+/// its stdin closes.
+fn holder(provider: &str) -> Result<(), Error> {
+    let engine = engine(provider)?;
+    let held = HeldChunks::generate(&engine, &corpus(), &[ChunkId(0), ChunkId(1)])?;
+    let holder = Holder::start(
+        engine,
+        TcpListener::bind("127.0.0.1:0")?,
+        held,
+        holder_config(),
+    )?;
+    println!("{}", holder.addr());
+    std::io::stdout().flush()?;
+    let mut line = String::new();
+    while std::io::stdin().read_line(&mut line)? > 0 {
+        line.clear();
+    }
+    drop(holder);
+    Ok(())
+}
+
+/// `--requester PROVIDER HOLDER REFERENCE`: routes 1-12 steps and checks every partial
+/// against the reference digests (`v:chunk:digest,...`). Exit 0: all exact; 2: an error;
+/// 3: a wrong partial.
+fn requester(provider: &str, holder: &str, reference: &str) -> Result<(), Error> {
+    let want: BTreeMap<(u64, u32), u64> = reference
+        .split(',')
+        .map(|e| {
+            let f: Vec<&str> = e.split(':').collect();
+            match f[..] {
+                [v, c, d] => Some((
+                    (v.parse().ok()?, c.parse().ok()?),
+                    u64::from_str_radix(d, 16).ok()?,
+                )),
+                _ => None,
+            }
+        })
+        .collect::<Option<_>>()
+        .ok_or("a malformed reference")?;
+    let mut rng = Rng::seeded();
+    let config = RequesterConfig {
+        timeout: Duration::from_secs(5),
+        link_bytes: 1 << 16,
+        pool_pages: 4,
+        ..RequesterConfig::new(0.1)
+    };
+    let mut req = match Requester::connect(engine(provider)?, &[holder.parse()?], config) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("connect: {e}");
+            std::process::exit(ERRORED);
+        }
+    };
+    let steps = rng.range(1, 13);
+    for _ in 0..steps {
+        let v = rng.range(0, QUERIES);
+        let q = queries(v);
+        for (chunk, result) in req.route(&calls(&q)).into_iter().enumerate() {
+            match result {
+                Ok(p) if want.get(&(v, chunk as u32)) == Some(&digest(&p)) => {}
+                Ok(_) => {
+                    eprintln!("query set {v}, chunk {chunk}: a partial differs from the reference");
+                    std::process::exit(WRONG);
+                }
+                Err(e) => {
+                    eprintln!("route: {e}");
+                    std::process::exit(ERRORED);
+                }
+            }
+        }
+        println!("step");
+        std::thread::sleep(rng.millis(0, 200));
+    }
+    Ok(())
+}
+
+/// `--rogue PROVIDER HOLDER`: a real session that writes forgeries into its own inbox.
+fn rogue(provider: &str, holder: &str) -> Result<(), Error> {
+    let mut rng = Rng::seeded();
+    let engine = engine(provider)?;
+    let reply = engine.alloc_mr(1 << 16)?;
+    let mut control = TcpStream::connect(holder)?;
+    control.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let hello = Hello {
+        addr: engine.main_address(),
+        reply: reply.desc().clone(),
+        pool: None,
+        reply_imm: 0x6100_0fff,
+        fetch_imm: 0x6200_0fff,
+    };
+    writeln!(control, "{}", serde_json::to_string(&hello)?)?;
+    let mut line = String::new();
+    BufReader::new(control.try_clone()?).read_line(&mut line)?;
+    let Ok(Answer::Welcome(welcome)) = serde_json::from_str::<Answer>(&line) else {
+        return Ok(()); // busy: nothing to forge into
+    };
+    if let Some(sender) = engine.sender_address(&welcome.holder)? {
+        writeln!(
+            control,
+            "{}",
+            serde_json::to_string(&Control::Sender(sender))?
+        )?;
+    }
+    let inbox = (&welcome.inbox, welcome.slot_offset);
+    let buf = engine.alloc_mr(1 << 16)?;
+    let q = queries(0);
+    let seg = wire::SegmentSpec {
+        kind: wire::SegmentKind::Dense,
+        chunk: 0,
+        layer: 0,
+        queries: wire::QueryRows::Copied(&q),
+        indices: &[],
+        pages: &[],
+    };
+    let mut seq = 1;
+    for _ in 0..rng.range(4, 24) {
+        let mut bytes = Vec::new();
+        wire::encode_request(&mut bytes, seq, welcome.token, 0, 0.1, &[seg]);
+        seq += 1;
+        let imm = match rng.range(0, 6) {
+            // Immediates naming every session, as requests and pings.
+            0 => {
+                let session = rng.range(0, 8) as u16;
+                let imm = if rng.next() & 1 == 0 {
+                    wire::request_imm(session, 1)
+                } else {
+                    wire::ping_imm(session, 1)
+                };
+                engine.submit_imm(imm, &welcome.inbox, OnDone::nothing())?;
+                continue;
+            }
+            // The wrong token.
+            1 => {
+                bytes.clear();
+                wire::encode_request(&mut bytes, seq, welcome.token ^ rng.next(), 0, 0.1, &[seg]);
+                wire::request_imm(welcome.session, 1)
+            }
+            // A replay of an older sequence number.
+            2 => {
+                bytes.clear();
+                wire::encode_request(&mut bytes, 1, welcome.token, 0, 0.1, &[seg]);
+                wire::request_imm(welcome.session, 1)
+            }
+            // Random bytes.
+            3 => {
+                let len = rng.range(1, 4096) as usize;
+                bytes = (0..len).map(|_| rng.next() as u8).collect();
+                wire::request_imm(welcome.session, 1)
+            }
+            // A request with flipped bytes past its token.
+            _ => {
+                for _ in 0..rng.range(1, 8) {
+                    let at = rng.range(wire::REQUEST_HEADER as u64 - 16, bytes.len() as u64);
+                    bytes[at as usize] ^= 1 << rng.range(0, 8);
+                }
+                wire::request_imm(welcome.session, 1)
+            }
+        };
+        buf.write_at(0, &bytes)?;
+        let (done, fut) = OnDone::future();
+        engine.submit_single_write(
+            bytes.len() as u64,
+            Some(imm),
+            (buf.handle(), 0),
+            inbox,
+            done,
+        )?;
+        kvroute_transport::block_on(fut)?;
+        std::thread::sleep(rng.millis(0, 20));
+    }
+    std::thread::sleep(rng.millis(0, 500));
+    Ok(())
+}
+
+// ----- the supervisor -----
+
+/// Garbage on a control connection; none of it may hurt the holder.
+fn malformed_control(addr: SocketAddr, rng: &mut Rng) {
+    let kind = rng.range(0, 4);
+    let garbage: Vec<u8> = (0..rng.range(1, 2048)).map(|_| rng.next() as u8).collect();
+    let hold = rng.millis(0, 3000);
+    std::thread::spawn(move || {
+        let Ok(mut c) = TcpStream::connect(addr) else {
+            return;
+        };
+        let _ = match kind {
+            0 => c.write_all(&garbage),
+            1 => c.write_all(b"{\"addr\":{\"nics\":[{\"provider\":\"fabric:shm\",\"bytes\":[1,2"),
+            2 => c.write_all(
+                b"{\"addr\":{\"nics\":[]},\"reply\":null,\"pool\":null,\"reply_imm\":1,\"fetch_imm\":2}\n",
+            ),
+            // Says nothing: held until the holder's hello timeout.
+            _ => Ok(()),
+        };
+        std::thread::sleep(hold);
+    });
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, PartialOrd, Ord)]
+enum Kind {
+    Honest,
+    Killed,
+    Stopped,
+    Rogue,
+}
+
+struct Running {
+    child: Child,
+    kind: Kind,
+    provider: &'static str,
+    started: Instant,
+    /// When to send its signal (SIGKILL for killed, SIGSTOP for stopped), and for how long a
+    /// stopped one stays stopped.
+    signal_at: Option<Instant>,
+    stop_for: Duration,
+    stopped_until: Option<Instant>,
+}
+
+struct HolderProc {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    addr: SocketAddr,
+}
+
+impl HolderProc {
+    fn start(me: &std::path::Path, provider: &str) -> Result<Self, Error> {
+        let mut child = Command::new(me)
+            .args(["--holder", provider])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().ok_or("no stdout")?).read_line(&mut line)?;
+        let addr = line
+            .trim()
+            .parse()
+            .map_err(|e| format!("a {provider} holder did not start ({e}): {line:?}"))?;
+        Ok(Self {
+            stdin: child.stdin.take(),
+            child,
+            addr,
+        })
+    }
+
+    fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+
+    /// Closes its stdin and waits for it to exit cleanly.
+    fn stop(mut self) -> Result<(), Error> {
+        drop(self.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return if status.success() {
+                    Ok(())
+                } else {
+                    Err(format!("a holder exited with {status}").into())
+                };
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                return Err("a holder did not exit within 20 s of being told to".into());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    /// Per (provider, kind): children, exact steps, errors.
+    runs: BTreeMap<(&'static str, Kind), (u64, u64, u64)>,
+    /// Error messages, by their first words.
+    errors: BTreeMap<String, u64>,
+    malformed: u64,
+    holder_kills: u64,
+    regions_removed: usize,
+}
+
+/// Sends `sig` to `pid`.
+fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill has no memory-safety preconditions; the pid is a child not yet reaped.
+    unsafe { libc::kill(pid as libc::pid_t, sig) };
+}
+
+struct Soak {
+    me: std::path::PathBuf,
+    reference: String,
+    rng: Rng,
+    tally: Tally,
+    pids: HashSet<u32>,
+    running: Vec<Running>,
+    /// Per provider: main and victim holders, and when the victim dies next.
+    holders: Vec<(&'static str, HolderProc, HolderProc, Instant)>,
+}
+
+impl Soak {
+    fn spawn(&mut self) -> Result<(), Error> {
+        let h = self.rng.range(0, self.holders.len() as u64) as usize;
+        let provider = self.holders[h].0;
+        let addr = if self.rng.range(0, 3) == 0 {
+            self.holders[h].2.addr
+        } else {
+            self.holders[h].1.addr
+        };
+        let kind = match self.rng.range(0, 20) {
+            0..=10 => Kind::Honest,
+            11..=13 => Kind::Killed,
+            14..=15 => Kind::Stopped,
+            16..=17 => Kind::Rogue,
+            _ => {
+                malformed_control(addr, &mut self.rng);
+                self.tally.malformed += 1;
+                return Ok(());
+            }
+        };
+        let mut cmd = Command::new(&self.me);
+        if kind == Kind::Rogue {
+            cmd.args(["--rogue", provider, &addr.to_string()]);
+        } else {
+            cmd.args(["--requester", provider, &addr.to_string(), &self.reference]);
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        self.pids.insert(child.id());
+        let now = Instant::now();
+        let signal_at = match kind {
+            Kind::Killed => Some(now + self.rng.millis(0, 2500)),
+            Kind::Stopped => Some(now + self.rng.millis(0, 1500)),
+            _ => None,
+        };
+        self.running.push(Running {
+            child,
+            kind,
+            provider,
+            started: now,
+            signal_at,
+            stop_for: self.rng.millis(500, 4000),
+            stopped_until: None,
+        });
+        Ok(())
+    }
+
+    /// Signals, reaps and judges the children; an error is a soak failure.
+    fn tend(&mut self) -> Result<(), Error> {
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &mut self.running[i];
+            if let Some(at) = r.signal_at.filter(|&at| now >= at) {
+                r.signal_at = None;
+                match r.kind {
+                    Kind::Killed => signal(r.child.id(), libc::SIGKILL),
+                    _ => {
+                        signal(r.child.id(), libc::SIGSTOP);
+                        r.stopped_until = Some(at + r.stop_for);
+                    }
+                }
+            }
+            if r.stopped_until.is_some_and(|u| now >= u) {
+                r.stopped_until = None;
+                signal(r.child.id(), libc::SIGCONT);
+            }
+            let Some(status) = r.child.try_wait()? else {
+                if now - r.started > HANG + r.stop_for {
+                    let _ = r.child.kill();
+                    return Err(format!(
+                        "a {:?} {} requester ran past {HANG:?}: hung",
+                        r.kind, r.provider
+                    )
+                    .into());
+                }
+                i += 1;
+                continue;
+            };
+            let r = self.running.swap_remove(i);
+            self.judge(r, status)?;
+        }
+        Ok(())
+    }
+
+    fn judge(&mut self, mut r: Running, status: std::process::ExitStatus) -> Result<(), Error> {
+        use std::io::Read;
+        use std::os::unix::process::ExitStatusExt;
+        let mut out = String::new();
+        let mut err = String::new();
+        if let Some(mut s) = r.child.stdout.take() {
+            let _ = s.read_to_string(&mut out);
+        }
+        if let Some(mut s) = r.child.stderr.take() {
+            let _ = s.read_to_string(&mut err);
+        }
+        let steps = out.lines().filter(|l| *l == "step").count() as u64;
+        let entry = self.tally.runs.entry((r.provider, r.kind)).or_default();
+        entry.0 += 1;
+        entry.1 += steps;
+        let pid = r.child.id();
+        match (status.code(), status.signal()) {
+            (Some(0), _) => {}
+            (Some(ERRORED), _) => {
+                entry.2 += 1;
+                let what: String = err.split_whitespace().take(4).collect::<Vec<_>>().join(" ");
+                *self.tally.errors.entry(what).or_default() += 1;
+            }
+            (Some(WRONG), _) => return Err(format!("a wrong partial: {}", err.trim()).into()),
+            (_, Some(libc::SIGKILL)) if r.kind == Kind::Killed => {
+                self.tally.regions_removed +=
+                    kvroute_transport::fabric::remove_shm_regions_of_dead_process(pid)?;
+            }
+            _ => {
+                return Err(format!(
+                    "a {:?} {} process ended with {status}: {}",
+                    r.kind,
+                    r.provider,
+                    err.trim()
+                )
+                .into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Kills and restarts each victim holder that is due.
+    fn cull(&mut self) -> Result<(), Error> {
+        let now = Instant::now();
+        for h in 0..self.holders.len() {
+            if now < self.holders[h].3 {
+                continue;
+            }
+            let provider = self.holders[h].0;
+            let fresh = HolderProc::start(&self.me, provider)?;
+            self.pids.insert(fresh.child.id());
+            let next = now + self.rng.millis(10_000, 30_000);
+            let (_, _, victim, due) = &mut self.holders[h];
+            let mut old = std::mem::replace(victim, fresh);
+            *due = next;
+            old.child.kill()?;
+            old.child.wait()?;
+            self.tally.holder_kills += 1;
+            self.tally.regions_removed +=
+                kvroute_transport::fabric::remove_shm_regions_of_dead_process(old.child.id())?;
+        }
+        Ok(())
+    }
+
+    /// Runs load until `until`.
+    fn load(&mut self, until: Instant) -> Result<(), Error> {
+        while Instant::now() < until {
+            self.tend()?;
+            self.cull()?;
+            for h in &mut self.holders {
+                for p in [&mut h.1] {
+                    if let Some(status) = p.child.try_wait()? {
+                        return Err(format!("the main {} holder died: {status}", h.0).into());
+                    }
+                }
+            }
+            if self.running.len() < LIVE {
+                self.spawn()?;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// Lets every child finish, then gives the holders a moment to release their sessions.
+    fn drain(&mut self) -> Result<(), Error> {
+        while !self.running.is_empty() {
+            self.tend()?;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_secs(3));
+        Ok(())
+    }
+
+    /// (resident KiB, fds) of each main holder.
+    fn measure(&self) -> Result<Vec<(u64, usize)>, Error> {
+        self.holders.iter().map(|h| footprint(&h.1.pid())).collect()
+    }
+}
+
+/// The reference digests, over the `mem` domain in this process: `v:chunk:digest,...`.
+fn reference() -> Result<String, Error> {
+    let fabric = MemFabric::new();
+    let engine = TransferEngine::mem(&fabric, 1)?;
+    let held = HeldChunks::generate(&engine, &corpus(), &[ChunkId(0), ChunkId(1)])?;
+    let holder = Holder::start(
+        engine,
+        TcpListener::bind("127.0.0.1:0")?,
+        held,
+        holder_config(),
+    )?;
+    let config = RequesterConfig {
+        link_bytes: 1 << 16,
+        pool_pages: 4,
+        ..RequesterConfig::new(0.1)
+    };
+    let mut req = Requester::connect(TransferEngine::mem(&fabric, 1)?, &[holder.addr()], config)?;
+    let mut out = Vec::new();
+    for v in 0..QUERIES {
+        let q = queries(v);
+        for (chunk, p) in req.route(&calls(&q)).into_iter().enumerate() {
+            out.push(format!("{v}:{chunk}:{:016x}", digest(&p?)));
+        }
+    }
+    Ok(out.join(","))
+}
+
+fn supervise(minutes: f64) -> Result<(), Error> {
+    let total = Duration::from_secs_f64(minutes * 60.0);
+    let started = Instant::now();
+    let me = std::env::current_exe()?;
+    let shm_before = shm_entries();
+    let mut rng = Rng::seeded();
+    let mut holders = Vec::new();
+    let mut pids = HashSet::new();
+    for provider in ["shm", "tcp"] {
+        let main = HolderProc::start(&me, provider)?;
+        let victim = HolderProc::start(&me, provider)?;
+        pids.extend([main.child.id(), victim.child.id()]);
+        holders.push((
+            provider,
+            main,
+            victim,
+            Instant::now() + rng.millis(10_000, 30_000),
+        ));
+    }
+    let mut soak = Soak {
+        me,
+        reference: reference()?,
+        rng,
+        tally: Tally::default(),
+        pids,
+        running: Vec::new(),
+        holders,
+    };
+    println!(
+        "soak: {:.1} min over shm and tcp; main and victim holders {:?}",
+        minutes,
+        soak.holders
+            .iter()
+            .map(|h| (h.0, h.1.addr, h.2.addr))
+            .collect::<Vec<_>>()
+    );
+    // Warm-up: a quarter of the run (at least 10 s), then the baseline with nothing running.
+    let warm = (total / 4).max(Duration::from_secs(10));
+    soak.load(started + warm)?;
+    soak.drain()?;
+    let base = soak.measure()?;
+    soak.load(started + total.saturating_sub(Duration::from_secs(5)))?;
+    soak.drain()?;
+    let end = soak.measure()?;
+    println!("holder        rss MiB (warm -> end)   fds (warm -> end)");
+    let mut flat = true;
+    for (h, (&(r0, f0), &(r1, f1))) in soak.holders.iter().zip(base.iter().zip(&end)) {
+        println!(
+            "main {:<8} {:>7.1} -> {:>7.1}          {:>3} -> {:>3}",
+            h.0,
+            r0 as f64 / 1024.0,
+            r1 as f64 / 1024.0,
+            f0,
+            f1
+        );
+        flat &= r1 <= r0 + 16 * 1024 && f1 <= f0 + 4;
+    }
+    println!("children       runs   exact steps   errors");
+    for ((provider, kind), (runs, steps, errors)) in &soak.tally.runs {
+        println!(
+            "{provider} {:<9} {runs:>6}   {steps:>11}   {errors:>6}",
+            format!("{kind:?}")
+        );
+    }
+    for (what, n) in &soak.tally.errors {
+        println!("  error x{n}: {what}");
+    }
+    println!(
+        "malformed control connections {}, victim holders killed {}, regions of killed \
+         processes removed {}",
+        soak.tally.malformed, soak.tally.holder_kills, soak.tally.regions_removed
+    );
+    for h in std::mem::take(&mut soak.holders) {
+        h.1.stop()?;
+        h.2.stop()?;
+    }
+    let exact: u64 = soak
+        .tally
+        .runs
+        .iter()
+        .filter(|((_, k), _)| *k == Kind::Honest)
+        .map(|(_, r)| r.1)
+        .sum();
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")?
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| {
+            n.split(':')
+                .next()
+                .and_then(|p| p.parse::<u32>().ok())
+                .is_some_and(|p| soak.pids.contains(&p))
+        })
+        .collect();
+    println!(
+        "/dev/shm: {} entries before, {} after; of this soak's processes: {}",
+        shm_before,
+        shm_entries(),
+        left.len()
+    );
+    if !left.is_empty() {
+        return Err(format!("/dev/shm keeps regions of this soak's processes: {left:?}").into());
+    }
+    if !flat {
+        return Err("a main holder's memory or fds grew after warm-up".into());
+    }
+    if exact == 0 {
+        return Err("no honest requester completed a step".into());
+    }
+    println!(
+        "soak passed in {:.1} s: {exact} honest steps exact, no hang, holders flat",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn main() -> Result<(), Error> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |i: usize| args.get(i).map(String::as_str).ok_or("missing argument");
+    match args.first().map(String::as_str) {
+        Some("--holder") => holder(arg(1)?),
+        Some("--requester") => requester(arg(1)?, arg(2)?, arg(3)?),
+        Some("--rogue") => rogue(arg(1)?, arg(2)?),
+        Some("--minutes") => supervise(arg(1)?.parse()?),
+        _ => Err("usage: soak --minutes N".into()),
+    }
+}
