@@ -763,7 +763,11 @@ fn main() -> Result<(), Error> {
     match args.first().map(String::as_str) {
         Some("--holder") => holder(arg(1)?),
         Some("--requester") => requester(arg(1)?, arg(2)?, arg(3)?),
-        Some("--rogue") => rogue(arg(1)?, arg(2)?),
+        // A rogue meets refusals and dead holders: its own errors are outcomes, not failures.
+        Some("--rogue") => rogue(arg(1)?, arg(2)?).or_else(|e| {
+            eprintln!("rogue: {e}");
+            std::process::exit(ERRORED)
+        }),
         Some("--minutes") => supervise(arg(1)?.parse()?),
         _ => Err("usage: soak --minutes N".into()),
     }

@@ -7,8 +7,8 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvroute_transport::NetAddr;
@@ -33,11 +33,7 @@ enum Phase {
     /// Waiting for its hello until the deadline.
     Hello { deadline: Instant },
     /// A granted session: released when the connection ends.
-    Session {
-        slot: usize,
-        token: u64,
-        hello: Hello,
-    },
+    Session { slot: usize, session: Session },
     /// Answered busy or refused: closed once the answer is out.
     Closing,
 }
@@ -254,8 +250,8 @@ impl Shared {
                     c.answer(&Answer::Refused(format!("malformed hello: {e}")))?;
                 }
             },
-            Phase::Session { hello, .. } => {
-                let requester = hello.addr.clone();
+            Phase::Session { session, .. } => {
+                let requester = session.hello.addr.clone();
                 match serde_json::from_slice::<Control>(line) {
                     Ok(Control::Stats) => c.answer(&self.stats())?,
                     Ok(Control::Sender(sender)) => {
@@ -300,13 +296,14 @@ impl Shared {
             last_used_us: Arc::new(AtomicU64::new(0)),
             control: Arc::new(control),
             closing: Arc::new(AtomicBool::new(false)),
+            posting: Arc::new(Mutex::new(())),
         };
         let inbox = session.inbox.desc().clone();
         let slot = {
             let mut sessions = lock(&self.sessions);
             match self.free_slot(&sessions) {
                 Some(i) => {
-                    sessions[i] = Some(session);
+                    sessions[i] = Some(session.clone());
                     i
                 }
                 None => {
@@ -329,7 +326,7 @@ impl Shared {
             gather_bytes: config.gather_bytes as u64,
             chunks: self.entries.clone(),
         };
-        c.phase = Phase::Session { slot, token, hello };
+        c.phase = Phase::Session { slot, session };
         c.answer(&Answer::Welcome(welcome))
     }
 
@@ -338,22 +335,26 @@ impl Shared {
     /// the transport if no other session has it, so a holder that many requesters came and
     /// went to keeps no endpoint, address entry or mapping for them.
     fn end(&self, c: &mut Conn) {
-        let Phase::Session { slot, token, hello } = std::mem::replace(&mut c.phase, Phase::Closing)
+        let Phase::Session { slot, session } = std::mem::replace(&mut c.phase, Phase::Closing)
         else {
             return;
         };
+        session.stop_posting();
         let still_used = {
             let mut sessions = lock(&self.sessions);
-            if sessions[slot].as_ref().is_some_and(|s| s.token == token) {
+            if sessions[slot]
+                .as_ref()
+                .is_some_and(|s| s.token == session.token)
+            {
                 sessions[slot] = None;
             }
             sessions
                 .iter()
                 .flatten()
-                .any(|s| s.hello.addr == hello.addr)
+                .any(|s| s.hello.addr == session.hello.addr)
         };
         if !still_used {
-            self.release_peer(&hello.addr);
+            self.release_peer(&session.hello.addr);
         }
     }
 

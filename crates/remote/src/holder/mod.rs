@@ -101,8 +101,13 @@ struct Session {
     /// Its control connection, shut down to close the session from outside the control
     /// thread's handling of it.
     control: Arc<TcpStream>,
-    /// Set once the holder has closed it.
+    /// Set once the session is closing: closed by the holder, or its connection ended.
     closing: Arc<AtomicBool>,
+    /// Held by the serving thread while it posts writes to the session's regions; an ending
+    /// session sets `closing`, then takes it once, so that every write to its requester was
+    /// submitted before the requester's engine is released (a write after the release would
+    /// connect it again) and none is submitted after.
+    posting: Arc<Mutex<()>>,
 }
 
 impl Session {
@@ -130,6 +135,19 @@ impl Session {
         let used = self.last_used_us.load(Ordering::Acquire);
         let since = self.granted.elapsed();
         (since.saturating_sub(Duration::from_micros(used)), used > 0)
+    }
+
+    /// The right to post writes to the session's regions, unless it is closing.
+    fn posting(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+        let guard = lock(&self.posting);
+        (!self.closing.load(Ordering::Acquire)).then_some(guard)
+    }
+
+    /// Stops posting to the session: once this returns, the serving thread has submitted
+    /// every write it will ever submit to it.
+    fn stop_posting(&self) {
+        self.closing.store(true, Ordering::Release);
+        drop(lock(&self.posting));
     }
 
     /// Ends the session's control connection; the control thread then frees the slot (if the

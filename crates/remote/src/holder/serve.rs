@@ -145,6 +145,9 @@ impl Shared {
             lock(&self.stats).refused += 1;
             return;
         };
+        let Some(_posting) = session.posting() else {
+            return;
+        };
         let len = reply_len as usize;
         let source = slot * self.config.reply_bytes;
         if pong == wire::Pong::Written {
@@ -512,6 +515,9 @@ impl Shared {
         });
         let encode_us = encode_started.elapsed().as_secs_f64() * 1e6;
         let reply: &MrDesc = &session.hello.reply;
+        let Some(_posting) = session.posting() else {
+            return encode_us;
+        };
         let result = encoded.map_err(RemoteError::from).and_then(|()| {
             Ok(self.engine.submit_single_write(
                 len as u64,

@@ -41,7 +41,7 @@ impl Shared {
         self.send_all(
             writes,
             self.chunks.store().handle(),
-            (pool, session.hello.fetch_imm),
+            (session, pool, session.hello.fetch_imm),
         )
     }
 
@@ -56,9 +56,13 @@ impl Shared {
         &self,
         writes: Option<Vec<(u64, u64, u64)>>,
         src: &MrHandle,
-        (pool, imm): (&MrDesc, u32),
+        (session, pool, imm): (&Session, &MrDesc, u32),
     ) -> Status {
         let Some(writes) = writes else {
+            return Status::FetchRefused;
+        };
+        // A session that is ending is sent nothing (see `Session::posting`).
+        let Some(_posting) = session.posting() else {
             return Status::FetchRefused;
         };
         for (n, &(from, to, len)) in writes.iter().enumerate() {
@@ -154,7 +158,7 @@ impl Shared {
         self.send_all(
             writes,
             self.gather_staging.handle(),
-            (pool, session.hello.fetch_imm),
+            (session, pool, session.hello.fetch_imm),
         )
     }
 }
