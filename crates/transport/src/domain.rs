@@ -96,6 +96,9 @@ pub enum CompletionKind {
     Recv {
         /// Message length.
         len: u64,
+        /// The connected peer it came from, as the NIC attests it (`FI_SOURCE`; the `mem`
+        /// domain knows its sender), or `None` when the sender is not a peer of this NIC.
+        from: Option<PeerId>,
     },
     /// A peer's write with an immediate has fully landed in local memory.
     Arrival {

@@ -60,6 +60,13 @@ fn more_messages_than_receive_buffers_all_arrive_through_back_pressure() {
 }
 
 #[test]
+fn messages_name_their_sender_once_it_is_connected() {
+    let fabric = MemFabric::new();
+    let mem = |nics| engine(&fabric, nics);
+    suite::messages_name_their_sender(&mem);
+}
+
+#[test]
 fn a_callback_may_submit_into_its_engine_without_deadlock() {
     let fabric = MemFabric::new();
     let mem = |nics| engine(&fabric, nics);

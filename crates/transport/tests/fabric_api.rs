@@ -84,6 +84,11 @@ macro_rules! suite_over {
             }
 
             #[test]
+            fn messages_name_their_sender_once_it_is_connected() {
+                suite::messages_name_their_sender(&make);
+            }
+
+            #[test]
             fn ten_thousand_paged_writes_land_byte_exact_and_fire_once() {
                 ten_thousand_pages(&config($provider, 2));
             }

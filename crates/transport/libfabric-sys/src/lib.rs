@@ -622,6 +622,26 @@ pub unsafe fn fi_cq_read(cq: *mut fid_cq, buf: *mut c_void, count: usize) -> isi
     op!((*cq).ops, read, NOSYS as isize, (cq, buf, count))
 }
 
+/// `fi_cq_readfrom`: as `fi_cq_read`, with each entry's source address in `src_addr`
+/// (`FI_ADDR_NOTAVAIL` where the provider cannot name one).
+///
+/// # Safety
+/// `cq` is live; `buf` has room for `count` entries of the CQ's format and `src_addr` for
+/// `count` addresses.
+pub unsafe fn fi_cq_readfrom(
+    cq: *mut fid_cq,
+    buf: *mut c_void,
+    count: usize,
+    src_addr: *mut fi_addr_t,
+) -> isize {
+    op!(
+        (*cq).ops,
+        readfrom,
+        NOSYS as isize,
+        (cq, buf, count, src_addr)
+    )
+}
+
 /// `fi_cq_readerr`.
 ///
 /// # Safety

@@ -250,6 +250,13 @@ impl TransferEngine {
         Ok(released)
     }
 
+    /// Connects the peer at `addr` now (transfers connect the peers they name lazily): what a
+    /// server does before it can know a message's sender
+    /// ([`TransferEngine::submit_recvs_from`]). Idempotent.
+    pub fn connect(&self, addr: &NetAddr) -> Result<(), TransportError> {
+        self.peer(self.main_group(), addr).map(|_| ())
+    }
+
     /// The address this engine's operations to the peer at `addr` leave from, when that is
     /// not [`TransferEngine::main_address`]: over `shm` each peer gets a transmit endpoint of
     /// its own, and the peer maps it when it first receives from it. Connects the peer (main
@@ -450,7 +457,22 @@ impl TransferEngine {
         &self,
         buf_len: usize,
         count: u32,
-        handler: impl FnMut(&[u8]) + Send + 'static,
+        mut handler: impl FnMut(&[u8]) + Send + 'static,
+    ) -> Result<(), TransportError> {
+        self.submit_recvs_from(buf_len, count, move |message, _| handler(message))
+    }
+
+    /// [`TransferEngine::submit_recvs`], with each message's sender: the address of the
+    /// connected peer the NIC attributes it to (libfabric's `FI_SOURCE`: over `shm`, a peer or
+    /// an endpoint adopted as its sender; over `tcp;ofi_rxm`, the peer of the connection it
+    /// came on; in the `mem` domain, the sending engine), or `None` when it is from no peer
+    /// this engine has connected. A server that must know who sent a message connects the
+    /// claimed sender first, then checks the address against the claim.
+    pub fn submit_recvs_from(
+        &self,
+        buf_len: usize,
+        count: u32,
+        handler: impl FnMut(&[u8], Option<&NetAddr>) + Send + 'static,
     ) -> Result<(), TransportError> {
         if buf_len == 0 || count == 0 {
             return Err(TransportError::InvalidArgument(

@@ -13,8 +13,8 @@ use crossbeam_channel::{Receiver, Sender, unbounded};
 use crate::on_done::{DoneCallback, Outcome};
 use crate::recv_pool::RecvPool;
 
-/// A handler for received messages.
-pub(crate) type RecvHandler = Box<dyn FnMut(&[u8]) + Send>;
+/// A handler for received messages and their sender.
+pub(crate) type RecvHandler = Box<dyn FnMut(&[u8], Option<&crate::addr::NetAddr>) + Send>;
 /// A handler for arrivals nobody expected.
 pub(crate) type ImmHandler = Box<dyn FnMut(u32, u64) + Send>;
 /// A memory-word watcher's callback.
@@ -26,6 +26,7 @@ pub(crate) enum Job {
         pool: Arc<RecvPool>,
         index: u32,
         len: usize,
+        from: Option<crate::addr::NetAddr>,
     },
     SetRecvHandler(RecvHandler),
     Unexpected {
@@ -108,12 +109,17 @@ fn run(rx: &Receiver<Job>) {
     while let Ok(job) = rx.recv() {
         match job {
             Job::Done(mut done) => done.fire(),
-            Job::Recv { pool, index, len } => {
+            Job::Recv {
+                pool,
+                index,
+                len,
+                from,
+            } => {
                 if let Some(handler) = recv_handler.as_mut() {
                     // SAFETY: the worker delivered buffer `index` (posted -> in callback) before
                     // queueing this job, and only the `release` below ends that state.
                     let message = unsafe { pool.message(index, len) };
-                    guarded("receive", || handler(message));
+                    guarded("receive", || handler(message, from.as_ref()));
                 }
                 if let Err(e) = pool.release(index) {
                     tracing::error!(%e, "receive pool out of order");

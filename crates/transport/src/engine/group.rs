@@ -10,7 +10,7 @@
 //! batches, and at most a budget per transfer per pass, so a 10,000-page transfer does not
 //! starve completions or other transfers.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -97,6 +97,8 @@ pub(crate) struct Group<D: Domain> {
     shared: Arc<GroupShared>,
     engine: Arc<EngineShared>,
     peers: Vec<[PeerId; MAX_NICS]>,
+    /// The connected peer behind each of NIC 0's peer ids: who a received message is from.
+    by_nic0: HashMap<PeerId, Arc<PeerEntry>>,
     regions: Vec<Option<RegionEntry>>,
     region_generations: Vec<u32>,
     free_regions: Vec<u32>,
@@ -134,6 +136,7 @@ impl<D: Domain> Group<D> {
             shared,
             engine,
             peers: Vec::new(),
+            by_nic0: HashMap::new(),
             regions: Vec::new(),
             region_generations: Vec::new(),
             free_regions: Vec::new(),
@@ -380,7 +383,7 @@ impl<D: Domain> Group<D> {
                     }
                 }
             }
-            CompletionKind::Recv { len } => {
+            CompletionKind::Recv { len, from } => {
                 let Some(recv) = &self.recv else {
                     tracing::error!("a message arrived with no receive pool installed");
                     return;
@@ -391,6 +394,9 @@ impl<D: Domain> Group<D> {
                         pool: recv.pool.clone(),
                         index,
                         len: len as usize,
+                        from: from
+                            .and_then(|id| self.by_nic0.get(&id))
+                            .map(|e| e.addr.clone()),
                     }),
                     Err(e) => tracing::error!(%e, "receive completion out of order"),
                 }
@@ -600,6 +606,7 @@ impl<D: Domain> Group<D> {
             addr: addr.clone(),
         });
         self.peers.push(ids);
+        self.by_nic0.insert(ids[0], entry.clone());
         self.shared.directory.insert_peer(&entry);
         tracing::debug!(
             peer = entry.index,
@@ -625,6 +632,7 @@ impl<D: Domain> Group<D> {
         };
         self.shared.directory.remove_peer(&entry);
         let ids = std::mem::replace(&mut self.peers[entry.index as usize], [RELEASED; MAX_NICS]);
+        self.by_nic0.remove(&ids[0]);
         let mut first_error = None;
         for (d, id) in self.domains.iter_mut().zip(ids) {
             if let Err(e) = d.disconnect(id) {

@@ -71,8 +71,15 @@ impl fmt::Display for MrMode {
 }
 
 /// Capabilities asked for: messages and writes both ways, remote writes landing here.
-const CAPS: u64 =
-    fi::FI_MSG | fi::FI_RMA | fi::FI_SEND | fi::FI_RECV | fi::FI_WRITE | fi::FI_REMOTE_WRITE;
+/// `FI_SOURCE`: receive completions name their sender (the AV entry of the peer the provider
+/// attributes the message to), which is how a holder learns who proved an address.
+const CAPS: u64 = fi::FI_MSG
+    | fi::FI_RMA
+    | fi::FI_SEND
+    | fi::FI_RECV
+    | fi::FI_WRITE
+    | fi::FI_REMOTE_WRITE
+    | fi::FI_SOURCE;
 /// Modes this domain can satisfy: it always passes a 64-byte context it owns.
 const MODES: u64 = fi::FI_CONTEXT | fi::FI_CONTEXT2;
 

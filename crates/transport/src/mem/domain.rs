@@ -239,6 +239,7 @@ impl MemDomain {
             target.deliver_event(Event::Recv {
                 wr_id: recv.wr_id,
                 len: wr.len,
+                from: self.me.id,
             });
             target.wake();
             self.sends.remove(i);
@@ -553,10 +554,13 @@ impl Domain for MemDomain {
                     kind: CompletionKind::Arrival { imm },
                     result: Ok(()),
                 },
-                Event::Recv { wr_id, len } => Completion {
+                Event::Recv { wr_id, len, from } => Completion {
                     wr_id,
                     count: 1,
-                    kind: CompletionKind::Recv { len },
+                    kind: CompletionKind::Recv {
+                        len,
+                        from: self.peer_ids.get(&from).copied(),
+                    },
                     result: Ok(()),
                 },
             });

@@ -109,7 +109,7 @@ pub(crate) enum Event {
     /// `count` writes with immediate `imm` have landed.
     Arrival { imm: u32, count: u32 },
     /// A message of `len` bytes has landed in the posted receive `wr_id`.
-    Recv { wr_id: u64, len: u64 },
+    Recv { wr_id: u64, len: u64, from: u64 },
 }
 
 /// One in-process NIC's shared state.

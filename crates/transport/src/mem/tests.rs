@@ -359,7 +359,8 @@ fn a_send_waits_for_a_receive_buffer_and_then_lands() {
     assert_eq!(sent[0].result, Ok(()));
     assert_eq!(
         poll_all(&mut b.domain)[0].kind,
-        CompletionKind::Recv { len: 5 }
+        CompletionKind::Recv { len: 5, from: None },
+        "b has not connected a: the message is from no peer of its"
     );
     assert_eq!(&b.memory[32..37], b"hello");
 }
@@ -370,6 +371,7 @@ fn a_send_larger_than_the_buffer_fails_without_consuming_it() {
     let mut a = nic(&fabric, 64, 0);
     let mut b = nic(&fabric, 64, 0);
     let peer = a.domain.connect(&b.domain.address()).unwrap();
+    let a_at_b = b.domain.connect(&a.domain.address()).unwrap();
     // SAFETY: b.memory outlives the posted buffer.
     unsafe {
         b.domain.post_recv(&RecvWr {
@@ -407,8 +409,11 @@ fn a_send_larger_than_the_buffer_fails_without_consuming_it() {
     .unwrap();
     assert_eq!(
         poll_all(&mut b.domain)[0].kind,
-        CompletionKind::Recv { len: 4 },
-        "the buffer was kept"
+        CompletionKind::Recv {
+            len: 4,
+            from: Some(a_at_b)
+        },
+        "the buffer was kept, and the message is a's"
     );
 }
 

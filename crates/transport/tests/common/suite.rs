@@ -286,6 +286,45 @@ pub(crate) fn messages_through_back_pressure(make: &Make<'_>) {
     );
 }
 
+/// A received message names its sender once the receiver has connected it, and no one before:
+/// what a server checks a claimed address against.
+pub(crate) fn messages_name_their_sender(make: &Make<'_>) {
+    let (a, b, c) = (make(1), make(1), make(1));
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let g = got.clone();
+    b.submit_recvs_from(64, 4, move |msg, from| {
+        g.lock().unwrap().push((msg[0], from.cloned()));
+    })
+    .unwrap();
+    let sent = DoneCounter::new();
+    a.submit_send(&b.main_address(), &[1], OnDone::from(&sent))
+        .unwrap();
+    wait_for("a's first message", || got.lock().unwrap().len() == 1);
+    assert_eq!(
+        got.lock().unwrap()[0],
+        (1, None),
+        "from a peer b has not connected"
+    );
+    // b connects a (a send to it does), and over shm, where a sends from an endpoint of its
+    // own per peer, adopts that endpoint as a's.
+    b.submit_send(&a.main_address(), &[9], OnDone::nothing())
+        .unwrap_or_else(|e| panic!("b -> a: {e}"));
+    if let Some(sender) = a.sender_address(&b.main_address()).unwrap() {
+        b.adopt_sender(&a.main_address(), &sender).unwrap();
+    }
+    for (engine, tag) in [(&a, 2u8), (&c, 3), (&a, 4)] {
+        engine
+            .submit_send(&b.main_address(), &[tag], OnDone::from(&sent))
+            .unwrap();
+    }
+    wait_for("three more messages", || got.lock().unwrap().len() == 4);
+    // Messages from different senders may come in any order.
+    let mut got = got.lock().unwrap().clone();
+    got.sort_by_key(|m| m.0);
+    let a_addr = Some(a.main_address());
+    assert_eq!(got[1..], [(2, a_addr.clone()), (3, None), (4, a_addr)]);
+}
+
 pub(crate) fn callback_submits_into_its_engine(make: &Make<'_>) {
     let (a, b) = (make(1), make(1));
     let src = Arc::new(a.alloc_mr(64).unwrap());

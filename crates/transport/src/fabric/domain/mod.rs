@@ -132,6 +132,11 @@ pub struct FabricDomain {
     retired_senders: Vec<Sender>,
     contexts: ContextPool,
     cq_buf: Vec<fi::fi_cq_data_entry>,
+    /// The source address of each entry of `cq_buf` (`FI_SOURCE`).
+    cq_src: Vec<fi::fi_addr_t>,
+    /// The peer each address-vector entry stands for: a peer's own, and the endpoints it was
+    /// adopted to send from. What a receive completion's source is looked up in.
+    by_fi_addr: HashMap<fi::fi_addr_t, PeerId>,
     bounce: Option<Bounce>,
     idle_poll: Option<Duration>,
     op_timeout: Duration,
@@ -225,6 +230,8 @@ impl FabricDomain {
             retired_senders: Vec::new(),
             contexts: ContextPool::default(),
             cq_buf: vec![fi::fi_cq_data_entry::default(); config.cq_batch],
+            cq_src: vec![fi::FI_ADDR_NOTAVAIL; config.cq_batch],
+            by_fi_addr: HashMap::new(),
             bounce: None,
             idle_poll: config.idle_poll,
             op_timeout: config.op_timeout,
@@ -238,6 +245,16 @@ impl FabricDomain {
             provider: d.provider.clone(),
             bytes: d.endpoint_name(d.ep)?,
         };
+        if d.provider == "fabric:shm" {
+            // 1.17's shm names the sender of a message by the `fiaddr` of its entry in the
+            // peer table, and an entry it made for an endpoint that sent unasked (never
+            // inserted here) keeps the value a fresh table holds: 0, the first address ever
+            // inserted. This NIC's own address takes that index, and no peer gets it, so
+            // such a message is from no peer (not the first one connected).
+            let own = d.addr.bytes.clone();
+            let reserved = d.insert(&own)?;
+            d.by_fi_addr.remove(&reserved);
+        }
         if d.mr_mode.has(fi::FI_MR_LOCAL) {
             d.bounce = Some(d.bounce_buffers(config.send_buffers, config.send_buffer_len)?);
         }
@@ -416,13 +433,17 @@ impl FabricDomain {
             self.released_ops.push(Completion {
                 wr_id: ctx.wr_id,
                 count: 1,
-                kind: completion_kind(ctx.kind, 0),
+                kind: completion_kind(ctx.kind, 0, None),
                 result: Err(TransferError::PeerUnreachable),
             });
         }
         let p = &mut self.peers[peer as usize];
         p.released = true;
         p.pid = None;
+        self.by_fi_addr.remove(&p.fi_addr);
+        for s in &p.senders {
+            self.by_fi_addr.remove(&s.fi_addr);
+        }
         self.retired_senders.append(&mut p.senders);
         self.peer_ids.remove(&p.bytes);
         let (ep, mut fi_addr) = (std::mem::replace(&mut p.ep, null_mut()), p.fi_addr);
@@ -495,6 +516,7 @@ impl FabricDomain {
                 }
             }
         };
+        self.by_fi_addr.insert(adopted.fi_addr, peer);
         self.peers[peer as usize].senders.push(adopted);
         Ok(())
     }
@@ -697,7 +719,7 @@ impl FabricDomain {
                 out.push(Completion {
                     wr_id: ctx.wr_id,
                     count: 1,
-                    kind: completion_kind(ctx.kind, err.len),
+                    kind: completion_kind(ctx.kind, err.len, None),
                     result: Err(error),
                 });
             }
@@ -741,7 +763,7 @@ impl FabricDomain {
                 out.push(Completion {
                     wr_id: ctx.wr_id,
                     count: 1,
-                    kind: completion_kind(ctx.kind, 0),
+                    kind: completion_kind(ctx.kind, 0, None),
                     result: Err(TransferError::PeerUnreachable),
                 });
             }
@@ -761,7 +783,7 @@ impl FabricDomain {
             out.push(Completion {
                 wr_id: ctx.wr_id,
                 count: 1,
-                kind: completion_kind(ctx.kind, 0),
+                kind: completion_kind(ctx.kind, 0, None),
                 result: Err(TransferError::TimedOut(self.op_timeout)),
             });
         }
@@ -780,12 +802,15 @@ impl FabricDomain {
     }
 }
 
-/// The kind of completion an operation of `kind` reports.
-fn completion_kind(kind: OpKind, len: usize) -> CompletionKind {
+/// The kind of completion an operation of `kind` reports (`from`: a receive's sender).
+fn completion_kind(kind: OpKind, len: usize, from: Option<PeerId>) -> CompletionKind {
     match kind {
         OpKind::Write => CompletionKind::Write,
         OpKind::Send => CompletionKind::Send,
-        OpKind::Recv => CompletionKind::Recv { len: len as u64 },
+        OpKind::Recv => CompletionKind::Recv {
+            len: len as u64,
+            from,
+        },
     }
 }
 

@@ -177,6 +177,7 @@ impl Domain for FabricDomain {
             }
         };
         self.peer_ids.insert(peer.bytes.clone(), id);
+        self.by_fi_addr.insert(fi_addr, id);
         Ok(id)
     }
 
@@ -285,8 +286,15 @@ impl Domain for FabricDomain {
         if want == 0 {
             return out.len() - start;
         }
-        // SAFETY: the CQ is live and in FI_CQ_FORMAT_DATA; the buffer has `want` entries.
-        let n = unsafe { fi::fi_cq_read(self.cq, self.cq_buf.as_mut_ptr().cast(), want) };
+        // SAFETY: the CQ is live and in FI_CQ_FORMAT_DATA; both buffers have `want` entries.
+        let n = unsafe {
+            fi::fi_cq_readfrom(
+                self.cq,
+                self.cq_buf.as_mut_ptr().cast(),
+                want,
+                self.cq_src.as_mut_ptr(),
+            )
+        };
         if n > 0 {
             for i in 0..n as usize {
                 let e = self.cq_buf[i];
@@ -308,10 +316,11 @@ impl Domain for FabricDomain {
                         if let Some(b) = ctx.bounce {
                             self.give_back_bounce(b);
                         }
+                        let from = self.by_fi_addr.get(&self.cq_src[i]).copied();
                         out.push(Completion {
                             wr_id: ctx.wr_id,
                             count: 1,
-                            kind: completion_kind(ctx.kind, e.len),
+                            kind: completion_kind(ctx.kind, e.len, from),
                             result: Ok(()),
                         });
                     }
