@@ -14,6 +14,10 @@ const ROW: usize = 576;
 fn parse_all(data: &[u8]) {
     let _ = wire::request_credentials(data);
     let _ = wire::parse_ping(data);
+    // A proof message is read from a holder's receive buffer.
+    if let Some((session, token)) = wire::parse_proof(data) {
+        assert_eq!(wire::encode_proof(session, token)[..], data[..]);
+    }
     if let Ok(req) = wire::Request::parse(data) {
         let _ = req.reply_rows();
         for seg in req.segments.iter().flatten() {

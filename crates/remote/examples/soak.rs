@@ -37,7 +37,7 @@ use common::{Error, digest, engine, footprint, shm_entries};
 use kvroute_kernels::RopeLayout;
 use kvroute_kernels::layout::D_QK;
 use kvroute_kvstore::{ChunkId, CorpusSpec};
-use kvroute_remote::session::{Answer, Control, Hello};
+use kvroute_remote::session::{self, Hello};
 use kvroute_remote::wire;
 use kvroute_remote::{Call, HeldChunks, Holder, HolderConfig, Requester, RequesterConfig};
 use kvroute_transport::{MemFabric, OnDone, TransferEngine};
@@ -184,24 +184,35 @@ fn requester(provider: &str, holder: &str, reference: &str) -> Result<(), Error>
         }
     };
     let steps = rng.range(1, 13);
-    for _ in 0..steps {
-        let v = rng.range(0, QUERIES);
-        let q = queries(v);
-        for (chunk, result) in req.route(&calls(&q)).into_iter().enumerate() {
-            match result {
-                Ok(p) if want.get(&(v, chunk as u32)) == Some(&digest(&p)) => {}
-                Ok(_) => {
-                    eprintln!("query set {v}, chunk {chunk}: a partial differs from the reference");
-                    std::process::exit(WRONG);
-                }
-                Err(e) => {
-                    eprintln!("route: {e}");
-                    std::process::exit(ERRORED);
+    let outcome = (|| {
+        for _ in 0..steps {
+            let v = rng.range(0, QUERIES);
+            let q = queries(v);
+            for (chunk, result) in req.route(&calls(&q)).into_iter().enumerate() {
+                match result {
+                    Ok(p) if want.get(&(v, chunk as u32)) == Some(&digest(&p)) => {}
+                    Ok(_) => {
+                        eprintln!(
+                            "query set {v}, chunk {chunk}: a partial differs from the reference"
+                        );
+                        return Some(WRONG);
+                    }
+                    Err(e) => {
+                        eprintln!("route: {e}");
+                        return Some(ERRORED);
+                    }
                 }
             }
+            println!("step");
+            std::thread::sleep(rng.millis(0, 200));
         }
-        println!("step");
-        std::thread::sleep(rng.millis(0, 200));
+        None
+    })();
+    // The engine closes its endpoints (unlinking their shm regions) when dropped, which
+    // `exit` would skip.
+    drop(req);
+    if let Some(code) = outcome {
+        std::process::exit(code);
     }
     Ok(())
 }
@@ -220,19 +231,14 @@ fn rogue(provider: &str, holder: &str) -> Result<(), Error> {
         reply_imm: 0x6100_0fff,
         fetch_imm: 0x6200_0fff,
     };
-    writeln!(control, "{}", serde_json::to_string(&hello)?)?;
-    let mut line = String::new();
-    BufReader::new(control.try_clone()?).read_line(&mut line)?;
-    let Ok(Answer::Welcome(welcome)) = serde_json::from_str::<Answer>(&line) else {
-        return Ok(()); // busy: nothing to forge into
-    };
-    if let Some(sender) = engine.sender_address(&welcome.holder)? {
-        writeln!(
-            control,
-            "{}",
-            serde_json::to_string(&Control::Sender(sender))?
-        )?;
-    }
+    // A real session of its own (busy or refused: an error, which ends it).
+    let mut reader = BufReader::new(control.try_clone()?);
+    let welcome = session::open(
+        &engine,
+        (&mut control, &mut reader),
+        &hello,
+        Duration::from_secs(5),
+    )?;
     let inbox = (&welcome.inbox, welcome.slot_offset);
     let buf = engine.alloc_mr(1 << 16)?;
     let q = queries(0);
@@ -535,7 +541,20 @@ impl Soak {
             (Some(0), _) => {}
             (Some(ERRORED), _) => {
                 entry.2 += 1;
-                let what: String = err.split_whitespace().take(4).collect::<Vec<_>>().join(" ");
+                // Its first words, with addresses and numbers blanked so that like errors
+                // count together.
+                let what: String = err
+                    .split_whitespace()
+                    .take(10)
+                    .map(|w| {
+                        if w.bytes().any(|b| b.is_ascii_digit()) {
+                            "_"
+                        } else {
+                            w
+                        }
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" ");
                 *self.tally.errors.entry(what).or_default() += 1;
             }
             (Some(WRONG), _) => return Err(format!("a wrong partial: {}", err.trim()).into()),

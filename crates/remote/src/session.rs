@@ -1,13 +1,25 @@
 //! The rendezvous (DESIGN "The main job"): a requester opens a TCP connection to a holder's
 //! control listener and sends one JSON line, [`Hello`]; the holder answers [`Welcome`] (a
 //! session: an inbox slot, its immediate, the chunks it holds) or [`Answer::Busy`] when it already
-//! serves its cap of requesters (paper 000 section 6.3's ~8 elbow). The session lives as long
+//! serves its cap of requesters (paper 000 section 6.3's ~8 elbow). The requester then proves
+//! that the engine address of its hello is its own: it names the endpoint it sends from if
+//! that is another ([`Control::Sender`]), sends the session's proof message from its engine
+//! ([`crate::wire::encode_proof`]) and asks ([`Control::Prove`]); the holder's transport names
+//! each message's sender, and a session whose proof came from elsewhere is closed unserved. The session lives as long
 //! as the connection: closing it, or the requester dying, frees the slot. Data never crosses
 //! this connection; it carries descriptors, and [`Control::Stats`] on request.
 
+use std::io::BufReader;
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
 use kvroute_kvstore::ChunkEntry;
-use kvroute_transport::{MrDesc, NetAddr};
+use kvroute_transport::{DoneFlag, MrDesc, NetAddr, OnDone, TransferEngine};
 use serde::{Deserialize, Serialize};
+
+use crate::control::{recv_line, send_line};
+use crate::error::RemoteError;
+use crate::wire;
 
 /// The requester's first line.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -74,9 +86,21 @@ pub enum Control {
     Stats,
     /// The address the requester's engine sends to the holder from, when it is not the
     /// hello's ([`kvroute_transport::TransferEngine::sender_address`]): an `shm` holder maps
-    /// every endpoint that sends to it and can forget one only by name, which it learns here.
-    /// Sent before the first request; no answer.
+    /// every endpoint that sends to it and can forget one only by name, which it learns here
+    /// (and tells the sender of each message by it). Sent before anything is sent from it;
+    /// answered [`Ack`].
     Sender(NetAddr),
+    /// Asks whether the session's proof message ([`crate::wire::encode_proof`]), sent just
+    /// before from the requester's engine, reached the holder from the hello's address; the
+    /// holder answers [`Ack`] and serves the session only if it did (otherwise it closes it).
+    Prove,
+}
+
+/// The holder's answer to [`Control::Sender`] and [`Control::Prove`].
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Ack {
+    /// Whether the holder took the sending address, or found the proof.
+    pub ok: bool,
 }
 
 /// A holder's counters, since it started.
@@ -125,4 +149,78 @@ pub struct HolderStats {
     pub evicted: u64,
     /// Sessions active now.
     pub active: u64,
+}
+
+/// Opens a session for `engine` on a holder's control connection (`writer` and a reader over
+/// the same socket): sends `hello`, reads the answer and, for a welcome, proves that the
+/// hello's address is `engine`'s ([`Control::Sender`] if it sends from another endpoint, the
+/// proof message, [`Control::Prove`]). Returns the welcome; a busy or refusing holder, or a
+/// proof it did not receive from this engine, is an error. [`crate::Requester::connect`] does
+/// this for each holder; it is public for requesters of their own.
+pub fn open(
+    engine: &TransferEngine,
+    (writer, reader): (&mut TcpStream, &mut BufReader<TcpStream>),
+    hello: &Hello,
+    timeout: Duration,
+) -> Result<Welcome, RemoteError> {
+    let holder = writer
+        .peer_addr()
+        .map_err(RemoteError::io("reading a holder's address"))?;
+    send_line(writer, holder, hello)?;
+    let welcome = match recv_line::<Answer>(reader, holder, 64 << 20)? {
+        Answer::Welcome(w) => w,
+        Answer::Busy { active, cap } => {
+            return Err(RemoteError::HolderBusy {
+                holder,
+                active,
+                cap,
+            });
+        }
+        Answer::Refused(why) => return Err(RemoteError::SessionRefused { holder, why }),
+    };
+    prove(engine, (writer, reader), holder, &welcome, timeout)?;
+    Ok(welcome)
+}
+
+/// Proves to the holder that the hello's engine address is this engine's (see
+/// [`crate::session`]): names the endpoint this engine sends to the holder from, if it is not
+/// the main address (the holder needs the name both to attribute the proof and to forget the
+/// endpoint later), sends the session's proof message, and asks.
+fn prove(
+    engine: &TransferEngine,
+    (writer, reader): (&mut TcpStream, &mut BufReader<TcpStream>),
+    holder: SocketAddr,
+    welcome: &Welcome,
+    timeout: Duration,
+) -> Result<(), RemoteError> {
+    let refused = |why: &str| RemoteError::SessionRefused {
+        holder,
+        why: why.to_owned(),
+    };
+    if let Some(sender) = engine.sender_address(&welcome.holder)? {
+        send_line(writer, holder, &Control::Sender(sender))?;
+        if !recv_line::<Ack>(reader, holder, 1 << 10)?.ok {
+            return Err(refused("the holder refused this engine's sending address"));
+        }
+    }
+    let sent = DoneFlag::new();
+    engine.submit_send(
+        &welcome.holder,
+        &wire::encode_proof(welcome.session, welcome.token),
+        OnDone::flag(&sent),
+    )?;
+    let deadline = Instant::now() + timeout;
+    if crate::requester::wait_all(engine, &[&sent], deadline, Duration::from_millis(1)).is_err() {
+        return Err(RemoteError::TimedOut {
+            holder,
+            after: timeout,
+        });
+    }
+    send_line(writer, holder, &Control::Prove)?;
+    if !recv_line::<Ack>(reader, holder, 1 << 10)?.ok {
+        return Err(refused(
+            "the holder did not receive this session's proof from this engine's address",
+        ));
+    }
+    Ok(())
 }

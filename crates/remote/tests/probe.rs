@@ -44,7 +44,12 @@ fn holder(fabric: &MemFabric, cap: usize) -> Result<Holder> {
         gather_bytes: 1 << 16,
         ..HolderConfig::default()
     };
-    common::start_holder(fabric, &spec, &[0], config)
+    common::start_holder(
+        kvroute_transport::TransferEngine::mem(fabric, 1)?,
+        &spec,
+        &[0],
+        config,
+    )
 }
 
 fn requester(fabric: &MemFabric, at: SocketAddr) -> Result<Requester> {

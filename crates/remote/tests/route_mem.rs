@@ -18,7 +18,6 @@ use kvroute_remote::{
     Call, GatherPart, HeldChunks, Holder, HolderConfig, Requester, RequesterConfig, RouteError,
     Sparse, wire,
 };
-use std::io::{BufRead, Write};
 
 use kvroute_remote::session;
 use kvroute_transport::{MemFabric, OnDone, TransferEngine};
@@ -44,7 +43,7 @@ fn holder(fabric: &MemFabric, chunks: &[u32], cap: usize) -> Result<Holder> {
         reply_bytes: 1 << 20,
         ..HolderConfig::default()
     };
-    common::start_holder(fabric, &spec(), chunks, config)
+    common::start_holder(TransferEngine::mem(fabric, 1)?, &spec(), chunks, config)
 }
 
 fn requester(fabric: &MemFabric, holders: &[&Holder]) -> Result<Requester> {
@@ -493,12 +492,13 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
         reply_imm: 77,
         fetch_imm: 78,
     };
-    writeln!(control, "{}", serde_json::to_string(&hello)?)?;
-    let mut line = String::new();
-    std::io::BufReader::new(control.try_clone()?).read_line(&mut line)?;
-    let session::Answer::Welcome(welcome) = serde_json::from_str(&line)? else {
-        panic!("no session: {line}");
-    };
+    let mut reader = std::io::BufReader::new(control.try_clone()?);
+    let welcome = session::open(
+        &rogue,
+        (&mut control, &mut reader),
+        &hello,
+        Duration::from_secs(5),
+    )?;
     let buf = rogue.alloc_mr(4096)?;
     buf.fill(0xab);
     let imm = wire::request_imm(welcome.session, 1);

@@ -36,6 +36,11 @@ fn holder(fabric: &MemFabric) -> Result<Holder> {
 
 /// A holder of one two-layer chunk, with small regions and `tune` applied to its config.
 fn holder_with(fabric: &MemFabric, tune: impl FnOnce(&mut HolderConfig)) -> Result<Holder> {
+    holder_on(TransferEngine::mem(fabric, 1)?, tune)
+}
+
+/// [`holder_with`] on `engine`.
+fn holder_on(engine: TransferEngine, tune: impl FnOnce(&mut HolderConfig)) -> Result<Holder> {
     let spec = CorpusSpec {
         layers: 2,
         chunk_tokens: 64,
@@ -53,7 +58,7 @@ fn holder_with(fabric: &MemFabric, tune: impl FnOnce(&mut HolderConfig)) -> Resu
         ..HolderConfig::default()
     };
     tune(&mut config);
-    common::start_holder(fabric, &spec, &[0], config)
+    common::start_holder(engine, &spec, &[0], config)
 }
 
 fn requester(fabric: &MemFabric, holder: &Holder) -> Result<Requester> {
@@ -99,8 +104,13 @@ struct Rogue {
 fn rogue(fabric: &MemFabric, holder: &Holder) -> Result<Rogue> {
     let engine = TransferEngine::mem(fabric, 1)?;
     let reply = engine.alloc_mr(1 << 16)?;
-    let (answer, control) = hello(
-        holder,
+    let control = TcpStream::connect(holder.addr())?;
+    let welcome = kvroute_remote::session::open(
+        &engine,
+        (
+            &mut control.try_clone()?,
+            &mut BufReader::new(control.try_clone()?),
+        ),
         &Hello {
             addr: engine.main_address(),
             reply: reply.desc().clone(),
@@ -108,10 +118,8 @@ fn rogue(fabric: &MemFabric, holder: &Holder) -> Result<Rogue> {
             reply_imm: 77,
             fetch_imm: 78,
         },
+        Duration::from_secs(5),
     )?;
-    let Answer::Welcome(welcome) = answer else {
-        panic!("no session: {answer:?}");
-    };
     Ok(Rogue {
         engine,
         _reply: reply,
@@ -150,6 +158,84 @@ fn a_hello_naming_another_engines_region_is_refused() -> Result<()> {
     }
     assert_eq!(h.stats().active, 0, "no session was granted");
     Ok(())
+}
+
+/// A hello that claims another engine's address (its descriptors name that engine's NIC, with
+/// a made-up key) is refused before the holder writes anything: the attacker's proof message
+/// reaches the holder from the attacker's own address. Before, the holder welcomed it and
+/// answered its first ping with a bad-key write to the victim, which over `shm` cut the
+/// holder's path to the victim off.
+fn a_claimed_address(make: &dyn Fn() -> Result<TransferEngine>) -> Result<()> {
+    let h = holder_on(make()?, |_| {})?;
+    let config = RequesterConfig {
+        timeout: Duration::from_secs(2),
+        link_bytes: 1 << 16,
+        pool_pages: 8,
+        ..RequesterConfig::new(0.1)
+    };
+    let mut victim = Requester::connect(make()?, &[h.addr()], config)?;
+    route_once(&mut victim)?;
+    let attacker = make()?;
+    let own = attacker.alloc_mr(1 << 16)?;
+    let claimed = victim.engine().main_address();
+    let mut forged = own.desc().clone();
+    for (key, nic) in forged.rkeys.iter_mut().zip(&claimed.nics) {
+        key.nic = nic.clone();
+        key.rkey ^= 0x5a5a;
+    }
+    let before = h.stats();
+    let control = TcpStream::connect(h.addr())?;
+    let opened = kvroute_remote::session::open(
+        &attacker,
+        (
+            &mut control.try_clone()?,
+            &mut BufReader::new(control.try_clone()?),
+        ),
+        &Hello {
+            addr: claimed,
+            reply: forged,
+            pool: None,
+            reply_imm: 1,
+            fetch_imm: 2,
+        },
+        Duration::from_secs(5),
+    );
+    assert!(
+        matches!(&opened, Err(kvroute_remote::RemoteError::SessionRefused { why, .. }) if why.contains("proof")),
+        "{opened:?}"
+    );
+    let after = h.stats();
+    assert_eq!(after.pings, before.pings, "nothing of it was answered");
+    assert!(after.refused > before.refused);
+    // Its session is closed and the victim is still served.
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(h.stats().active, 1);
+    route_once(&mut victim)?;
+    Ok(())
+}
+
+#[test]
+fn a_hello_claiming_another_engines_address_is_refused_unserved() -> Result<()> {
+    let _serial = serial();
+    let fabric = MemFabric::new();
+    a_claimed_address(&|| Ok(TransferEngine::mem(&fabric, 1)?))
+}
+
+#[test]
+fn a_hello_claiming_another_engines_address_is_refused_unserved_over_tcp() -> Result<()> {
+    let _serial = serial();
+    let config = kvroute_transport::FabricConfig {
+        node: Some("127.0.0.1".to_owned()),
+        ..kvroute_transport::FabricConfig::provider(kvroute_transport::ProviderChoice::Tcp)
+    };
+    match TransferEngine::fabric(&config, Default::default()) {
+        Ok(_) => {}
+        Err(e) => {
+            kvroute_testkit::skip!("no libfabric tcp here: {e}");
+            return Ok(());
+        }
+    }
+    a_claimed_address(&|| Ok(TransferEngine::fabric(&config, Default::default())?.0))
 }
 
 #[test]

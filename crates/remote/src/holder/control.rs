@@ -7,15 +7,18 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvroute_transport::NetAddr;
 
-use super::{HolderConfig, Session, Shared, check_hello, lock, new_token};
+use super::{
+    HolderConfig, PROOF_FAILED, PROOF_OK, PROOF_PENDING, Session, Shared, check_hello, lock,
+    new_token,
+};
 use crate::error::RemoteError;
-use crate::session::{Answer, Control, Hello, Welcome};
+use crate::session::{Ack, Answer, Control, Hello, Welcome};
 
 /// Longest hello line (its descriptors are small).
 const HELLO_LIMIT: usize = 1 << 20;
@@ -47,6 +50,9 @@ struct Conn {
     /// Answer bytes not yet written, from `sent` on.
     output: Vec<u8>,
     sent: usize,
+    /// Until when the session's proof is waited for, once the requester asked
+    /// ([`Control::Prove`]).
+    proving: Option<Instant>,
 }
 
 impl Conn {
@@ -102,8 +108,10 @@ impl Shared {
             let now = Instant::now();
             let wait = conns
                 .iter()
-                .filter_map(|c| match c.phase {
-                    Phase::Hello { deadline } => Some(deadline.saturating_duration_since(now)),
+                .filter_map(|c| match (&c.phase, c.proving) {
+                    // A proof lands through the transport, not a socket: look often.
+                    (_, Some(_)) => Some(Duration::from_millis(1)),
+                    (Phase::Hello { deadline }, _) => Some(deadline.saturating_duration_since(now)),
                     _ => None,
                 })
                 .fold(TICK, Duration::min);
@@ -118,6 +126,7 @@ impl Shared {
                 }
                 continue;
             }
+            self.take_proofs();
             let now = Instant::now();
             let mut i = 0;
             conns.retain_mut(|c| {
@@ -162,6 +171,7 @@ impl Shared {
                         input: Vec::new(),
                         output: Vec::new(),
                         sent: 0,
+                        proving: None,
                     });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
@@ -180,6 +190,7 @@ impl Shared {
         if revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 && !self.read_lines(c) {
             return false;
         }
+        self.answer_proof(c, now);
         if !c.flush() {
             return false;
         }
@@ -188,6 +199,56 @@ impl Shared {
             Phase::Hello { deadline } => now < deadline,
             Phase::Closing => c.wants_write(),
             Phase::Session { .. } => true,
+        }
+    }
+
+    /// Marks each session whose proof message came from its hello's address as proven, and
+    /// one whose proof came from anywhere else (another engine claiming the address) as
+    /// failed; a proof naming no session counts as refused. A session's proof is taken once.
+    fn take_proofs(&self) {
+        while let Ok((slot, token, from)) = self.proofs.try_recv() {
+            let sessions = lock(&self.sessions);
+            let session = sessions
+                .get(usize::from(slot))
+                .and_then(Option::as_ref)
+                .filter(|s| s.token == token);
+            let Some(s) = session else {
+                drop(sessions);
+                lock(&self.stats).refused += 1;
+                continue;
+            };
+            let outcome = if from.as_ref() == Some(&s.hello.addr) {
+                PROOF_OK
+            } else {
+                tracing::debug!(slot, ?from, "a proof from another address than the hello's");
+                PROOF_FAILED
+            };
+            let _ = s.proof.compare_exchange(
+                PROOF_PENDING,
+                outcome,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+    }
+
+    /// Answers a session's [`Control::Prove`] once its proof is in, or, past the deadline,
+    /// refuses and closes it: an engine that cannot prove the hello's address is its own
+    /// never has anything written to it.
+    fn answer_proof(&self, c: &mut Conn, now: Instant) {
+        let (Some(deadline), Phase::Session { session, .. }) = (c.proving, &c.phase) else {
+            return;
+        };
+        let proof = session.proof.load(Ordering::Acquire);
+        if proof == PROOF_PENDING && now < deadline {
+            return;
+        }
+        let proven = proof == PROOF_OK;
+        c.proving = None;
+        let _ = c.answer(&Ack { ok: proven });
+        if !proven {
+            lock(&self.stats).refused += 1;
+            self.end(c);
         }
     }
 
@@ -255,10 +316,18 @@ impl Shared {
                 match serde_json::from_slice::<Control>(line) {
                     Ok(Control::Stats) => c.answer(&self.stats())?,
                     Ok(Control::Sender(sender)) => {
-                        if let Err(e) = self.engine.adopt_sender(&requester, &sender) {
+                        let adopted = self.engine.adopt_sender(&requester, &sender);
+                        if let Err(e) = &adopted {
                             lock(&self.stats).refused += 1;
                             tracing::debug!(%e, "refusing a requester's sending address");
                         }
+                        c.answer(&Ack {
+                            ok: adopted.is_ok(),
+                        })?;
+                    }
+                    Ok(Control::Prove) => {
+                        c.proving
+                            .get_or_insert(Instant::now() + self.config.hello_timeout);
                     }
                     Err(e) => tracing::debug!(%e, "ignoring a malformed control line"),
                 }
@@ -273,7 +342,11 @@ impl Shared {
     /// frees the slot).
     fn hello(&self, c: &mut Conn, hello: Hello) -> Result<(), RemoteError> {
         c.phase = Phase::Closing;
-        if let Err(why) = check_hello(&hello) {
+        // Connected now, so that the transport can name the requester as the sender of its
+        // proof message.
+        let checked = check_hello(&hello)
+            .and_then(|()| self.engine.connect(&hello.addr).map_err(|e| e.to_string()));
+        if let Err(why) = checked {
             lock(&self.stats).refused += 1;
             return c.answer(&Answer::Refused(why));
         }
@@ -297,6 +370,7 @@ impl Shared {
             control: Arc::new(control),
             closing: Arc::new(AtomicBool::new(false)),
             posting: Arc::new(Mutex::new(())),
+            proof: Arc::new(AtomicU8::new(PROOF_PENDING)),
         };
         let inbox = session.inbox.desc().clone();
         let slot = {
@@ -308,7 +382,14 @@ impl Shared {
                 }
                 None => {
                     let cap = sessions.len();
+                    let in_use = sessions
+                        .iter()
+                        .flatten()
+                        .any(|s| s.hello.addr == hello.addr);
                     drop(sessions);
+                    if !in_use {
+                        self.release_peer(&hello.addr);
+                    }
                     lock(&self.stats).busy += 1;
                     return c.answer(&Answer::Busy { active: cap, cap });
                 }

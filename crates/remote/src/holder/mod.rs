@@ -13,7 +13,7 @@
 //! earlier session of the slot reaches nothing.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -108,6 +108,10 @@ struct Session {
     /// submitted before the requester's engine is released (a write after the release would
     /// connect it again) and none is submitted after.
     posting: Arc<Mutex<()>>,
+    /// Where the session's proof stands ([`crate::wire::encode_proof`]): [`PROOF_PENDING`],
+    /// [`PROOF_OK`] once it came from the hello's address (nothing of the session is served
+    /// before), [`PROOF_FAILED`] once it came from another.
+    proof: Arc<AtomicU8>,
 }
 
 impl Session {
@@ -115,6 +119,7 @@ impl Session {
     /// `seq` is spent and the session counts as used now.
     fn admit(&self, token: u64, seq: u64) -> bool {
         let admitted = token == self.token
+            && self.proof.load(Ordering::Acquire) == PROOF_OK
             && self
                 .next_seq
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |next| {
@@ -161,6 +166,13 @@ impl Session {
     }
 }
 
+/// A session's proof has not arrived.
+const PROOF_PENDING: u8 = 0;
+/// A session's proof arrived from its hello's address.
+const PROOF_OK: u8 = 1;
+/// A session's proof arrived from another address.
+const PROOF_FAILED: u8 = 2;
+
 /// A session token: 8 bytes from the kernel's random source.
 fn new_token() -> Result<u64, RemoteError> {
     use std::io::Read as _;
@@ -197,6 +209,8 @@ struct Shared {
     gather_staging: RegisteredBuffer,
     entries: Vec<ChunkEntry>,
     sessions: Mutex<Vec<Option<Session>>>,
+    /// Proof messages as the transport delivered them: (session, token, sender).
+    proofs: crossbeam_channel::Receiver<(u16, u64, Option<kvroute_transport::NetAddr>)>,
     stats: Mutex<HolderStats>,
     stop: AtomicBool,
 }
@@ -255,9 +269,18 @@ impl Holder {
         // Arrivals straight from the progress pass: no callback-thread hop on the way to the
         // serving thread.
         let rx = engine.unexpected_imms();
+        // Proof messages go to the control thread through a queue (the handler must not hold
+        // the holder: the engine would then keep itself alive).
+        let (proof_tx, proofs) = crossbeam_channel::bounded(1024);
+        engine.submit_recvs_from(64, 64, move |message, from| {
+            if let Some((session, token)) = wire::parse_proof(message) {
+                let _ = proof_tx.try_send((session, token, from.cloned()));
+            }
+        })?;
         let shared = Arc::new(Shared {
             engine,
             sessions: Mutex::new(vec![None; config.max_requesters]),
+            proofs,
             config,
             chunks,
             staging,

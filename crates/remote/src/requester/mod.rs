@@ -19,7 +19,7 @@ use kvroute_transport::{
 
 use crate::control::{recv_line, send_line};
 use crate::error::{RemoteError, RouteError};
-use crate::session::{Answer, Control, Hello, HolderStats, Welcome};
+use crate::session::{Control, Hello, HolderStats, Welcome};
 use crate::wire;
 
 mod exchange;
@@ -109,7 +109,7 @@ impl std::fmt::Debug for Requester {
 
 /// Waits for every flag or the deadline; `Err(i)` names the first flag not set in time.
 /// Polls (yielding the core) for `spin`, then sleeps 50 us between looks.
-fn wait_all(
+pub(crate) fn wait_all(
     engine: &TransferEngine,
     flags: &[&Arc<DoneFlag>],
     deadline: Instant,
@@ -189,25 +189,8 @@ impl Requester {
                 reply_imm,
                 fetch_imm,
             };
-            send_line(&mut writer, addr, &hello)?;
-            let welcome = match recv_line::<Answer>(&mut reader, addr, 64 << 20)? {
-                Answer::Welcome(w) => w,
-                Answer::Busy { active, cap } => {
-                    return Err(RemoteError::HolderBusy {
-                        holder: addr,
-                        active,
-                        cap,
-                    });
-                }
-                Answer::Refused(why) => {
-                    return Err(RemoteError::SessionRefused { holder: addr, why });
-                }
-            };
-            // Named before anything is sent from it, so the holder can forget it whenever this
-            // requester leaves (see `Control::Sender`).
-            if let Some(sender) = engine.sender_address(&welcome.holder)? {
-                send_line(&mut writer, addr, &Control::Sender(sender))?;
-            }
+            let welcome =
+                crate::session::open(&engine, (&mut writer, &mut reader), &hello, config.timeout)?;
             for entry in &welcome.chunks {
                 registry.register(entry.clone())?;
             }

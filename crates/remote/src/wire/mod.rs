@@ -29,8 +29,10 @@ pub const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"KVRP");
 /// each, so a holder answers only the session's owner, and each write of its slot once. 5: a
 /// reply header says how long the holder's kernels ran in the batch that served the request
 /// ([`ReplyHeader::kernel_us`]), so a requester can take compute out of a round trip without
-/// asking for the holder's shared counters. An older peer is refused.
-pub const VERSION: u16 = 5;
+/// asking for the holder's shared counters. 6: a session is served only after its requester
+/// proved, with a [`encode_proof`] message the transport attributes to the hello's address,
+/// that the address is its own. An older peer is refused.
+pub const VERSION: u16 = 6;
 /// Bytes of a request header.
 pub const REQUEST_HEADER: usize = 48;
 /// Bytes of one segment descriptor.
@@ -69,6 +71,38 @@ fn parse_tagged_imm(tag: u32, imm: u32) -> Option<(u16, u64)> {
         return None;
     }
     Some(((imm & 0xffff) as u16, u64::from((imm >> 16) & 0x3) + 1))
+}
+
+/// "KVPF", little-endian: a proof message.
+pub const PROOF_MAGIC: u32 = u32::from_le_bytes(*b"KVPF");
+/// Bytes of a proof message: magic, version (u16), session (u16), the session's token (u64).
+pub const PROOF_BYTES: usize = 16;
+
+/// The message a requester sends from its engine to the holder's (a two-sided send) to prove
+/// that the engine address its hello named is its own: the holder's transport names the
+/// sender of each message it receives, and the session is served only if that sender is
+/// the hello's address and the message carries the session's token (which only the
+/// session's control connection knows).
+pub fn encode_proof(session: u16, token: u64) -> [u8; PROOF_BYTES] {
+    let mut out = [0u8; PROOF_BYTES];
+    out[0..4].copy_from_slice(&PROOF_MAGIC.to_le_bytes());
+    out[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    out[6..8].copy_from_slice(&session.to_le_bytes());
+    out[8..16].copy_from_slice(&token.to_le_bytes());
+    out
+}
+
+/// Reads a proof message: `(session, token)`, or `None` for anything else.
+pub fn parse_proof(bytes: &[u8]) -> Option<(u16, u64)> {
+    let b: &[u8; PROOF_BYTES] = bytes.try_into().ok()?;
+    let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let version = u16::from_le_bytes([b[4], b[5]]);
+    (magic == PROOF_MAGIC && version == VERSION).then(|| {
+        (
+            u16::from_le_bytes([b[6], b[7]]),
+            u64::from_le_bytes(b[8..16].try_into().unwrap_or_default()),
+        )
+    })
 }
 
 /// "KVPG", little-endian: the header of a ping whose pong is sent from staging as it is.

@@ -452,3 +452,22 @@ proptest! {
         let _ = decode_reply_header(&bytes);
     }
 }
+
+#[test]
+fn a_proof_message_round_trips_and_nothing_else_parses_as_one() {
+    let proof = encode_proof(7, 0xdead_beef_0123_4567);
+    assert_eq!(parse_proof(&proof), Some((7, 0xdead_beef_0123_4567)));
+    assert_eq!(parse_proof(&proof[..15]), None, "short");
+    let mut long = proof.to_vec();
+    long.push(0);
+    assert_eq!(parse_proof(&long), None, "long");
+    for at in [0, 4] {
+        let mut bad = proof;
+        bad[at] ^= 1;
+        assert_eq!(
+            parse_proof(&bad),
+            None,
+            "magic or version changed at byte {at}"
+        );
+    }
+}

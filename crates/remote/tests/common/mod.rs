@@ -1,5 +1,5 @@
-//! What the remote crate's integration tests share: holders and requesters over the in-process
-//! `mem` fabric, each on an engine of its own.
+//! What the remote crate's integration tests share: holders and requesters, each on an engine
+//! of its own (requesters over the in-process `mem` fabric).
 
 use std::net::{SocketAddr, TcpListener};
 
@@ -8,15 +8,14 @@ use kvroute_kvstore::{ChunkId, CorpusSpec};
 use kvroute_remote::{HeldChunks, Holder, HolderConfig, Requester, RequesterConfig};
 use kvroute_transport::{MemFabric, TransferEngine};
 
-/// A holder of `chunks` of the synthetic corpus `spec`, serving with `config` on a loopback
-/// port.
+/// A holder on `engine` of `chunks` of the synthetic corpus `spec`, serving with `config` on
+/// a loopback port.
 pub(crate) fn start_holder(
-    fabric: &MemFabric,
+    engine: TransferEngine,
     spec: &CorpusSpec,
     chunks: &[u32],
     config: HolderConfig,
 ) -> Result<Holder> {
-    let engine = TransferEngine::mem(fabric, 1)?;
     let ids: Vec<ChunkId> = chunks.iter().map(|&c| ChunkId(c)).collect();
     let held = HeldChunks::generate(&engine, spec, &ids)?;
     Ok(Holder::start(
