@@ -62,6 +62,10 @@ struct Peer {
     /// The endpoints it sends to this NIC from that this NIC holds an entry for
     /// ([`Domain::adopt_sender`]), released after the peer.
     senders: Vec<Sender>,
+    /// Whether anything was posted on its own endpoint, and whether anything posted to it has
+    /// completed (so the peer has read the endpoint's first command).
+    posted: bool,
+    answered: bool,
 }
 
 /// An endpoint a peer sends from, in this NIC's address vector: `shm` maps every endpoint
@@ -130,6 +134,13 @@ pub struct FabricDomain {
     /// region for each of its commands, so an entry removed while the sender may still post
     /// would leave it naming a slot that is empty or another peer's.
     retired_senders: Vec<Sender>,
+    /// Transmit endpoints of released `shm` peers that have not answered anything posted on
+    /// them, with the peer's process: closed once that process has exited. 1.17's `shm`
+    /// announces a new sender with the first command it posts, and a receiver that reads
+    /// that announcement after the sender's region is gone dereferences a null region and
+    /// crashes (`smr_progress_connreq`); a peer that is stopped, or slow, may read it any
+    /// time later, so the endpoint is kept until the peer cannot.
+    lingering: Vec<(*mut fi::fid_ep, libc::pid_t)>,
     contexts: ContextPool,
     cq_buf: Vec<fi::fi_cq_data_entry>,
     /// The source address of each entry of `cq_buf` (`FI_SOURCE`).
@@ -228,6 +239,7 @@ impl FabricDomain {
             free_peers: Vec::new(),
             released_ops: Vec::new(),
             retired_senders: Vec::new(),
+            lingering: Vec::new(),
             contexts: ContextPool::default(),
             cq_buf: vec![fi::fi_cq_data_entry::default(); config.cq_batch],
             cq_src: vec![fi::FI_ADDR_NOTAVAIL; config.cq_batch],
@@ -439,7 +451,8 @@ impl FabricDomain {
         }
         let p = &mut self.peers[peer as usize];
         p.released = true;
-        p.pid = None;
+        let unread = p.posted && !p.answered;
+        let pid = p.pid.take();
         self.by_fi_addr.remove(&p.fi_addr);
         for s in &p.senders {
             self.by_fi_addr.remove(&s.fi_addr);
@@ -448,11 +461,15 @@ impl FabricDomain {
         self.peer_ids.remove(&p.bytes);
         let (ep, mut fi_addr) = (std::mem::replace(&mut p.ep, null_mut()), p.fi_addr);
         self.free_peers.push(peer);
-        if !ep.is_null() {
-            // SAFETY: the peer's own endpoint, live, closed once (the field is now null); its
-            // operations were abandoned above, so no context of it is waited on.
-            let rc = unsafe { fi::fi_close(ep.cast()) };
-            check(self.lib, "fi_close (peer endpoint)", rc)?;
+        match pid.filter(|&pid| unread && !ep.is_null() && process_exists(pid)) {
+            Some(pid) => self.lingering.push((ep, pid)),
+            None if !ep.is_null() => {
+                // SAFETY: the peer's own endpoint, live, closed once (the field is now null);
+                // its operations were abandoned above, so no context of it is waited on.
+                let rc = unsafe { fi::fi_close(ep.cast()) };
+                check(self.lib, "fi_close (peer endpoint)", rc)?;
+            }
+            None => {}
         }
         // SAFETY: the AV is live and `fi_addr` is one of its entries, removed once.
         let rc = unsafe { fi::fi_av_remove(self.av, &raw mut fi_addr, 1, 0) };
@@ -521,6 +538,24 @@ impl FabricDomain {
         Ok(())
     }
 
+    /// Closes the lingering endpoints whose peer's process has exited.
+    fn close_lingering(&mut self) {
+        let mut i = 0;
+        while i < self.lingering.len() {
+            if process_exists(self.lingering[i].1) {
+                i += 1;
+                continue;
+            }
+            let (ep, _) = self.lingering.swap_remove(i);
+            // SAFETY: an endpoint `release_peer` kept open, closed once (removed from the list);
+            // its operations were abandoned then.
+            let rc = unsafe { fi::fi_close(ep.cast()) };
+            if let Err(e) = check(self.lib, "fi_close (lingering endpoint)", rc) {
+                tracing::warn!(%e, "closing a released peer's endpoint");
+            }
+        }
+    }
+
     /// Removes the retired senders that can no longer send: their region is gone (the
     /// endpoint closed) or their process has exited.
     fn reap_senders(&mut self) -> Result<(), TransportError> {
@@ -579,6 +614,7 @@ impl FabricDomain {
         };
         if accepted {
             p.refusing_since = None;
+            p.posted = true;
             return Ok(());
         }
         // Kept while the refusals last: once past the deadline, every further refusal fails
@@ -778,6 +814,7 @@ impl FabricDomain {
         {
             tracing::warn!(%e, "releasing a departed peer's sending endpoint");
         }
+        self.close_lingering();
         for ctx in self.contexts.expire(now, self.op_timeout) {
             tracing::warn!(wr_id = ctx.wr_id, peer = ctx.peer, timeout = ?self.op_timeout, "an operation was not completed in time; failing it");
             out.push(Completion {

@@ -165,6 +165,8 @@ impl Domain for FabricDomain {
             pid,
             process: Process::Alive(None),
             senders: Vec::new(),
+            posted: false,
+            answered: false,
         };
         let id = match self.free_peers.pop() {
             Some(id) => {
@@ -316,6 +318,9 @@ impl Domain for FabricDomain {
                         if let Some(b) = ctx.bounce {
                             self.give_back_bounce(b);
                         }
+                        if let Some(p) = self.peers.get_mut(ctx.peer as usize) {
+                            p.answered = true;
+                        }
                         let from = self.by_fi_addr.get(&self.cq_src[i]).copied();
                         out.push(Completion {
                             wr_id: ctx.wr_id,
@@ -374,7 +379,8 @@ impl Drop for FabricDomain {
         // this, so nothing the provider still references is freed before the endpoint closes.
         unsafe {
             let peer_eps = self.peers.iter().map(|p| p.ep.cast::<fi::fid>());
-            for fid in peer_eps.chain([
+            let lingering = self.lingering.iter().map(|&(ep, _)| ep.cast::<fi::fid>());
+            for fid in peer_eps.chain(lingering).chain([
                 self.ep.cast::<fi::fid>(),
                 self.av.cast(),
                 self.cq.cast(),
