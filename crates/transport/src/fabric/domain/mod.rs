@@ -62,10 +62,9 @@ struct Peer {
     /// The endpoints it sends to this NIC from that this NIC holds an entry for
     /// ([`Domain::adopt_sender`]), released after the peer.
     senders: Vec<Sender>,
-    /// Whether anything was posted on its own endpoint, and whether anything posted to it has
-    /// completed (so the peer has read the endpoint's first command).
+    /// Whether anything was ever posted to it, accepted or not (on its own endpoint, the first
+    /// post announced that endpoint to the peer).
     posted: bool,
-    answered: bool,
 }
 
 /// An endpoint a peer sends from, in this NIC's address vector: `shm` maps every endpoint
@@ -74,6 +73,14 @@ struct Peer {
 struct Sender {
     bytes: Vec<u8>,
     fi_addr: fi::fi_addr_t,
+}
+
+/// A released peer's transmit endpoint kept open ([`FabricDomain`]'s `lingering`).
+#[derive(Debug)]
+struct Lingering {
+    ep: *mut fi::fid_ep,
+    bytes: Vec<u8>,
+    pid: libc::pid_t,
 }
 
 /// Most sending endpoints one peer may name (one per NIC group it sends from).
@@ -134,13 +141,15 @@ pub struct FabricDomain {
     /// region for each of its commands, so an entry removed while the sender may still post
     /// would leave it naming a slot that is empty or another peer's.
     retired_senders: Vec<Sender>,
-    /// Transmit endpoints of released `shm` peers that have not answered anything posted on
-    /// them, with the peer's process: closed once that process has exited. 1.17's `shm`
+    /// Transmit endpoints of released `shm` peers that posted to them, with the peer's address
+    /// and process: closed once that process has exited, and taken up again if the same
+    /// address connects first (so there is at most one per live peer engine). 1.17's `shm`
     /// announces a new sender with the first command it posts, and a receiver that reads
     /// that announcement after the sender's region is gone dereferences a null region and
-    /// crashes (`smr_progress_connreq`); a peer that is stopped, or slow, may read it any
-    /// time later, so the endpoint is kept until the peer cannot.
-    lingering: Vec<(*mut fi::fid_ep, libc::pid_t)>,
+    /// crashes (`smr_progress_connreq`). Nothing tells the sender when the peer has read it
+    /// (a small write completes at once, read or not), and a stopped or slow peer may read
+    /// it any time later, so the endpoint is kept until the peer cannot.
+    lingering: Vec<Lingering>,
     contexts: ContextPool,
     cq_buf: Vec<fi::fi_cq_data_entry>,
     /// The source address of each entry of `cq_buf` (`FI_SOURCE`).
@@ -451,8 +460,9 @@ impl FabricDomain {
         }
         let p = &mut self.peers[peer as usize];
         p.released = true;
-        let unread = p.posted && !p.answered;
+        let posted = p.posted;
         let pid = p.pid.take();
+        let bytes = p.bytes.clone();
         self.by_fi_addr.remove(&p.fi_addr);
         for s in &p.senders {
             self.by_fi_addr.remove(&s.fi_addr);
@@ -461,8 +471,8 @@ impl FabricDomain {
         self.peer_ids.remove(&p.bytes);
         let (ep, mut fi_addr) = (std::mem::replace(&mut p.ep, null_mut()), p.fi_addr);
         self.free_peers.push(peer);
-        match pid.filter(|&pid| unread && !ep.is_null() && process_exists(pid)) {
-            Some(pid) => self.lingering.push((ep, pid)),
+        match pid.filter(|&pid| posted && !ep.is_null() && process_exists(pid)) {
+            Some(pid) => self.lingering.push(Lingering { ep, bytes, pid }),
             None if !ep.is_null() => {
                 // SAFETY: the peer's own endpoint, live, closed once (the field is now null);
                 // its operations were abandoned above, so no context of it is waited on.
@@ -538,15 +548,21 @@ impl FabricDomain {
         Ok(())
     }
 
+    /// A lingering endpoint of the peer at `bytes`, taken out of the list for it to use again.
+    pub(super) fn take_lingering(&mut self, bytes: &[u8]) -> Option<*mut fi::fid_ep> {
+        let at = self.lingering.iter().position(|l| l.bytes == bytes)?;
+        Some(self.lingering.swap_remove(at).ep)
+    }
+
     /// Closes the lingering endpoints whose peer's process has exited.
     fn close_lingering(&mut self) {
         let mut i = 0;
         while i < self.lingering.len() {
-            if process_exists(self.lingering[i].1) {
+            if process_exists(self.lingering[i].pid) {
                 i += 1;
                 continue;
             }
-            let (ep, _) = self.lingering.swap_remove(i);
+            let Lingering { ep, .. } = self.lingering.swap_remove(i);
             // SAFETY: an endpoint `release_peer` kept open, closed once (removed from the list);
             // its operations were abandoned then.
             let rc = unsafe { fi::fi_close(ep.cast()) };
@@ -612,9 +628,11 @@ impl FabricDomain {
         let Some(p) = self.peers.get_mut(peer as usize) else {
             return Ok(());
         };
+        // Refused or not, the first post announced the endpoint: 1.17's shm sends the
+        // announcement and answers `-FI_EAGAIN` until the peer has read it.
+        p.posted = true;
         if accepted {
             p.refusing_since = None;
-            p.posted = true;
             return Ok(());
         }
         // Kept while the refusals last: once past the deadline, every further refusal fails

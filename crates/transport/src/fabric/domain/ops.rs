@@ -148,10 +148,13 @@ impl Domain for FabricDomain {
             check_shm_peer(&peer.bytes).map_err(TransportError::MalformedAddress)?;
         }
         let fi_addr = self.insert(&peer.bytes)?;
-        let ep = if self.tx_per_peer {
-            self.open_endpoint()?
-        } else {
-            null_mut()
+        // A peer released earlier and connected again gets back the endpoint it already
+        // knows (see `lingering`).
+        let reused = self.take_lingering(&peer.bytes);
+        let ep = match reused {
+            Some(ep) => ep,
+            None if self.tx_per_peer => self.open_endpoint()?,
+            None => null_mut(),
         };
         let pid = (self.provider == "fabric:shm")
             .then(|| shm_peer_pid(&peer.bytes))
@@ -165,8 +168,7 @@ impl Domain for FabricDomain {
             pid,
             process: Process::Alive(None),
             senders: Vec::new(),
-            posted: false,
-            answered: false,
+            posted: reused.is_some(),
         };
         let id = match self.free_peers.pop() {
             Some(id) => {
@@ -318,9 +320,6 @@ impl Domain for FabricDomain {
                         if let Some(b) = ctx.bounce {
                             self.give_back_bounce(b);
                         }
-                        if let Some(p) = self.peers.get_mut(ctx.peer as usize) {
-                            p.answered = true;
-                        }
                         let from = self.by_fi_addr.get(&self.cq_src[i]).copied();
                         out.push(Completion {
                             wr_id: ctx.wr_id,
@@ -379,7 +378,7 @@ impl Drop for FabricDomain {
         // this, so nothing the provider still references is freed before the endpoint closes.
         unsafe {
             let peer_eps = self.peers.iter().map(|p| p.ep.cast::<fi::fid>());
-            let lingering = self.lingering.iter().map(|&(ep, _)| ep.cast::<fi::fid>());
+            let lingering = self.lingering.iter().map(|l| l.ep.cast::<fi::fid>());
             for fid in peer_eps.chain(lingering).chain([
                 self.ep.cast::<fi::fid>(),
                 self.av.cast(),
