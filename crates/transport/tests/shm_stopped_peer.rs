@@ -43,8 +43,12 @@ fn child() {
     drop(engine);
 }
 
-#[test]
-fn a_stopped_peer_survives_being_released_before_it_read_our_first_write() {
+/// Starts this binary's test `name` as the child, stops it when `stop_after_first` says, and
+/// checks that both sides survive the release: `stop_after_first` false stops the child
+/// before it reads anything of ours; true lets it read a first write, then stops it and
+/// leaves a large write waiting for its answer when the peer is released (the endpoint then
+/// lingers with that operation queued, and its peer's entry must stay mapped under it).
+fn released_while_stopped(name: &str, stop_after_first: bool) {
     if std::env::var_os(CHILD).is_some() {
         return child();
     }
@@ -53,12 +57,7 @@ fn a_stopped_peer_survives_being_released_before_it_read_our_first_write() {
         return;
     };
     let mut peer = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "a_stopped_peer_survives_being_released_before_it_read_our_first_write",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
         .env(CHILD, "1")
         .stdout(Stdio::piped())
         .spawn()
@@ -78,28 +77,58 @@ fn a_stopped_peer_survives_being_released_before_it_read_our_first_write() {
         }
     };
     let pid = peer.id() as libc::pid_t;
+    let src = engine.alloc_mr(4096).unwrap();
+    if stop_after_first {
+        let (done, first) = OnDone::future();
+        engine
+            .submit_single_write(64, Some(7), (src.handle(), 0), (&desc, 0), done)
+            .unwrap();
+        kvroute_transport::block_on(first).unwrap();
+    }
     // SAFETY: signals to our own child, not yet reaped.
     unsafe { libc::kill(pid, libc::SIGSTOP) };
-    let src = engine.alloc_mr(64).unwrap();
+    let len = if stop_after_first { 4096 } else { 64 };
     engine
         .submit_single_write(
-            64,
+            len,
             Some(7),
             (src.handle(), 0),
             (&desc, 0),
             OnDone::nothing(),
         )
         .unwrap();
-    // Posted (the announcement and the write wait in the stopped child's queue), then released.
+    // Posted (waiting in the stopped child's queue), then released; our worker keeps
+    // progressing the released peer's endpoint meanwhile.
     std::thread::sleep(Duration::from_millis(200));
     assert!(engine.disconnect(&desc.net_addr()).unwrap());
-    std::thread::sleep(Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(300));
     // SAFETY: as above.
     unsafe { libc::kill(pid, libc::SIGCONT) };
     let status = peer.wait().unwrap();
     assert!(
         status.success(),
-        "the released peer died reading our first write: {status:?}"
+        "the released peer died reading what we posted: {status:?}"
     );
     let _ = kvroute_transport::fabric::remove_shm_regions_of_dead_process(peer.id());
+    // Our side: the lingering endpoint is closed once the child has gone, and the engine
+    // still works.
+    std::thread::sleep(Duration::from_millis(300));
+    let again = engine.alloc_mr(64).unwrap();
+    drop(again);
+}
+
+#[test]
+fn a_stopped_peer_survives_being_released_before_it_read_our_first_write() {
+    released_while_stopped(
+        "a_stopped_peer_survives_being_released_before_it_read_our_first_write",
+        false,
+    );
+}
+
+#[test]
+fn releasing_a_stopped_peer_with_a_write_waiting_for_its_answer_crashes_neither_side() {
+    released_while_stopped(
+        "releasing_a_stopped_peer_with_a_write_waiting_for_its_answer_crashes_neither_side",
+        true,
+    );
 }

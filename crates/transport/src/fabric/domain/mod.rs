@@ -73,7 +73,14 @@ struct Peer {
 struct Sender {
     bytes: Vec<u8>,
     fi_addr: fi::fi_addr_t,
+    /// Since when it has been found unable to send (retired senders only).
+    silent_since: Option<Instant>,
 }
+
+/// How long a retired sender must have been unable to send before its entry is removed: the
+/// receiver may still be working through commands it posted before it went (their answers
+/// go to its region, which removing the entry unmaps).
+const SENDER_GRACE: Duration = Duration::from_secs(1);
 
 /// A released peer's transmit endpoint kept open ([`FabricDomain`]'s `lingering`).
 #[derive(Debug)]
@@ -81,6 +88,9 @@ struct Lingering {
     ep: *mut fi::fid_ep,
     bytes: Vec<u8>,
     pid: libc::pid_t,
+    /// The peer's address entry, kept with it: the endpoint's queued operations name the
+    /// peer by it, and removing it unmaps the peer's region under them.
+    fi_addr: fi::fi_addr_t,
 }
 
 /// Most sending endpoints one peer may name (one per NIC group it sends from).
@@ -141,8 +151,9 @@ pub struct FabricDomain {
     /// region for each of its commands, so an entry removed while the sender may still post
     /// would leave it naming a slot that is empty or another peer's.
     retired_senders: Vec<Sender>,
-    /// Transmit endpoints of released `shm` peers that posted to them, with the peer's address
-    /// and process: closed once that process has exited, and taken up again if the same
+    /// Transmit endpoints of released `shm` peers that posted to them, with the peer's address,
+    /// its address-vector entry and its process: closed (and the entry removed) once that
+    /// process has exited, and taken up again if the same
     /// address connects first (so there is at most one per live peer engine). 1.17's `shm`
     /// announces a new sender with the first command it posts, and a receiver that reads
     /// that announcement after the sender's region is gone dereferences a null region and
@@ -471,15 +482,20 @@ impl FabricDomain {
         self.peer_ids.remove(&p.bytes);
         let (ep, mut fi_addr) = (std::mem::replace(&mut p.ep, null_mut()), p.fi_addr);
         self.free_peers.push(peer);
-        match pid.filter(|&pid| posted && !ep.is_null() && process_exists(pid)) {
-            Some(pid) => self.lingering.push(Lingering { ep, bytes, pid }),
-            None if !ep.is_null() => {
-                // SAFETY: the peer's own endpoint, live, closed once (the field is now null);
-                // its operations were abandoned above, so no context of it is waited on.
-                let rc = unsafe { fi::fi_close(ep.cast()) };
-                check(self.lib, "fi_close (peer endpoint)", rc)?;
-            }
-            None => {}
+        if let Some(pid) = pid.filter(|&pid| posted && !ep.is_null() && process_exists(pid)) {
+            self.lingering.push(Lingering {
+                ep,
+                bytes,
+                pid,
+                fi_addr,
+            });
+            return self.reap_senders();
+        }
+        if !ep.is_null() {
+            // SAFETY: the peer's own endpoint, live, closed once (the field is now null); its
+            // operations were abandoned above, so no context of it is waited on.
+            let rc = unsafe { fi::fi_close(ep.cast()) };
+            check(self.lib, "fi_close (peer endpoint)", rc)?;
         }
         // SAFETY: the AV is live and `fi_addr` is one of its entries, removed once.
         let rc = unsafe { fi::fi_av_remove(self.av, &raw mut fi_addr, 1, 0) };
@@ -534,12 +550,16 @@ impl FabricDomain {
             .iter()
             .position(|s| s.bytes == sender.bytes)
         {
-            Some(i) => self.retired_senders.swap_remove(i),
+            Some(i) => Sender {
+                silent_since: None,
+                ..self.retired_senders.swap_remove(i)
+            },
             None => {
                 check_shm_peer(&sender.bytes).map_err(TransportError::MalformedAddress)?;
                 Sender {
                     bytes: sender.bytes.clone(),
                     fi_addr: self.insert(&sender.bytes)?,
+                    silent_since: None,
                 }
             }
         };
@@ -549,9 +569,13 @@ impl FabricDomain {
     }
 
     /// A lingering endpoint of the peer at `bytes`, taken out of the list for it to use again.
-    pub(super) fn take_lingering(&mut self, bytes: &[u8]) -> Option<*mut fi::fid_ep> {
+    pub(super) fn take_lingering(
+        &mut self,
+        bytes: &[u8],
+    ) -> Option<(fi::fi_addr_t, *mut fi::fid_ep)> {
         let at = self.lingering.iter().position(|l| l.bytes == bytes)?;
-        Some(self.lingering.swap_remove(at).ep)
+        let l = self.lingering.swap_remove(at);
+        Some((l.fi_addr, l.ep))
     }
 
     /// Closes the lingering endpoints whose peer's process has exited.
@@ -562,11 +586,20 @@ impl FabricDomain {
                 i += 1;
                 continue;
             }
-            let Lingering { ep, .. } = self.lingering.swap_remove(i);
-            // SAFETY: an endpoint `release_peer` kept open, closed once (removed from the list);
-            // its operations were abandoned then.
-            let rc = unsafe { fi::fi_close(ep.cast()) };
-            if let Err(e) = check(self.lib, "fi_close (lingering endpoint)", rc) {
+            let Lingering {
+                ep, mut fi_addr, ..
+            } = self.lingering.swap_remove(i);
+            // SAFETY: an endpoint `release_peer` kept open, closed once (removed from the list),
+            // its operations abandoned then; then the peer's entry, which it kept too.
+            let closed = check(self.lib, "fi_close (lingering endpoint)", unsafe {
+                fi::fi_close(ep.cast())
+            })
+            .and_then(|()| {
+                check(self.lib, "fi_av_remove (lingering peer)", unsafe {
+                    fi::fi_av_remove(self.av, &raw mut fi_addr, 1, 0)
+                })
+            });
+            if let Err(e) = closed {
                 tracing::warn!(%e, "closing a released peer's endpoint");
             }
         }
@@ -577,8 +610,15 @@ impl FabricDomain {
     fn reap_senders(&mut self) -> Result<(), TransportError> {
         let mut first_error = Ok(());
         let mut i = 0;
+        let now = Instant::now();
         while i < self.retired_senders.len() {
-            if shm_sender_may_send(&self.retired_senders[i].bytes) {
+            let s = &mut self.retired_senders[i];
+            if shm_sender_may_send(&s.bytes) {
+                s.silent_since = None;
+                i += 1;
+                continue;
+            }
+            if now.duration_since(*s.silent_since.get_or_insert(now)) < SENDER_GRACE {
                 i += 1;
                 continue;
             }

@@ -147,14 +147,20 @@ impl Domain for FabricDomain {
         if self.provider == "fabric:shm" {
             check_shm_peer(&peer.bytes).map_err(TransportError::MalformedAddress)?;
         }
-        let fi_addr = self.insert(&peer.bytes)?;
         // A peer released earlier and connected again gets back the endpoint it already
-        // knows (see `lingering`).
+        // knows, and its address entry (see `lingering`).
         let reused = self.take_lingering(&peer.bytes);
-        let ep = match reused {
-            Some(ep) => ep,
-            None if self.tx_per_peer => self.open_endpoint()?,
-            None => null_mut(),
+        let (fi_addr, ep) = match reused {
+            Some((fi_addr, ep)) => (fi_addr, ep),
+            None => {
+                let fi_addr = self.insert(&peer.bytes)?;
+                let ep = if self.tx_per_peer {
+                    self.open_endpoint()?
+                } else {
+                    null_mut()
+                };
+                (fi_addr, ep)
+            }
         };
         let pid = (self.provider == "fabric:shm")
             .then(|| shm_peer_pid(&peer.bytes))
