@@ -130,17 +130,22 @@ impl Rng {
 
 // ----- children -----
 
-/// `--holder PROVIDER`: serves the corpus, prints its control address, and exits cleanly when
-/// its stdin closes.
-fn holder(provider: &str) -> Result<(), Error> {
-    let engine = engine(provider)?;
+/// A holder of the corpus on `engine`, listening on a loopback port.
+fn start_holder(engine: TransferEngine) -> Result<Holder, Error> {
     let held = HeldChunks::generate(&engine, &corpus(), &[ChunkId(0), ChunkId(1)])?;
-    let holder = Holder::start(
+    Ok(Holder::start(
         engine,
         TcpListener::bind("127.0.0.1:0")?,
         held,
         holder_config(),
-    )?;
+    )?)
+}
+
+/// `--holder PROVIDER`: serves the corpus, prints its control address, and exits cleanly when
+/// its stdin closes.
+fn holder(provider: &str) -> Result<(), Error> {
+    let engine = engine(provider)?;
+    let holder = start_holder(engine)?;
     println!("{}", holder.addr());
     std::io::stdout().flush()?;
     let mut line = String::new();
@@ -638,13 +643,7 @@ impl Soak {
 fn reference() -> Result<String, Error> {
     let fabric = MemFabric::new();
     let engine = TransferEngine::mem(&fabric, 1)?;
-    let held = HeldChunks::generate(&engine, &corpus(), &[ChunkId(0), ChunkId(1)])?;
-    let holder = Holder::start(
-        engine,
-        TcpListener::bind("127.0.0.1:0")?,
-        held,
-        holder_config(),
-    )?;
+    let holder = start_holder(engine)?;
     let config = RequesterConfig {
         link_bytes: 1 << 16,
         pool_pages: 4,
