@@ -1,8 +1,8 @@
 //! The holder's control plane: one thread serves the listener and every rendezvous
 //! connection, non-blocking, woken by `poll(2)`. A connection costs a socket and a few
-//! buffers, never a thread: [`HolderConfig::max_connections`] bounds them, a connection that
-//! sends no hello within [`HolderConfig::hello_timeout`] is closed, and one that leaves more
-//! than [`OUT_LIMIT`] of answers unread is closed too.
+//! buffers, never a thread: [`super::HolderConfig::max_connections`] bounds them, a
+//! connection that sends no hello within [`super::HolderConfig::hello_timeout`] is closed,
+//! and one that leaves more than [`OUT_LIMIT`] of answers unread is closed too.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -13,10 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_transport::NetAddr;
 
-use super::{
-    HolderConfig, PROOF_FAILED, PROOF_OK, PROOF_PENDING, Session, Shared, check_hello, lock,
-    new_token,
-};
+use super::{PROOF_FAILED, PROOF_OK, PROOF_PENDING, Session, Shared, check_hello, lock, new_token};
 use crate::error::RemoteError;
 use crate::session::{Ack, Answer, Control, Hello, Welcome};
 
@@ -382,10 +379,7 @@ impl Shared {
                 }
                 None => {
                     let cap = sessions.len();
-                    let in_use = sessions
-                        .iter()
-                        .flatten()
-                        .any(|s| s.hello.addr == hello.addr);
+                    let in_use = address_in_use(&sessions, &hello.addr);
                     drop(sessions);
                     if !in_use {
                         self.release_peer(&hello.addr);
@@ -395,7 +389,7 @@ impl Shared {
                 }
             }
         };
-        let config: &HolderConfig = &self.config;
+        let config = &self.config;
         let welcome = Welcome {
             session: slot as u16,
             token,
@@ -429,10 +423,7 @@ impl Shared {
             {
                 sessions[slot] = None;
             }
-            sessions
-                .iter()
-                .flatten()
-                .any(|s| s.hello.addr == session.hello.addr)
+            address_in_use(&sessions, &session.hello.addr)
         };
         if !still_used {
             self.release_peer(&session.hello.addr);
@@ -444,6 +435,11 @@ impl Shared {
             tracing::debug!(%e, "releasing a requester's engine");
         }
     }
+}
+
+/// Whether a session of `sessions` is of the engine at `addr` (then its engine stays connected).
+fn address_in_use(sessions: &[Option<Session>], addr: &NetAddr) -> bool {
+    sessions.iter().flatten().any(|s| s.hello.addr == *addr)
 }
 
 fn pollfd(fd: std::os::fd::RawFd, events: libc::c_short) -> libc::pollfd {

@@ -326,7 +326,12 @@ impl Domain for FabricDomain {
                         if let Some(b) = ctx.bounce {
                             self.give_back_bounce(b);
                         }
-                        let from = self.by_fi_addr.get(&self.cq_src[i]).copied();
+                        // Only a receive has a sender to name; writes and sends skip the
+                        // lookup.
+                        let from = match ctx.kind {
+                            OpKind::Recv => self.by_fi_addr.get(&self.cq_src[i]).copied(),
+                            OpKind::Write | OpKind::Send => None,
+                        };
                         out.push(Completion {
                             wr_id: ctx.wr_id,
                             count: 1,
