@@ -39,6 +39,10 @@ pub(crate) const SYSTEM_PACKAGES: &[SystemPackage] = &[
         needed_for: "libFuzzer's runtime, compiled by `cargo xtask fuzz` (libfuzzer-sys)",
     },
     SystemPackage {
+        apt: "fio",
+        needed_for: "the read baseline of `kvroute store bench` (beside dd, on the same files)",
+    },
+    SystemPackage {
         apt: "fonts-dejavu-core",
         needed_for: "the text of `kvroute sweep`'s PNG plots (plotters draws with a TrueType font)",
     },

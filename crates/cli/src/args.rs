@@ -47,6 +47,98 @@ pub enum Command {
     /// Measure route (against the raw write round trip) over Mq and fetch over ct between
     /// processes, fit the cost model, write plots and the raw samples.
     Sweep(SweepArgs),
+    /// Request traces (Mooncake's format) through the prefix cache.
+    #[command(subcommand)]
+    Trace(TraceCommand),
+    /// The storage tier: full blocks on disk, checksummed and crash-safe.
+    #[command(subcommand)]
+    Store(StoreCommand),
+}
+
+/// `kvroute trace ...`.
+#[derive(Debug, Subcommand)]
+pub enum TraceCommand {
+    /// Replay a trace in arrival order through the prefix cache: hit ratios, evictions, and
+    /// with `--store` the bytes the storage tier moved.
+    Replay(TraceReplayArgs),
+}
+
+/// `kvroute trace replay`.
+#[derive(Debug, Clone, Args)]
+pub struct TraceReplayArgs {
+    /// The trace: JSON lines with timestamp, input_length, output_length, hash_ids.
+    #[arg(long)]
+    pub trace: std::path::PathBuf,
+    /// Tokens per block (the trace's hashing granularity).
+    #[arg(long, default_value_t = 512)]
+    pub block_tokens: u32,
+    /// Blocks the cache holds (0: unbounded).
+    #[arg(long, default_value_t = 0)]
+    pub capacity_blocks: usize,
+    /// Eviction policy: lru (trace studies' semantics) or tail-first (vLLM's order).
+    #[arg(long, default_value = "lru")]
+    pub policy: String,
+    /// Replay only the first N requests (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub limit: usize,
+    /// A storage tier below the cache: evicted blocks are written here, prefix blocks found
+    /// here are read back.
+    #[arg(long)]
+    pub store: Option<std::path::PathBuf>,
+    /// Layers per stored block (each layer of a block is block-tokens x 1152 bytes).
+    #[arg(long, default_value_t = 1)]
+    pub store_layers: u32,
+}
+
+/// `kvroute store ...`.
+#[derive(Debug, Subcommand)]
+pub enum StoreCommand {
+    /// Write a synthetic corpus as full blocks (keys 0..chunks).
+    Write(StoreWriteArgs),
+    /// Read every block whole and check every checksum; exit 1 if any block is corrupt or
+    /// missing.
+    Verify(StoreDirArgs),
+    /// Block read and write bandwidth against dd and fio on the same files, same run.
+    Bench(StoreBenchArgs),
+}
+
+/// `kvroute store write`.
+#[derive(Debug, Clone, Args)]
+pub struct StoreWriteArgs {
+    /// The store's directory (created if needed).
+    #[arg(long)]
+    pub dir: std::path::PathBuf,
+    /// Blocks (corpus chunks) to write.
+    #[arg(long)]
+    pub chunks: u32,
+    /// Tokens per block.
+    #[arg(long)]
+    pub tokens: u32,
+    /// Layers per block (27: DeepSeek-V2-Lite).
+    #[arg(long, default_value_t = 27)]
+    pub layers: u32,
+    /// The corpus generator's seed.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// A store directory.
+#[derive(Debug, Clone, Args)]
+pub struct StoreDirArgs {
+    /// The store's directory.
+    #[arg(long)]
+    pub dir: std::path::PathBuf,
+}
+
+/// `kvroute store bench`.
+#[derive(Debug, Clone, Args)]
+pub struct StoreBenchArgs {
+    /// The store's directory (`kvroute store write` first).
+    #[arg(long)]
+    pub dir: std::path::PathBuf,
+    /// Rounds of each measurement (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
 }
 
 /// `kvroute kernel ...`.

@@ -5,8 +5,9 @@
 //! Commands: `predict` (route / fetch / local for one request), `plan prfaas`, `plan helix`,
 //! `presets`, `tour` (the papers' operating points), `bench transport`, `bench fabric`,
 //! `bench kernels`, `kernel partial | merge | splice | gpu-info` (the kernels on .npy files),
-//! `demo` and `holder` (the main job end to end) and `sweep` (route and fetch measured between
-//! processes, fitted and plotted).
+//! `demo` and `holder` (the main job end to end), `sweep` (route and fetch measured between
+//! processes, fitted and plotted), `trace replay` (a request trace through the prefix cache)
+//! and `store write | verify | bench` (the storage tier).
 
 #![forbid(unsafe_code)]
 
@@ -20,13 +21,14 @@ mod kernel;
 mod plan;
 mod predict;
 mod presets;
+mod store;
 mod sweep;
 mod tour;
 mod units;
 
 use anyhow::Result;
 pub use args::Cli;
-use args::{BenchCommand, Command, KernelCommand, PlanCommand};
+use args::{BenchCommand, Command, KernelCommand, PlanCommand, StoreCommand, TraceCommand};
 pub use bench::{Target, TransportBenchReport};
 pub use bench_fabric::{Compared, FabricBenchReport, PagedRow};
 pub use bench_kernels::KernelsBenchReport;
@@ -34,6 +36,7 @@ pub use kernel::{GpuReport, KernelReport};
 pub use plan::{HelixReport, PrfaasReport};
 pub use predict::PredictReport;
 pub use presets::PresetsReport;
+pub use store::{StoreBenchReport, StoreVerifyReport, StoreWriteReport, TraceReplayReport};
 pub use sweep::SweepReport;
 pub use tour::{Figure, StopResult, TourReport, TourStop};
 
@@ -55,6 +58,22 @@ pub fn run(cli: &Cli) -> Result<String> {
         Command::Demo(args) => checked(cli.json, &demo::run(args)?, "the demo"),
         Command::Requester(args) => checked(cli.json, &demo::requester(args)?, "the requester"),
         Command::Sweep(args) => render(cli.json, &sweep::run(args)?),
+        Command::Trace(TraceCommand::Replay(args)) => render(cli.json, &store::replay(args)?),
+        Command::Store(StoreCommand::Write(args)) => render(cli.json, &store::write(args)?),
+        Command::Store(StoreCommand::Verify(args)) => {
+            let report = store::verify(args)?;
+            let text = render(cli.json, &report)?;
+            if report.corrupt + report.missing > 0 {
+                print!("{text}");
+                anyhow::bail!(
+                    "{} bad blocks in {}",
+                    report.corrupt + report.missing,
+                    report.dir
+                );
+            }
+            Ok(text)
+        }
+        Command::Store(StoreCommand::Bench(args)) => render(cli.json, &store::bench(args)?),
         Command::Holder(args) => {
             demo::holder(args)?;
             Ok(String::new())

@@ -11,7 +11,13 @@
 //! - [`corpus`]: a deterministic synthetic corpus with a model preset's dimensions (random
 //!   latents, RoPE applied at the stored positions, so splices are real).
 //!
-//! Planned (DESIGN): the prefix trie, the hybrid prefix-cache pool and the SSD tier.
+//! - [`prefix`]: the prefix cache, a trie over chained block hashes with reference counts and
+//!   LRU or tail-first eviction;
+//! - [`hybrid`]: the hybrid prefix-cache pool (paper 001 section 3.2): block-level KV and
+//!   request-level state, prefix-cache and transfer-cache blocks, under one budget;
+//! - [`storage`]: the storage tier, full blocks in checksummed files that a crash never tears;
+//! - [`trace`]: Mooncake-format traces, parsed as untrusted input and replayed through the
+//!   prefix cache (and the storage tier).
 //!
 //! ```
 //! use kvroute_kvstore::{BlockLayout, ChunkId, CorpusSpec, FullBlock, PagedPool, PAGE_BYTES};
@@ -32,12 +38,19 @@
 
 pub mod corpus;
 mod error;
+pub mod hybrid;
 pub mod layout;
 pub mod pool;
+pub mod prefix;
 pub mod registry;
+pub mod storage;
+pub mod trace;
 
 pub use corpus::CorpusSpec;
 pub use error::StoreError;
 pub use layout::{BlockLayout, FullBlock, LayerBlock, PAGE_BYTES, ROW_BYTES, concat_layers};
 pub use pool::PagedPool;
+pub use prefix::{BlockKey, CacheError, Eviction, PrefixCache};
 pub use registry::{ChunkEntry, ChunkId, ChunkRegistry};
+pub use storage::{BlockStore, StorageError};
+pub use trace::{ReplayConfig, ReplayReport, TraceReader, TraceRecord, replay};

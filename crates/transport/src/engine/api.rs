@@ -207,7 +207,7 @@ impl TransferEngine {
             .ok_or(TransportError::UnknownRegion)
     }
 
-    /// Allocates `len` bytes of zeroed host memory (64-byte aligned) owned by the engine and
+    /// Allocates `len` bytes of zeroed host memory (page-aligned) owned by the engine and
     /// registers it, writable by peers; dropping the buffer deregisters and frees it.
     pub fn alloc_mr(&self, len: usize) -> Result<RegisteredBuffer, TransportError> {
         RegisteredBuffer::new(self.clone(), len, Access::RemoteWrite)
