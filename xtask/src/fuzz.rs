@@ -11,7 +11,14 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 /// Every target in `fuzz/Cargo.toml`.
-pub(crate) const TARGETS: [&str; 4] = ["wire_request", "wire_reply", "control_json", "npy"];
+pub(crate) const TARGETS: [&str; 6] = [
+    "wire_request",
+    "wire_reply",
+    "control_json",
+    "npy",
+    "trace_line",
+    "block_header",
+];
 
 /// What cargo-fuzz passes to instrument for libFuzzer (`-Zsanitizer` aside, which needs a
 /// nightly compiler).

@@ -263,7 +263,7 @@ pub struct StoreBenchReport {
     /// DONTNEED): the store's whole-block reads (checksums checked), `dd bs=4M` over the same
     /// files, and `fio` (psync, 4 MiB reads, one job) over the same files when installed.
     pub reads: Vec<Bandwidth>,
-    /// Writes of as many new blocks: the store's `put` (fsync per block) against `dd
+    /// Writes of as many new blocks: the store's `put` (fsync per block) against `dd bs=4M
     /// conv=fsync` of the same sizes.
     pub writes: Vec<Bandwidth>,
     /// Store reads over the best baseline reader's median.
@@ -349,8 +349,8 @@ pub(crate) fn bench(args: &StoreBenchArgs) -> Result<StoreBenchReport> {
         let started = Instant::now();
         for (i, _) in keys.iter().enumerate() {
             run(Command::new("dd")
-                .args(["if=/dev/zero", "bs=4096", "conv=fsync"])
-                .arg(format!("count={}", count / 4096))
+                .args(["if=/dev/zero", "bs=4M", "iflag=count_bytes", "conv=fsync"])
+                .arg(format!("count={count}"))
                 .arg(format!("of={}", dir.join(i.to_string()).display())))?;
         }
         dd_writes.push(mb_s(file_bytes, started));
@@ -366,7 +366,7 @@ pub(crate) fn bench(args: &StoreBenchArgs) -> Result<StoreBenchReport> {
     let best = reads[1..].iter().map(|b| b.median).fold(0.0, f64::max);
     let writes = vec![
         band("kvroute store (fsync per block)", our_writes),
-        band("dd conv=fsync", dd_writes),
+        band("dd bs=4M conv=fsync", dd_writes),
     ];
     Ok(StoreBenchReport {
         dir: args.dir.display().to_string(),

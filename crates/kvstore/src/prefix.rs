@@ -159,7 +159,9 @@ impl<V> PrefixCache<V> {
         Self {
             nodes: Vec::with_capacity(capacity),
             free: Vec::with_capacity(capacity),
-            index: HashMap::with_capacity_and_hasher(capacity, KeyHasher::new()),
+            // Twice the capacity: a table with deleted slots piling up rehashes in place (no
+            // allocation) while it is at most half full, and grows (allocates) otherwise.
+            index: HashMap::with_capacity_and_hasher(capacity.saturating_mul(2), KeyHasher::new()),
             head: NIL,
             tail: NIL,
             capacity,

@@ -386,6 +386,34 @@ impl BlockStore {
         Ok(())
     }
 
+    /// Reads `key`'s whole block into `region` at byte `offset` (a pool slot of registered
+    /// memory: once read, the transport can write it to a peer), with [`get_into`]'s checks.
+    ///
+    /// # Safety
+    /// The range `offset..offset + full_bytes` of `region` is this call's alone while it runs:
+    /// no peer write into it is in flight or may start, and no other view of it exists (the
+    /// contract of [`RegisteredBuffer::bytes_mut`]). A pool that hands the slot to this read
+    /// and to nothing else until it returns meets it.
+    ///
+    /// [`get_into`]: Self::get_into
+    /// [`RegisteredBuffer::bytes_mut`]: kvroute_transport::RegisteredBuffer::bytes_mut
+    pub unsafe fn get_into_region(
+        &mut self,
+        key: u64,
+        region: &kvroute_transport::RegisteredBuffer,
+        offset: usize,
+    ) -> Result<(), StorageError> {
+        let full = self.layout.full_bytes();
+        // SAFETY: the range is bounds-checked by `bytes_mut`; exclusivity is the caller's
+        // contract.
+        let out = unsafe { region.bytes_mut(offset, full) }.map_err(|_| StorageError::Shape {
+            what: "region range",
+            expected: offset.saturating_add(full),
+            got: region.len(),
+        })?;
+        self.get_into(key, out)
+    }
+
     /// Reads layer `layer` of `key`'s block into `out` (one layer block's bytes), reading the
     /// header and that layer only.
     pub fn get_layer_into(
@@ -839,6 +867,44 @@ mod tests {
             (2, 0, 0),
             "a removed block is not missing"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    /// A block leaves memory for disk and comes back into another slot of a registered pool,
+    /// the bytes the transport would then send.
+    #[test]
+    fn a_block_is_demoted_to_disk_and_promoted_into_a_registered_slot()
+    -> Result<(), Box<dyn std::error::Error>> {
+        use kvroute_transport::{MemFabric, TransferEngine};
+        let dir = tmpdir("promote");
+        let layout = BlockLayout::new(2, 100)?;
+        let engine = TransferEngine::mem(&MemFabric::new(), 1)?;
+        let slots = crate::PagedPool::new(4, layout.full_bytes())?;
+        let region = engine.alloc_mr(slots.bytes())?;
+        let (mut store, _) = BlockStore::open(&dir, layout)?;
+        // In memory at slot 0; demoted: written out, slot freed.
+        let held = slots.alloc(1)?;
+        let bytes = block(layout, 77);
+        region.write_at(slots.offset(held[0])?, &bytes)?;
+        let mut copy = vec![0u8; layout.full_bytes()];
+        region.read_at(slots.offset(held[0])?, &mut copy)?;
+        store.put(77, &copy)?;
+        slots.release(&held)?;
+        region.fill(0);
+        // Promoted into another slot.
+        let _other = slots.alloc(1)?;
+        let back = slots.alloc(1)?;
+        assert_ne!(back, held);
+        // SAFETY: the slot was just allocated to this read and nothing else touches it.
+        unsafe { store.get_into_region(77, &region, slots.offset(back[0])?)? };
+        let mut got = vec![0u8; layout.full_bytes()];
+        region.read_at(slots.offset(back[0])?, &mut got)?;
+        assert_eq!(got, bytes);
+        // Past the region's end: refused, nothing read.
+        // SAFETY: nothing else uses the region.
+        let past = unsafe { store.get_into_region(77, &region, slots.offset(3)? + 1) };
+        assert!(matches!(past, Err(StorageError::Shape { .. })));
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }

@@ -14,7 +14,7 @@
 //! and a block found on disk is promoted back, so the bytes the storage tier moves are real.
 
 use std::collections::HashSet;
-use std::io::BufRead;
+use std::io::{BufRead, Read};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -36,9 +36,18 @@ pub struct TraceRecord {
     pub hash_ids: Vec<u64>,
 }
 
+/// The longest line the reader takes (a request of a million blocks is about 8 MiB of JSON).
+pub const MAX_LINE_BYTES: u64 = 16 << 20;
+
 /// A line the reader refuses, with its 1-based line number.
 #[derive(Debug, Error)]
 pub enum TraceError {
+    /// A line longer than [`MAX_LINE_BYTES`].
+    #[error("line {line}: longer than {MAX_LINE_BYTES} bytes")]
+    TooLong {
+        /// The line.
+        line: usize,
+    },
     /// The file could not be read.
     #[error("line {line}: reading the trace: {source}")]
     Io {
@@ -192,8 +201,19 @@ impl<R: BufRead> Iterator for TraceReader<R> {
         loop {
             self.text.clear();
             self.line += 1;
-            match self.input.read_line(&mut self.text) {
+            match (&mut self.input)
+                .take(MAX_LINE_BYTES + 1)
+                .read_line(&mut self.text)
+            {
                 Ok(0) => return None,
+                Ok(n) if n as u64 > MAX_LINE_BYTES => {
+                    // Skip the rest of the line (without keeping it) so the next record
+                    // starts clean.
+                    if !self.text.ends_with('\n') {
+                        skip_line(&mut self.input);
+                    }
+                    return Some(Err(TraceError::TooLong { line: self.line }));
+                }
                 Ok(_) if self.text.trim().is_empty() => continue,
                 Ok(_) => return Some(self.parse()),
                 Err(source) => {
@@ -203,6 +223,23 @@ impl<R: BufRead> Iterator for TraceReader<R> {
                     }));
                 }
             }
+        }
+    }
+}
+
+/// Consumes input up to and including the next newline, holding none of it.
+fn skip_line(input: &mut impl BufRead) {
+    loop {
+        let (found, used) = match input.fill_buf() {
+            Ok([]) | Err(_) => return,
+            Ok(buf) => match buf.iter().position(|&b| b == b'\n') {
+                Some(i) => (true, i + 1),
+                None => (false, buf.len()),
+            },
+        };
+        input.consume(used);
+        if found {
+            return;
         }
     }
 }
@@ -403,6 +440,15 @@ mod tests {
             assert!(err.contains(want), "{bad}: {err}");
             assert!(err.starts_with("line 2"), "{err}");
         }
+        // An over-long line is refused without reading it whole into one string.
+        let long = format!("{good}\n[{}]\n{good}\n", "1,".repeat(9 << 20));
+        let got = read(&long);
+        assert!(
+            matches!(got[1], Err(TraceError::TooLong { line: 2 })),
+            "{:?}",
+            got[1].as_ref().err()
+        );
+        assert!(got[2].is_ok(), "the line after it reads");
         // Blank lines are skipped but counted.
         let got = read(&format!("{good}\n\nnope\n"));
         assert!(
