@@ -381,3 +381,111 @@ fn predict_refuses_parameters_whose_costs_are_not_finite() {
     );
     assert!(v.get("decision").is_none(), "{v}");
 }
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn trace_replay_prints_the_traces_published_figures_and_names_a_bad_line() {
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../data/mooncake/conversation_trace.jsonl"
+    );
+    let v = json(&kvroute(&["trace", "replay", "--trace", trace, "--json"]));
+    assert_eq!(v["distinct_blocks"], 182_790);
+    assert_eq!(
+        format!("{:.3}", v["block_prefix_hit_ratio"].as_f64().unwrap()),
+        "0.366"
+    );
+    let text = kvroute(&[
+        "trace",
+        "replay",
+        "--trace",
+        trace,
+        "--capacity-blocks",
+        "1000",
+    ]);
+    assert!(
+        String::from_utf8_lossy(&text.stdout)
+            .contains("block prefix hit ratio 0.044 (12831 of 288500 blocks)")
+    );
+
+    let dir = scratch("trace");
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 1, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 1, \"input_length\": -600, \"output_length\": 1, \"hash_ids\": [1]}\n",
+    )
+    .unwrap();
+    let out = kvroute(&["trace", "replay", "--trace", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("line 2: `input_length` is -600"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn store_verify_exits_1_naming_a_corrupt_and_a_missing_block() {
+    let dir = scratch("store");
+    let d = dir.to_str().unwrap();
+    let w = json(&kvroute(&[
+        "store", "write", "--dir", d, "--chunks", "3", "--tokens", "64", "--layers", "2", "--json",
+    ]));
+    assert_eq!(w["blocks"], 3);
+    let v = json(&kvroute(&["store", "verify", "--dir", d, "--json"]));
+    assert_eq!(
+        (
+            v["ok"].as_u64(),
+            v["corrupt"].as_u64(),
+            v["missing"].as_u64()
+        ),
+        (Some(3), Some(0), Some(0))
+    );
+    // One byte flipped in block 1's second layer, block 2 deleted.
+    let one = dir.join("0000000000000001.kvb");
+    let mut bytes = std::fs::read(&one).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 1;
+    std::fs::write(&one, bytes).unwrap();
+    std::fs::remove_file(dir.join("0000000000000002.kvb")).unwrap();
+    let out = kvroute(&["store", "verify", "--dir", d]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("1 ok, 1 corrupt, 1 missing"), "{text}");
+    assert!(
+        text.contains("0000000000000001.kvb") && text.contains("layer 1 checksum mismatch"),
+        "{text}"
+    );
+    assert!(text.contains("0000000000000002: missing"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn store_bench_reports_reads_and_writes_beside_dd() {
+    let dir = scratch("bench");
+    let d = dir.to_str().unwrap();
+    json(&kvroute(&[
+        "store", "write", "--dir", d, "--chunks", "2", "--tokens", "128", "--layers", "3", "--json",
+    ]));
+    let v = json(&kvroute(&[
+        "store", "bench", "--dir", d, "--rounds", "1", "--json",
+    ]));
+    let readers: Vec<&str> = v["reads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["what"].as_str().unwrap())
+        .collect();
+    assert!(readers.contains(&"dd bs=4M"), "{readers:?}");
+    assert!(v["read_ratio"].as_f64().unwrap() > 0.0 && v["write_ratio"].as_f64().unwrap() > 0.0);
+    assert!(
+        !dir.join(".bench-write").exists(),
+        "the write scratch is removed"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
