@@ -1,9 +1,10 @@
 //! The storage tier: full blocks on local disk, one file per block, that survive a crash at
 //! any byte and are never served torn.
 //!
-//! A *full block* holds every layer of its tokens (paper 003 appendix A.5: full blocks for
-//! storage, layer blocks for transfer; [`crate::layout`]), so one file serves a whole-block
-//! read and, by offset, a one-layer read that touches no other layer's bytes.
+//! A *full block* holds every layer of its tokens (paper 003 section 4.1: "For all interactions
+//! with storage, we adopt Full Blocks", layer blocks for layer-wise transfer; appendix A.5 for
+//! the layouts, [`crate::layout`]), so one file serves a whole-block read and, by offset, a
+//! one-layer read that touches no other layer's bytes.
 //!
 //! # File format (version 1, little-endian)
 //!
