@@ -60,24 +60,19 @@ pub(crate) fn replay(args: &TraceReplayArgs) -> Result<TraceReplayReport> {
         }
         None => None,
     };
-    let report = kvroute_kvstore::replay(records.iter().cloned().map(Ok), config, store.as_mut())?;
     // Baseline: the same lookups and inserts into a plain hash set.
     let started = Instant::now();
     let mut set: HashSet<BlockKey> = HashSet::new();
     let mut hits = 0usize;
     for r in &records {
         let h = &r.hash_ids;
-        let key = |i: usize| BlockKey {
-            parent: (i > 0).then(|| h[i - 1]),
-            hash: h[i],
-        };
+        let key = |i: usize| BlockKey::in_prompt(h, i);
         hits += (0..h.len()).take_while(|&i| set.contains(&key(i))).count();
-        for i in 0..h.len() {
-            set.insert(key(i));
-        }
+        set.extend((0..h.len()).map(key));
     }
     let baseline = started.elapsed().as_secs_f64();
     std::hint::black_box(hits);
+    let report = kvroute_kvstore::replay(records.into_iter().map(Ok), config, store.as_mut())?;
     let blocks = report.blocks.max(1) as f64;
     Ok(TraceReplayReport {
         trace: args.trace.display().to_string(),

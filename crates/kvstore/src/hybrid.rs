@@ -95,9 +95,6 @@ pub struct HybridPool {
     block_tokens: u64,
     transfers: HashMap<TransferId, Vec<u32>>,
     next_transfer: u64,
-    /// One clock for both caches, so their coldest entries compare.
-    clock: u64,
-    state_used: usize,
     transfer_used: usize,
 }
 
@@ -123,8 +120,6 @@ impl HybridPool {
             block_tokens: u64::from(block_tokens),
             transfers: HashMap::new(),
             next_transfer: 0,
-            clock: 0,
-            state_used: 0,
             transfer_used: 0,
         })
     }
@@ -140,7 +135,7 @@ impl HybridPool {
             total: self.pool.pages() as usize,
             free: self.pool.free_pages(),
             kv: self.kv.len(),
-            state: self.state_used,
+            state: self.state_block_count(),
             transfer: self.transfer_used,
             pinned: self.kv.pinned() + self.pinned_state_blocks(),
         }
@@ -167,10 +162,12 @@ impl HybridPool {
     /// (when the model has one). Undo with [`unpin`](Self::unpin) with the same arguments.
     pub fn pin(&mut self, hashes: &[u64], blocks: usize) -> Result<(), HybridError> {
         let blocks = blocks.min(hashes.len());
-        if self.kv.longest_prefix(&hashes[..blocks]) < blocks {
+        let cached = self.kv.longest_prefix(&hashes[..blocks]);
+        if cached < blocks {
+            let key = BlockKey::in_prompt(hashes, cached);
             return Err(CacheError::State {
-                hash: hashes[self.kv.longest_prefix(hashes)],
-                parent: None,
+                hash: key.hash,
+                parent: key.parent,
                 state: "not cached",
             }
             .into());
@@ -230,18 +227,11 @@ impl HybridPool {
     /// Caches block `i` of `hashes` (fully populated now) for prefix reuse and returns the
     /// block it was given (to write the KV into). Already cached: its block, made recent.
     pub fn commit_block(&mut self, hashes: &[u64], i: usize) -> Result<u32, HybridError> {
-        let key = key_of(hashes, i);
+        let key = BlockKey::in_prompt(hashes, i);
         self.tick();
-        if self.kv.touch(key) {
-            return self
-                .kv
-                .get(key)
-                .copied()
-                .ok_or(HybridError::Cache(CacheError::State {
-                    hash: key.hash,
-                    parent: key.parent,
-                    state: "cached without a block",
-                }));
+        if let Some(&block) = self.kv.get(key) {
+            self.kv.touch(key);
+            return Ok(block);
         }
         let block = self.alloc(1)?[0];
         // The allocation made room, so the insert evicts nothing.
@@ -259,12 +249,12 @@ impl HybridPool {
         }
         let key = self.state_key(hashes, blocks);
         self.tick();
-        if self.states.touch(key) {
-            return Ok(self.states.get(key).cloned().unwrap_or_default());
+        if let Some(blocks) = self.states.get(key).cloned() {
+            self.states.touch(key);
+            return Ok(blocks);
         }
         let got = self.alloc(self.state_blocks)?;
         self.states.insert(key, got.clone(), &mut |_, _| {})?;
-        self.state_used += got.len();
         Ok(got)
     }
 
@@ -272,8 +262,8 @@ impl HybridPool {
     /// they exist; nothing is evicted when even that could not make room.
     fn alloc(&mut self, n: usize) -> Result<Vec<u32>, HybridError> {
         let free = self.pool.free_pages();
-        let evictable =
-            (self.kv.len() - self.kv.pinned()) + (self.state_used - self.pinned_state_blocks());
+        let evictable = (self.kv.len() - self.kv.pinned())
+            + (self.state_block_count() - self.pinned_state_blocks());
         if free + evictable < n {
             return Err(HybridError::Exhausted {
                 wanted: n,
@@ -293,21 +283,27 @@ impl HybridPool {
                     self.pool.release(&[block])?;
                 }
             } else if let Some((_, blocks)) = self.states.evict_one() {
-                self.state_used -= blocks.len();
                 self.pool.release(&blocks)?;
             }
         }
         Ok(self.pool.alloc(n)?)
     }
 
+    /// Blocks of cached states (each state holds `state_blocks`).
+    fn state_block_count(&self) -> usize {
+        self.states.len() * self.state_blocks
+    }
+
     fn pinned_state_blocks(&self) -> usize {
         self.states.pinned() * self.state_blocks
     }
 
+    /// Moves both caches' clocks past either's, so that what becomes recent next is stamped
+    /// later than anything in either: their coldest entries then compare.
     fn tick(&mut self) {
-        self.clock = self.clock.max(self.kv.clock()).max(self.states.clock()) + 1;
-        self.kv.set_clock(self.clock);
-        self.states.set_clock(self.clock);
+        let now = self.kv.clock().max(self.states.clock()) + 1;
+        self.kv.set_clock(now);
+        self.states.set_clock(now);
     }
 
     fn state_key(&self, hashes: &[u64], blocks: usize) -> BlockKey {
@@ -315,13 +311,6 @@ impl HybridPool {
             parent: Some(blocks as u64 * self.block_tokens),
             hash: hashes[blocks - 1],
         }
-    }
-}
-
-fn key_of(hashes: &[u64], i: usize) -> BlockKey {
-    BlockKey {
-        parent: if i == 0 { None } else { Some(hashes[i - 1]) },
-        hash: hashes[i],
     }
 }
 

@@ -54,8 +54,8 @@ impl BlockKey {
     /// The key of block `i` of a prompt whose block hashes are `hashes`.
     ///
     /// # Panics
-    /// Never for `i < hashes.len()`; callers index within the prompt.
-    fn of(hashes: &[u64], i: usize) -> Self {
+    /// If `i >= hashes.len()`.
+    pub fn in_prompt(hashes: &[u64], i: usize) -> Self {
         Self {
             parent: if i == 0 { None } else { Some(hashes[i - 1]) },
             hash: hashes[i],
@@ -217,7 +217,7 @@ impl<V> PrefixCache<V> {
     /// Length in blocks of the longest prefix of `hashes` that is cached. Changes nothing.
     pub fn longest_prefix(&self, hashes: &[u64]) -> usize {
         (0..hashes.len())
-            .take_while(|&i| self.index.contains_key(&BlockKey::of(hashes, i)))
+            .take_while(|&i| self.index.contains_key(&BlockKey::in_prompt(hashes, i)))
             .count()
     }
 
@@ -225,7 +225,7 @@ impl<V> PrefixCache<V> {
     /// blocks to fetch, and from where. Changes nothing, allocates nothing.
     pub fn prefix_values<'a>(&'a self, hashes: &'a [u64]) -> impl Iterator<Item = &'a V> + 'a {
         (0..hashes.len())
-            .map_while(move |i| self.index.get(&BlockKey::of(hashes, i)))
+            .map_while(move |i| self.index.get(&BlockKey::in_prompt(hashes, i)))
             .filter_map(move |&n| self.nodes[n as usize].value.as_ref())
     }
 
@@ -340,7 +340,7 @@ impl<V> PrefixCache<V> {
     /// [`unpin`](Self::unpin) on the same prefix.
     pub fn pin(&mut self, hashes: &[u64]) -> usize {
         (0..hashes.len())
-            .take_while(|&i| self.pin_key(BlockKey::of(hashes, i)))
+            .take_while(|&i| self.pin_key(BlockKey::in_prompt(hashes, i)))
             .count()
     }
 
@@ -384,7 +384,7 @@ impl<V> PrefixCache<V> {
     pub fn unpin(&mut self, hashes: &[u64], blocks: usize) -> Result<(), CacheError> {
         let blocks = blocks.min(hashes.len());
         for i in 0..blocks {
-            let key = BlockKey::of(hashes, i);
+            let key = BlockKey::in_prompt(hashes, i);
             match self.index.get(&key) {
                 Some(&n) if self.nodes[n as usize].refs > 0 => {}
                 _ => {
@@ -396,7 +396,7 @@ impl<V> PrefixCache<V> {
                 }
             }
         }
-        (0..blocks).try_for_each(|i| self.unpin_key(BlockKey::of(hashes, i)))
+        (0..blocks).try_for_each(|i| self.unpin_key(BlockKey::in_prompt(hashes, i)))
     }
 
     /// One request as trace studies replay it: the hit is the longest cached prefix of
@@ -420,7 +420,7 @@ impl<V> PrefixCache<V> {
         };
         let mut inserted = 0;
         for i in 0..hashes.len() {
-            let key = BlockKey::of(hashes, i);
+            let key = BlockKey::in_prompt(hashes, i);
             if !self.touch(key) {
                 self.insert(key, value(i), &mut count)?;
                 inserted += 1;
@@ -428,7 +428,7 @@ impl<V> PrefixCache<V> {
         }
         if self.policy == Eviction::TailFirst {
             for i in (0..hashes.len()).rev() {
-                self.touch(BlockKey::of(hashes, i));
+                self.touch(BlockKey::in_prompt(hashes, i));
             }
         }
         out.inserted = inserted;
@@ -600,7 +600,7 @@ mod tests {
             let mut gone = Vec::new();
             c.access(&[9], |_| 9, &mut |k, v| gone.push((k.hash, v)))?;
             let cached: Vec<bool> = (0..3)
-                .map(|i| c.contains(BlockKey::of(&[1, 2, 3], i)))
+                .map(|i| c.contains(BlockKey::in_prompt(&[1, 2, 3], i)))
                 .collect();
             assert_eq!(cached, survivor, "{policy:?}");
             assert_eq!(gone.len(), 1);
@@ -660,7 +660,7 @@ mod tests {
         }
         fn longest(&self, hashes: &[u64]) -> usize {
             (0..hashes.len())
-                .take_while(|&i| self.find(BlockKey::of(hashes, i)).is_some())
+                .take_while(|&i| self.find(BlockKey::in_prompt(hashes, i)).is_some())
                 .count()
         }
         fn touch(&mut self, key: BlockKey) -> bool {
@@ -684,7 +684,7 @@ mod tests {
             let hit = self.longest(hashes);
             let mut gone = Vec::new();
             for i in 0..hashes.len() {
-                let key = BlockKey::of(hashes, i);
+                let key = BlockKey::in_prompt(hashes, i);
                 if !self.touch(key) {
                     if cap != 0 && self.order.len() >= cap {
                         // Coldest unpinned; pinned ones keep their place out of the order.
@@ -696,7 +696,7 @@ mod tests {
             }
             if tail_first {
                 for i in (0..hashes.len()).rev() {
-                    self.touch(BlockKey::of(hashes, i));
+                    self.touch(BlockKey::in_prompt(hashes, i));
                 }
             }
             Ok((hit, gone))
@@ -756,7 +756,7 @@ mod tests {
                         }
                         for (p, n) in &pins {
                             for i in 0..*n {
-                                prop_assert!(trie.contains(BlockKey::of(p, i)), "a pinned block was evicted");
+                                prop_assert!(trie.contains(BlockKey::in_prompt(p, i)), "a pinned block was evicted");
                             }
                         }
                     }
@@ -764,7 +764,7 @@ mod tests {
                         let n = trie.pin(&h);
                         prop_assert_eq!(n, naive.longest(&h));
                         for i in 0..n {
-                            let p = naive.find(BlockKey::of(&h, i)).ok_or_else(|| TestCaseError::fail("pinned block missing"))?;
+                            let p = naive.find(BlockKey::in_prompt(&h, i)).ok_or_else(|| TestCaseError::fail("pinned block missing"))?;
                             naive.order[p].1 += 1;
                         }
                         pins.push((h, n));
@@ -773,7 +773,7 @@ mod tests {
                         if let Some((h, n)) = pins.pop() {
                             prop_assert!(trie.unpin(&h, n).is_ok());
                             for i in 0..n {
-                                let key = BlockKey::of(&h, i);
+                                let key = BlockKey::in_prompt(&h, i);
                                 let p = naive.find(key).ok_or_else(|| TestCaseError::fail("pinned block missing"))?;
                                 naive.order[p].1 -= 1;
                                 if naive.order[p].1 == 0 {

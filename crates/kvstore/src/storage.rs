@@ -235,8 +235,8 @@ impl BlockStore {
             let Some(key) = parse_name(name) else {
                 continue;
             };
-            match check_file(&path, layout, key) {
-                Ok(()) => {
+            match open_checked(&path, layout, key) {
+                Ok(_) => {
                     present.insert(key);
                 }
                 Err(e) => recovery.refused.push((name.to_owned(), e.to_string())),
@@ -379,12 +379,9 @@ impl BlockStore {
                 got: out.len(),
             });
         }
-        let (file, path, crcs) = self.open_block(key)?;
-        let layer_bytes = full / self.layout.layers as usize;
-        read_checked(&file, &path, HEADER_BYTES, out, &crcs, 0, layer_bytes)?;
-        self.stats.reads += 1;
-        self.stats.bytes_read += (HEADER_BYTES + full) as u64;
-        Ok(())
+        let path = self.path(key);
+        let (file, header) = self.open_block(key, &path)?;
+        self.read_whole(&file, &path, &header, out)
     }
 
     /// Reads `key`'s whole block into `region` at byte `offset` (a pool slot of registered
@@ -432,8 +429,9 @@ impl BlockStore {
                 got: out.len(),
             });
         }
-        let (file, path, crcs) = self.open_block(key)?;
-        let want = &crcs[layer as usize..=layer as usize];
+        let path = self.path(key);
+        let (file, header) = self.open_block(key, &path)?;
+        let want = &header.layer_crcs[layer as usize..=layer as usize];
         read_checked(
             &file,
             &path,
@@ -477,11 +475,13 @@ impl BlockStore {
                 report.missing.push(format!("{key:016x}"));
                 continue;
             }
-            match check_file(&path, self.layout, *key).and_then(|()| {
-                self.present.insert(*key);
-                self.get_into(*key, &mut buf)
-            }) {
-                Ok(()) => report.ok += 1,
+            let read = open_checked(&path, self.layout, *key)
+                .and_then(|(file, header)| self.read_whole(&file, &path, &header, &mut buf));
+            match read {
+                Ok(()) => {
+                    self.present.insert(*key);
+                    report.ok += 1;
+                }
                 Err(e) => {
                     self.present.remove(key);
                     report.corrupt.push((file_name(&path), e.to_string()));
@@ -491,35 +491,69 @@ impl BlockStore {
         Ok(report)
     }
 
-    /// Opens `key`'s file and checks its header: the file, its path and the layer checksums.
-    fn open_block(&self, key: u64) -> Result<(File, PathBuf, Vec<u32>), StorageError> {
+    /// Opens `key`'s block file at `path` (one this store indexed) with its checked header.
+    fn open_block(&self, key: u64, path: &Path) -> Result<(File, Header), StorageError> {
         if !self.present.contains(&key) {
             return Err(StorageError::Missing { key });
         }
-        let path = self.path(key);
-        let file = match File::open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(StorageError::Missing { key });
+        match open_checked(path, self.layout, key) {
+            Err(StorageError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                Err(StorageError::Missing { key })
             }
-            Err(e) => return Err(io("opening", &path)(e)),
-        };
-        let header = read_header(&file, &path, self.layout)?;
-        if header.key != key {
-            return Err(StorageError::Corrupt {
-                path,
-                why: format!("holds block {:016x}", header.key),
-            });
+            opened => opened,
         }
-        Ok((file, path, header.crcs))
+    }
+
+    /// Reads a whole block's payload from `file` into `out` (its length checked by the caller),
+    /// checking every layer against `header`, and counts it.
+    fn read_whole(
+        &mut self,
+        file: &File,
+        path: &Path,
+        header: &Header,
+        out: &mut [u8],
+    ) -> Result<(), StorageError> {
+        let layer_bytes = out.len() / self.layout.layers as usize;
+        read_checked(
+            file,
+            path,
+            HEADER_BYTES,
+            out,
+            &header.layer_crcs,
+            0,
+            layer_bytes,
+        )?;
+        self.stats.reads += 1;
+        self.stats.bytes_read += (HEADER_BYTES + out.len()) as u64;
+        Ok(())
     }
 }
 
-/// A parsed, checked header.
-#[derive(Debug)]
-struct Header {
-    key: u64,
-    crcs: Vec<u32>,
+/// A block file's header, parsed and checked against the store's layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// The block's key.
+    pub key: u64,
+    /// The CRC-32C of each layer's bytes.
+    pub layer_crcs: Vec<u32>,
+}
+
+/// Why [`parse_header`] refused a header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderFault {
+    /// A whole, checksum-valid header of a block of another layout.
+    Layout {
+        /// Its layers.
+        layers: u32,
+        /// Its tokens per layer block.
+        tokens: u32,
+        /// Its bytes per row.
+        row_bytes: u32,
+    },
+    /// Not a valid header, with why.
+    Bad(String),
 }
 
 /// The header of a block of `layout` under `key` with payload `block`.
@@ -545,7 +579,7 @@ fn encode_header(layout: BlockLayout, key: u64, block: &[u8]) -> Vec<u8> {
 
 /// Parses a header (untrusted bytes: any content gets an error, never a panic) and checks it
 /// against the store's layout.
-pub fn parse_header(bytes: &[u8], layout: BlockLayout) -> Result<(u64, Vec<u32>), String> {
+pub fn parse_header(bytes: &[u8], layout: BlockLayout) -> Result<Header, HeaderFault> {
     let word = |at: usize| -> Option<u32> {
         Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
     };
@@ -553,19 +587,21 @@ pub fn parse_header(bytes: &[u8], layout: BlockLayout) -> Result<(u64, Vec<u32>)
         Some(u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?))
     };
     if bytes.len() < HEADER_BYTES {
-        return Err(format!(
+        return Err(HeaderFault::Bad(format!(
             "header is {} bytes, {HEADER_BYTES} needed",
             bytes.len()
-        ));
+        )));
     }
     if bytes[..8] != MAGIC {
-        return Err("not a kvroute block (bad magic)".to_owned());
+        return Err(HeaderFault::Bad(
+            "not a kvroute block (bad magic)".to_owned(),
+        ));
     }
     let version = word(8).unwrap_or(0);
     if version != VERSION {
-        return Err(format!(
+        return Err(HeaderFault::Bad(format!(
             "format version {version}, this build reads {VERSION}"
-        ));
+        )));
     }
     let (layers, tokens, row) = (
         word(12).unwrap_or(0),
@@ -573,28 +609,35 @@ pub fn parse_header(bytes: &[u8], layout: BlockLayout) -> Result<(u64, Vec<u32>)
         word(20).unwrap_or(0),
     );
     if layers == 0 || layers > MAX_LAYERS {
-        return Err(format!("{layers} layers"));
+        return Err(HeaderFault::Bad(format!("{layers} layers")));
     }
     let end = CRC_TABLE + 4 * layers as usize;
     let stored = word(end).unwrap_or(0);
     if crc32c::crc32c(&bytes[..end]) != stored {
-        return Err("header checksum mismatch".to_owned());
+        return Err(HeaderFault::Bad("header checksum mismatch".to_owned()));
     }
     if (layers, tokens) != (layout.layers, layout.tokens) || row as usize != ROW_BYTES {
-        return Err(format!("layout {layers}x{tokens}x{row}"));
+        return Err(HeaderFault::Layout {
+            layers,
+            tokens,
+            row_bytes: row,
+        });
     }
     let payload = long(32).unwrap_or(0);
     if payload != layout.full_bytes() as u64 {
-        return Err(format!(
+        return Err(HeaderFault::Bad(format!(
             "payload of {payload} bytes, the layout has {}",
             layout.full_bytes()
-        ));
+        )));
     }
     let key = long(24).unwrap_or(0);
     let crcs = (0..layers as usize)
         .map(|i| word(CRC_TABLE + 4 * i).unwrap_or(0))
         .collect();
-    Ok((key, crcs))
+    Ok(Header {
+        key,
+        layer_crcs: crcs,
+    })
 }
 
 fn read_header(file: &File, path: &Path, layout: BlockLayout) -> Result<Header, StorageError> {
@@ -609,29 +652,28 @@ fn read_header(file: &File, path: &Path, layout: BlockLayout) -> Result<Header, 
             io("reading", path)(e)
         });
     }
-    match parse_header(&bytes, layout) {
-        Ok((key, crcs)) => Ok(Header { key, crcs }),
-        Err(why) if why.starts_with("layout ") => {
-            let word = |at: usize| {
-                u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
-            };
-            Err(StorageError::WrongLayout {
-                path: path.to_owned(),
-                layers: layout.layers,
-                tokens: layout.tokens,
-                found_layers: word(12),
-                found_tokens: word(16),
-            })
-        }
-        Err(why) => Err(StorageError::Corrupt {
+    parse_header(&bytes, layout).map_err(|fault| match fault {
+        HeaderFault::Layout { layers, tokens, .. } => StorageError::WrongLayout {
+            path: path.to_owned(),
+            layers: layout.layers,
+            tokens: layout.tokens,
+            found_layers: layers,
+            found_tokens: tokens,
+        },
+        HeaderFault::Bad(why) => StorageError::Corrupt {
             path: path.to_owned(),
             why,
-        }),
-    }
+        },
+    })
 }
 
-/// Checks a block file's header, name and length without reading its payload.
-fn check_file(path: &Path, layout: BlockLayout, key: u64) -> Result<(), StorageError> {
+/// Opens a block file and checks its header, that it holds `key` and that it is whole, without
+/// reading its payload.
+fn open_checked(
+    path: &Path,
+    layout: BlockLayout,
+    key: u64,
+) -> Result<(File, Header), StorageError> {
     let file = File::open(path).map_err(io("opening", path))?;
     let header = read_header(&file, path, layout)?;
     if header.key != key {
@@ -651,7 +693,7 @@ fn check_file(path: &Path, layout: BlockLayout, key: u64) -> Result<(), StorageE
             why: format!("{len} bytes, a whole block is {want}"),
         });
     }
-    Ok(())
+    Ok((file, header))
 }
 
 /// Reads `out.len()` bytes at `at` (whole layers, the first being `first_layer`, each

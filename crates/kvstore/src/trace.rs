@@ -326,22 +326,19 @@ pub fn replay(
         }
         let record = record?;
         let hashes = &record.hash_ids;
+        demoted.clear();
         let timed = Instant::now();
-        let mut hit = cache.longest_prefix(hashes);
+        let access = cache.access(hashes, |_| (), &mut |k, ()| demoted.push(k))?;
         report.cache_seconds += timed.elapsed().as_secs_f64();
+        let mut hit = access.hit_blocks;
         if let (Some(store), Some(buf)) = (store.as_deref_mut(), block.as_mut()) {
-            // Extend the memory prefix with blocks on disk, promoting each.
+            // Extend the memory prefix with blocks on disk, promoting each (the blocks this
+            // request evicted are written below, after the look).
             while hit < hashes.len() && store.contains(hashes[hit]) {
                 store.get_into(hashes[hit], buf)?;
                 report.storage_hit_blocks += 1;
                 hit += 1;
             }
-        }
-        demoted.clear();
-        let timed = Instant::now();
-        let access = cache.access(hashes, |_| (), &mut |k, ()| demoted.push(k))?;
-        report.cache_seconds += timed.elapsed().as_secs_f64();
-        if let (Some(store), Some(buf)) = (store.as_deref_mut(), block.as_mut()) {
             for key in &demoted {
                 if !store.contains(key.hash) {
                     synthetic(key.hash, buf);
@@ -350,12 +347,7 @@ pub fn replay(
             }
         }
         report.evictions += access.evicted as u64;
-        for i in 0..hashes.len() {
-            distinct.insert(BlockKey {
-                parent: if i == 0 { None } else { Some(hashes[i - 1]) },
-                hash: hashes[i],
-            });
-        }
+        distinct.extend((0..hashes.len()).map(|i| BlockKey::in_prompt(hashes, i)));
         report.requests += 1;
         report.blocks += hashes.len() as u64;
         report.hit_blocks += hit as u64;
