@@ -11,6 +11,8 @@
 //!   max/avg balance; [`rng`]: the seeded generator every workload draws from.
 
 pub mod des;
+pub mod dualpath;
+pub mod dualpath_sim;
 mod error;
 pub mod prfaas;
 pub mod prfaas_sim;
