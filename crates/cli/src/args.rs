@@ -53,6 +53,101 @@ pub enum Command {
     /// The storage tier: full blocks on disk, checksummed and crash-safe.
     #[command(subcommand)]
     Store(StoreCommand),
+    /// Cluster schedulers in a discrete-event simulator, each beside its baselines in the
+    /// same run.
+    #[command(subcommand)]
+    Simulate(SimulateCommand),
+}
+
+/// `kvroute simulate ...`.
+#[derive(Debug, Subcommand)]
+pub enum SimulateCommand {
+    /// DualPath KV loading (paper 003) against round robin over both read paths and against
+    /// storage-to-prefill only, on agent trajectories or a trace.
+    #[command(allow_negative_numbers = true)]
+    Dualpath(SimulateDualPathArgs),
+    /// PrfaaS-PD (paper 001) against homogeneous PD and naive heterogeneous PD.
+    #[command(allow_negative_numbers = true)]
+    Prfaas(SimulatePrfaasArgs),
+}
+
+/// `kvroute simulate dualpath`.
+#[derive(Debug, Clone, Args)]
+pub struct SimulateDualPathArgs {
+    /// A Mooncake-format trace (online arrivals); without it, offline agent trajectories
+    /// shaped like paper 003's 64K dataset.
+    #[arg(long)]
+    pub trace: Option<std::path::PathBuf>,
+    /// Copies of the trace, each with its own prefixes, at the same arrival times.
+    #[arg(long, default_value_t = 1)]
+    pub scale: u32,
+    /// Trace arrival times are divided by this.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Agents of the offline rollout (without --trace).
+    #[arg(long, default_value_t = 1024)]
+    pub agents: u32,
+    /// Seed of the agent trajectories.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// deepseek-v3.2 (paper 003's DS 660B) or ds-27b.
+    #[arg(long, default_value = "deepseek-v3.2")]
+    pub model: String,
+    /// Prefill nodes (8 engines each).
+    #[arg(long, default_value_t = 2)]
+    pub prefill_nodes: u32,
+    /// Decode nodes (8 engines each).
+    #[arg(long, default_value_t = 4)]
+    pub decode_nodes: u32,
+    /// Policies to run: all, or one of dualpath, round-robin, prefill-read.
+    #[arg(long, default_value = "all")]
+    pub policy: String,
+    /// Effective prefill TFLOP/s per GPU.
+    #[arg(long, default_value_t = 400.0)]
+    pub gpu_tflops: f64,
+    /// Storage NIC per node, Gbps.
+    #[arg(long, default_value_t = 400.0)]
+    pub snic_gbps: f64,
+    /// KV GB one decode engine holds (default: 40 for deepseek-v3.2, 64 for ds-27b).
+    #[arg(long)]
+    pub de_hbm_gb: Option<f64>,
+    /// The unfinished-token limit beta, as seconds of one GPU's prefill.
+    #[arg(long, default_value_t = 2.0)]
+    pub beta_s: f64,
+    /// The short read-queue threshold alpha, as seconds of storage-NIC reading.
+    #[arg(long, default_value_t = 0.5)]
+    pub alpha_s: f64,
+    /// Write throughput.png, snic_balance.png and attention_balance.png here.
+    #[arg(long)]
+    pub plots: Option<std::path::PathBuf>,
+}
+
+/// `kvroute simulate prfaas`.
+#[derive(Debug, Clone, Args)]
+pub struct SimulatePrfaasArgs {
+    /// A Mooncake-format trace; without it, paper 001's case study (Poisson arrivals,
+    /// truncated log-normal lengths) at each deployment's sustainable rate.
+    #[arg(long)]
+    pub trace: Option<std::path::PathBuf>,
+    /// Trace arrival times are divided by this.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Blocks each cluster's prefix cache holds, trace only (0: unbounded).
+    #[arg(long, default_value_t = 0)]
+    pub cache_blocks: usize,
+    /// The PD cluster's prefill slowdown against table 5's H200 profile; without it, both
+    /// readings of table 6 (2.19 and the homogeneous column's ~2.61).
+    #[arg(long)]
+    pub h20_slowdown: Option<f64>,
+    /// Requests per case-study run.
+    #[arg(long, default_value_t = 40_000)]
+    pub requests: u64,
+    /// Seed of the case study's draws.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Let the PrfaaS-PD router move its threshold from load samples.
+    #[arg(long)]
+    pub adapt: bool,
 }
 
 /// `kvroute trace ...`.

@@ -6,8 +6,9 @@
 //! `presets`, `tour` (the papers' operating points), `bench transport`, `bench fabric`,
 //! `bench kernels`, `kernel partial | merge | splice | gpu-info` (the kernels on .npy files),
 //! `demo` and `holder` (the main job end to end), `sweep` (route and fetch measured between
-//! processes, fitted and plotted), `trace replay` (a request trace through the prefix cache)
-//! and `store write | verify | bench` (the storage tier).
+//! processes, fitted and plotted), `trace replay` (a request trace through the prefix cache),
+//! `store write | verify | bench` (the storage tier) and `simulate dualpath | prfaas` (the
+//! cluster schedulers in the discrete-event simulator).
 
 #![forbid(unsafe_code)]
 
@@ -21,6 +22,7 @@ mod kernel;
 mod plan;
 mod predict;
 mod presets;
+mod simulate;
 mod store;
 mod sweep;
 mod tour;
@@ -28,7 +30,9 @@ mod units;
 
 use anyhow::Result;
 pub use args::Cli;
-use args::{BenchCommand, Command, KernelCommand, PlanCommand, StoreCommand, TraceCommand};
+use args::{
+    BenchCommand, Command, KernelCommand, PlanCommand, SimulateCommand, StoreCommand, TraceCommand,
+};
 pub use bench::{Target, TransportBenchReport};
 pub use bench_fabric::{Compared, FabricBenchReport, PagedRow};
 pub use bench_kernels::KernelsBenchReport;
@@ -36,6 +40,7 @@ pub use kernel::{GpuReport, KernelReport};
 pub use plan::{HelixReport, PrfaasReport};
 pub use predict::PredictReport;
 pub use presets::PresetsReport;
+pub use simulate::{SimulateDualPathReport, SimulatePrfaasReport};
 pub use store::{StoreBenchReport, StoreVerifyReport, StoreWriteReport, TraceReplayReport};
 pub use sweep::SweepReport;
 pub use tour::{Figure, StopResult, TourReport, TourStop};
@@ -59,6 +64,12 @@ pub fn run(cli: &Cli) -> Result<String> {
         Command::Requester(args) => checked(cli.json, &demo::requester(args)?, "the requester"),
         Command::Sweep(args) => render(cli.json, &sweep::run(args)?),
         Command::Trace(TraceCommand::Replay(args)) => render(cli.json, &store::replay(args)?),
+        Command::Simulate(SimulateCommand::Dualpath(args)) => {
+            render(cli.json, &simulate::dualpath(args)?)
+        }
+        Command::Simulate(SimulateCommand::Prfaas(args)) => {
+            render(cli.json, &simulate::prfaas(args)?)
+        }
         Command::Store(StoreCommand::Write(args)) => render(cli.json, &store::write(args)?),
         Command::Store(StoreCommand::Verify(args)) => {
             let report = store::verify(args)?;

@@ -489,3 +489,96 @@ fn store_bench_reports_reads_and_writes_beside_dd() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn simulate_dualpath_runs_every_policy_with_ratios_and_plots() {
+    let dir = scratch("simulate");
+    let v = json(&kvroute(&[
+        "simulate",
+        "dualpath",
+        "--agents",
+        "128",
+        "--model",
+        "ds-27b",
+        "--prefill-nodes",
+        "1",
+        "--decode-nodes",
+        "2",
+        "--plots",
+        dir.to_str().unwrap(),
+        "--json",
+    ]));
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 3);
+    assert_eq!(runs[0]["policy"], "dualpath");
+    assert!(
+        runs.iter()
+            .all(|r| r["ttft_s"]["p90"].as_f64().unwrap() > 0.0)
+    );
+    assert!(v["throughput_ratio"]["vs_prefill_read"].as_f64().unwrap() > 1.0);
+    assert!(v["throughput_ratio"]["vs_round_robin"].is_number());
+    assert_eq!(v["config"]["snic_gbps"], 400.0);
+    for png in [
+        "throughput.png",
+        "snic_balance.png",
+        "attention_balance.png",
+    ] {
+        assert!(
+            std::fs::metadata(dir.join(png)).unwrap().len() > 1000,
+            "{png}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    // Bad input: typed errors, exit 1.
+    for bad in [
+        &["--snic-gbps", "-400"][..],
+        &["--prefill-nodes", "0"],
+        &["--policy", "fastest"],
+        &["--trace", "/nonexistent.jsonl"],
+    ] {
+        let mut args = vec!["simulate", "dualpath", "--agents", "4"];
+        args.extend_from_slice(bad);
+        let out = kvroute(&args);
+        assert_eq!(out.status.code(), Some(1), "{bad:?}");
+        assert!(!out.stderr.is_empty());
+    }
+}
+
+#[test]
+fn simulate_prfaas_reports_both_readings_and_a_trace() {
+    let v = json(&kvroute(&[
+        "simulate",
+        "prfaas",
+        "--requests",
+        "20000",
+        "--json",
+    ]));
+    let readings = v["case_study"].as_array().unwrap();
+    assert_eq!(readings.len(), 2);
+    let ratio = |i: usize, k: &str| readings[i]["throughput_ratio"][k].as_f64().unwrap();
+    assert!(
+        (ratio(0, "vs_naive") - 1.32).abs() < 0.132,
+        "{}",
+        ratio(0, "vs_naive")
+    );
+    assert!(
+        (ratio(1, "vs_homogeneous") - 1.54).abs() < 0.154,
+        "{}",
+        ratio(1, "vs_homogeneous")
+    );
+    assert!(readings[0]["prfaas_pd"]["ttft_s"]["p90"].is_number());
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../data/mooncake/conversation_trace.jsonl"
+    );
+    let t = json(&kvroute(&[
+        "simulate", "prfaas", "--trace", trace, "--json",
+    ]));
+    let runs = t["trace"]["at_trace_rate"].as_array().unwrap();
+    assert_eq!(runs.len(), 3);
+    assert_eq!(runs[0]["requests"], 12_031);
+    assert!(t["trace"]["sustainable"][0]["kept_up"].as_bool().unwrap());
+    assert!(t["trace"]["throughput_ratio"]["vs_homogeneous"].is_number());
+    let out = kvroute(&["simulate", "prfaas", "--h20-slowdown", "nan"]);
+    assert_eq!(out.status.code(), Some(1));
+}

@@ -381,6 +381,8 @@ pub struct SeriesPoint {
     pub tokens_per_s: f64,
     /// Storage-NIC read bytes max/avg across nodes in the window (`None`: no reads).
     pub snic_max_over_avg: Option<f64>,
+    /// Mean over the window's forward passes of PE attention-time max/avg (`None`: none).
+    pub attention_max_over_avg: Option<f64>,
 }
 
 /// What one run measured.
@@ -416,7 +418,8 @@ pub struct DualPathRun {
     pub prefill_busy: f64,
     /// Events simulated.
     pub events: u64,
-    /// Per-window series.
+    /// Per-window series (for plots; left out of JSON).
+    #[serde(skip)]
     pub series: Vec<SeriesPoint>,
 }
 
@@ -853,10 +856,22 @@ pub fn simulate(
     sorted.sort_unstable();
     let half = sorted[(completed - 1) / 2];
     let windows = sim.read_windows.iter().map(Vec::len).max().unwrap_or(0);
+    let mut attention_windows: Vec<(f64, u32)> = Vec::new();
+    for &(t, b) in &sim.attention {
+        let w = (t / sim.window) as usize;
+        if attention_windows.len() <= w {
+            attention_windows.resize(w + 1, (0.0, 0));
+        }
+        attention_windows[w].0 += b;
+        attention_windows[w].1 += 1;
+    }
     let mut balances = Vec::new();
     let mut series = Vec::new();
     let mut loads = vec![0.0; nodes];
-    for w in 0..windows.max(sim.done_windows.len()) {
+    for w in 0..windows
+        .max(sim.done_windows.len())
+        .max(attention_windows.len())
+    {
         for (n, load) in loads.iter_mut().enumerate() {
             *load = sim.read_windows[n].get(w).copied().unwrap_or(0.0);
         }
@@ -870,6 +885,10 @@ pub fn simulate(
             t_s: seconds(w as u64 * sim.window),
             tokens_per_s: sim.done_windows.get(w).copied().unwrap_or(0.0) / seconds(sim.window),
             snic_max_over_avg: b,
+            attention_max_over_avg: attention_windows
+                .get(w)
+                .filter(|(_, n)| *n > 0)
+                .map(|&(sum, n)| sum / f64::from(n)),
         });
     }
     let loaded_attention: Vec<f64> = sim

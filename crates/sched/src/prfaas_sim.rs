@@ -81,10 +81,22 @@ impl Deployment {
     /// slower than table 5's H200 profile (the paper does not publish its H20 profile; see
     /// [`case_study`] for the two readings).
     pub fn paper_001(which: CaseStudy, slowdown: f64) -> Result<Self> {
+        Self::paper_001_for(which, slowdown, TruncatedLogNormal::paper_001_workload())
+    }
+
+    /// The same deployment with `t` and `Np / Nd` searched for another distribution of
+    /// uncached lengths (section 3.4.3: the threshold is searched "based on the incremental
+    /// prefill-length distribution after prefix matching"), e.g. [`fit_lengths`] of a trace.
+    pub fn paper_001_for(
+        which: CaseStudy,
+        slowdown: f64,
+        lengths: TruncatedLogNormal,
+    ) -> Result<Self> {
         positive("slowdown", slowdown)?;
         let h200 = LengthProfile::paper_001_table_5();
         let planner = PrfaasPlanner {
             pd_profile: h200.with_prefill_scaled(slowdown)?,
+            lengths,
             ..PrfaasPlanner::paper_001_case_study()
         };
         let c = PrfaasCluster::PAPER_001_CASE_STUDY;
@@ -469,6 +481,74 @@ pub fn sustainable_rate(deployment: &Deployment, requests: u64, seed: u64) -> Re
                 rate_rps: rate,
                 requests,
                 seed,
+            },
+        )
+    };
+    let mut hi = 1.0;
+    while run(hi)?.kept_up {
+        hi *= 2.0;
+        if hi > 1e6 {
+            break;
+        }
+    }
+    let mut lo = 0.0;
+    while (hi - lo) / hi > 0.005 {
+        let mid = 0.5 * (lo + hi);
+        if run(mid)?.kept_up {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    run(lo.max(1e-6))
+}
+
+/// A log-normal fitted (maximum likelihood on `ln l`) to a trace's incremental prefill
+/// lengths: each request's input minus its longest prefix already seen (an unbounded cache,
+/// as the PD cluster's pool), requests with nothing to compute left out; truncated to the
+/// shortest and longest seen. The fit ignores the truncation, which the trace's range makes
+/// small.
+pub fn fit_lengths(records: &[TraceRecord], block_tokens: u32) -> Result<TruncatedLogNormal> {
+    count("block_tokens", u64::from(block_tokens))?;
+    let mut cache = PrefixCache::<()>::new(0, Eviction::Lru);
+    let mut logs = Vec::with_capacity(records.len());
+    let (mut lo, mut hi) = (f64::INFINITY, 0f64);
+    for r in records {
+        let hit = cache.longest_prefix(&r.hash_ids) as u64 * u64::from(block_tokens);
+        cache.access(&r.hash_ids, |_| (), &mut |_, _| ())?;
+        let l = r.input_length.saturating_sub(hit);
+        if l > 0 {
+            let l = l as f64;
+            logs.push(l.ln());
+            lo = lo.min(l);
+            hi = hi.max(l);
+        }
+    }
+    if logs.len() < 2 {
+        return Err(SchedError::EmptyWorkload);
+    }
+    let n = logs.len() as f64;
+    let mu = logs.iter().sum::<f64>() / n;
+    let sigma = (logs.iter().map(|x| (x - mu).powi(2)).sum::<f64>() / n).sqrt();
+    Ok(TruncatedLogNormal::new(mu, sigma, lo, hi.max(lo * 1.01))?)
+}
+
+/// The highest multiple of a trace's arrival rate `deployment` keeps up with (bisection on
+/// the time scale to 0.5%), and the run there.
+pub fn sustainable_trace_rate(
+    deployment: &Deployment,
+    records: &[TraceRecord],
+    block_tokens: u32,
+    cache_blocks: usize,
+) -> Result<PrfaasRun> {
+    let run = |scale: f64| {
+        simulate(
+            deployment,
+            &Workload::Trace {
+                records: records.to_vec(),
+                block_tokens,
+                cache_blocks,
+                time_scale: scale,
             },
         )
     };

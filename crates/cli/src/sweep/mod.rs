@@ -532,7 +532,7 @@ fn concurrency_sweep(
     Ok((samples, alone))
 }
 
-mod plots;
+pub(crate) mod plots;
 mod report;
 
 #[cfg(test)]

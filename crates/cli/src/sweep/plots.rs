@@ -22,7 +22,7 @@ const FONTS: &[&str] = &[
     "/usr/share/fonts/dejavu-sans-fonts/DejaVuSans.ttf",
 ];
 
-fn font() -> Result<()> {
+pub(crate) fn font() -> Result<()> {
     static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
@@ -49,7 +49,7 @@ fn font() -> Result<()> {
 /// A plotted series: legend, colour, and the value it draws from each sample.
 type Series<T> = (&'static str, RGBColor, fn(&T) -> f64);
 
-fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
+pub(crate) fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
     anyhow!("drawing: {e:?}")
 }
 
@@ -129,7 +129,7 @@ fn range(values: impl Iterator<Item = f64>) -> Result<(f64, f64)> {
     Ok((lo / 1.6, hi * 1.6))
 }
 
-fn legend(color: RGBColor) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)> {
+pub(crate) fn legend(color: RGBColor) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)> {
     move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
 }
 
