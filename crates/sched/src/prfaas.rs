@@ -264,6 +264,10 @@ impl PrfaasRouter {
 mod tests {
     use super::*;
 
+    fn parts(r: Route) -> (Cluster, u64, u64) {
+        (r.cluster, r.prefill_tokens, r.transfer_tokens)
+    }
+
     fn q(total: u64, pd: u64, prfaas: u64) -> RouteQuery {
         RouteQuery {
             total_tokens: total,
@@ -277,10 +281,7 @@ mod tests {
         let mut r = PrfaasRouter::new(RouterConfig::fixed(19_400.0)).unwrap();
         assert_eq!(r.route(q(19_400, 0, 0)).cluster, Cluster::Pd);
         let long = r.route(q(19_401, 0, 0));
-        assert_eq!(
-            (long.cluster, long.prefill_tokens, long.transfer_tokens),
-            (Cluster::Prfaas, 19_401, 0)
-        );
+        assert_eq!(parts(long), (Cluster::Prfaas, 19_401, 0));
         assert_eq!(r.routed(), (1, 1));
     }
 
@@ -291,17 +292,11 @@ mod tests {
         // 50K total, PrfaaS holds 45K: 5K left <= t, so PD-P prefills 5K after 45K - 10K
         // cross from PrfaaS.
         let a = r.route(q(50_000, 10_000, 45_000));
-        assert_eq!(
-            (a.cluster, a.prefill_tokens, a.transfer_tokens),
-            (Cluster::Pd, 5_000, 35_000)
-        );
+        assert_eq!(parts(a), (Cluster::Pd, 5_000, 35_000));
         // 50K total, PD holds 20K: 30K > t, PrfaaS prefills 30K after the 20K PD prefix
         // crosses.
         let b = r.route(q(50_000, 20_000, 0));
-        assert_eq!(
-            (b.cluster, b.prefill_tokens, b.transfer_tokens),
-            (Cluster::Prfaas, 30_000, 20_000)
-        );
+        assert_eq!(parts(b), (Cluster::Prfaas, 30_000, 20_000));
     }
 
     /// Scarce bandwidth: each cache on its own, nothing crosses.
@@ -315,15 +310,9 @@ mod tests {
         });
         assert!(r.bandwidth_scarce());
         let a = r.route(q(50_000, 10_000, 45_000));
-        assert_eq!(
-            (a.cluster, a.prefill_tokens, a.transfer_tokens),
-            (Cluster::Prfaas, 5_000, 0)
-        );
+        assert_eq!(parts(a), (Cluster::Prfaas, 5_000, 0));
         let b = r.route(q(50_000, 42_000, 0));
-        assert_eq!(
-            (b.cluster, b.prefill_tokens, b.transfer_tokens),
-            (Cluster::Pd, 8_000, 0)
-        );
+        assert_eq!(parts(b), (Cluster::Pd, 8_000, 0));
         r.on_sample(LoadSample {
             egress_utilization: 0.1,
             prfaas_wait_s: 0.0,
@@ -346,10 +335,7 @@ mod tests {
         })
         .unwrap();
         let r = naive.route(q(100, 100, 0));
-        assert_eq!(
-            (r.cluster, r.prefill_tokens, r.transfer_tokens),
-            (Cluster::Prfaas, 0, 100)
-        );
+        assert_eq!(parts(r), (Cluster::Prfaas, 0, 100));
         assert!(
             PrfaasRouter::new(RouterConfig {
                 pd_prefill: false,

@@ -469,21 +469,9 @@ pub fn simulate(deployment: &Deployment, workload: &Workload) -> Result<PrfaasRu
     })
 }
 
-/// The highest Poisson rate `deployment` keeps up with under paper 001's length distribution
-/// (bisection to 0.5%), and the run at that rate.
-pub fn sustainable_rate(deployment: &Deployment, requests: u64, seed: u64) -> Result<PrfaasRun> {
-    let run = |rate: f64| {
-        simulate(
-            deployment,
-            &Workload::LogNormal {
-                lengths: TruncatedLogNormal::paper_001_workload(),
-                output_tokens: PrfaasCluster::PAPER_001_CASE_STUDY.output_tokens as u64,
-                rate_rps: rate,
-                requests,
-                seed,
-            },
-        )
-    };
+/// The run at the highest value of `x` (a rate, or a multiple of one) at which `run(x)` keeps
+/// up: doubling from 1 until it does not, then bisection to 0.5%.
+fn highest_kept_up(run: impl Fn(f64) -> Result<PrfaasRun>) -> Result<PrfaasRun> {
     let mut hi = 1.0;
     while run(hi)?.kept_up {
         hi *= 2.0;
@@ -501,6 +489,24 @@ pub fn sustainable_rate(deployment: &Deployment, requests: u64, seed: u64) -> Re
         }
     }
     run(lo.max(1e-6))
+}
+
+/// The highest Poisson rate `deployment` keeps up with under paper 001's length distribution
+/// (bisection to 0.5%), and the run at that rate.
+pub fn sustainable_rate(deployment: &Deployment, requests: u64, seed: u64) -> Result<PrfaasRun> {
+    let run = |rate: f64| {
+        simulate(
+            deployment,
+            &Workload::LogNormal {
+                lengths: TruncatedLogNormal::paper_001_workload(),
+                output_tokens: PrfaasCluster::PAPER_001_CASE_STUDY.output_tokens as u64,
+                rate_rps: rate,
+                requests,
+                seed,
+            },
+        )
+    };
+    highest_kept_up(run)
 }
 
 /// A log-normal fitted (maximum likelihood on `ln l`) to a trace's incremental prefill
@@ -552,23 +558,7 @@ pub fn sustainable_trace_rate(
             },
         )
     };
-    let mut hi = 1.0;
-    while run(hi)?.kept_up {
-        hi *= 2.0;
-        if hi > 1e6 {
-            break;
-        }
-    }
-    let mut lo = 0.0;
-    while (hi - lo) / hi > 0.005 {
-        let mid = 0.5 * (lo + hi);
-        if run(mid)?.kept_up {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    run(lo.max(1e-6))
+    highest_kept_up(run)
 }
 
 /// Paper 001 table 6's three deployments under one reading of the unpublished H20 profile.
