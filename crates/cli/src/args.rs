@@ -108,6 +108,9 @@ pub struct SimulateDualPathArgs {
     /// Storage NIC per node, Gbps.
     #[arg(long, default_value_t = 400.0)]
     pub snic_gbps: f64,
+    /// Compute NIC per GPU, Gbps (the hop of cached KV into the prefill engine).
+    #[arg(long, default_value_t = 400.0)]
+    pub cnic_gbps: f64,
     /// KV GB one decode engine holds (default: 40 for deepseek-v3.2, 64 for ds-27b).
     #[arg(long)]
     pub de_hbm_gb: Option<f64>,

@@ -89,6 +89,7 @@ pub(crate) fn dualpath(args: &SimulateDualPathArgs) -> Result<SimulateDualPathRe
     }
     config.gpu_flops = args.gpu_tflops * 1e12;
     config.snic_gbps = args.snic_gbps;
+    config.cnic_gbps = args.cnic_gbps;
     config.max_unfinished_s = args.beta_s;
     config.short_read_queue_s = args.alpha_s;
     config.validate()?;

@@ -6,11 +6,14 @@
 //! - one storage NIC per node (`snic_gbps`, section 7.2: 400 Gbps, shared by the node's
 //!   engines), a FIFO of reads; a request's cached KV (`hit_tokens x kv_bytes_per_token`) is
 //!   read through the PE's node or the DE's node as the scheduler decides;
-//! - one compute NIC per engine (`cnic_gbps`, 400 Gbps). Its traffic is counted (PE path:
-//!   buffer to HBM on the PE, then the whole prompt's KV to the DE; DE path: buffer to PE over
-//!   the network, then only the new tokens' KV back), not queued: section 4.2 shows it is not
-//!   the bottleneck at practical P/D ratios, and the report's `cnic_peak_utilization` says
-//!   how far from it a run was;
+//! - one compute NIC per engine (`cnic_gbps`, 400 Gbps), a FIFO for the hop that brings a
+//!   request's cached KV into the PE's HBM once it is read: on the PE path through the PE's
+//!   NIC (section 5.2's CNIC-assisted host-to-device copy), on the DE path through the DE's NIC
+//!   and the PE's (the request is ready when both are through). The hop is taken whole before
+//!   prefill starts, where the paper overlaps it layer by layer: conservative by one hop. The
+//!   rest of the compute-NIC traffic (the prompt's KV to the DE after prefill) is counted, not
+//!   queued: section 4.2 shows it is not the bottleneck at practical P/D ratios, and
+//!   `cnic_peak_utilization` says how far from it a run was;
 //! - prefill nodes run forward passes in lock step (one expert-parallel group per node). Each
 //!   PE fills its part of the batch FIFO under the compute quota of section 6.2 (predicted
 //!   attention time at most `compute_quota_s`, the last request chunked by binary search);
@@ -427,6 +430,7 @@ pub struct DualPathRun {
 enum Event {
     Arrive(u32),
     ReadDone(u32),
+    Landed(u32),
     ForwardDone(u32),
     DecodeDone(u32),
     Fail(u32),
@@ -441,6 +445,7 @@ struct Live {
     remaining: u64,
     pe: u32,
     de: u32,
+    read: ReadSide,
     /// Bumped when the request is requeued, so stale events of an earlier placement are
     /// recognised and dropped.
     epoch: u32,
@@ -468,6 +473,7 @@ struct Sim<'a> {
     snic_read: Vec<FifoLink>,
     snic_write: Vec<f64>,
     cnic: Vec<f64>,
+    cnic_link: Vec<FifoLink>,
     ready: Vec<VecDeque<u32>>,
     node_busy: Vec<bool>,
     /// The batches of each node's pass in flight: (request, tokens computed, its epoch).
@@ -496,6 +502,7 @@ impl Sim<'_> {
             remaining: request.miss_tokens,
             pe: 0,
             de: 0,
+            read: ReadSide::Prefill,
             epoch: 0,
             done: false,
             first_token: false,
@@ -525,6 +532,7 @@ impl Sim<'_> {
             let l = &mut self.live[i as usize];
             l.pe = p.pe;
             l.de = p.de;
+            l.read = p.read;
             l.remaining = p.request.miss_tokens;
             let epoch = l.epoch;
             let bytes = p.request.hit_tokens as f64 * self.cfg.model.kv_bytes_per_token;
@@ -739,6 +747,9 @@ pub fn simulate(
             .collect(),
         snic_write: vec![0.0; nodes],
         cnic: vec![0.0; engines],
+        cnic_link: (0..engines)
+            .map(|_| FifoLink::new(cfg.cnic_gbps * 1e9 / 8.0))
+            .collect(),
         ready: vec![VecDeque::new(); engines],
         node_busy: vec![false; nodes],
         batch: vec![Vec::new(); nodes],
@@ -786,6 +797,19 @@ pub fn simulate(
                     continue;
                 }
                 sim.sched.read_done(l.request.id);
+                // The hop into the PE's HBM.
+                let bytes = l.request.hit_tokens as f64 * cfg.model.kv_bytes_per_token;
+                let mut landed = sim.cnic_link[l.pe as usize].push(now, bytes);
+                if l.read == ReadSide::Decode {
+                    landed = landed.max(sim.cnic_link[l.de as usize].push(now, bytes));
+                }
+                sim.q.at(landed, (Event::Landed(i), epoch));
+            }
+            Event::Landed(i) => {
+                let l = sim.live[i as usize];
+                if l.epoch != epoch || l.done {
+                    continue;
+                }
                 sim.ready[l.pe as usize].push_back(i);
                 sim.start_forward(topo.node_of(l.pe), now);
                 sim.schedule(now);
@@ -1083,9 +1107,10 @@ mod tests {
         assert!(c.runs.iter().all(|r| r.cnic_peak_utilization < 0.5));
     }
 
-    /// One request by hand: 1P1D, one engine each, 1 GB/s storage NIC. Hit 1000 tokens of 1 MB
-    /// each read in 1 s; no attention cost, 1000 new tokens at 1e6 FLOPs each on 1e9 FLOP/s
-    /// take 1 s: TTFT 2 s. Then 10 tokens at 0.1 s: done at 3 s.
+    /// One request by hand: 1P1D, one engine each, 1 GB/s storage and compute NICs. Hit 1000
+    /// tokens of 1 MB each read in 1 s, then 1 s through the compute NIC into the PE (both NICs
+    /// at once on the DE path); no attention cost, 1000 new tokens at 1e6 FLOPs each on 1e9
+    /// FLOP/s take 1 s: TTFT 3 s. Then 10 tokens at 0.1 s: done at 4 s.
     #[test]
     fn one_request_by_hand() {
         let model = ModelProfile {
@@ -1106,6 +1131,7 @@ mod tests {
             model,
             gpu_flops: 1e9,
             snic_gbps: 8.0,
+            cnic_gbps: 8.0,
             tpot_s: 0.1,
             de_hbm_bytes: 1e10,
             ..ClusterConfig::paper_003(1, 1).unwrap()
@@ -1118,8 +1144,8 @@ mod tests {
         };
         for policy in Policy::ALL {
             let run = simulate(&cfg, policy, &Arrivals::Open(vec![(0, r)]), &[]).unwrap();
-            assert!((run.ttft_s.max - 2.0).abs() < 1e-6, "{policy:?} {run:?}");
-            assert!((run.makespan_s - 3.0).abs() < 1e-6, "{run:?}");
+            assert!((run.ttft_s.max - 3.0).abs() < 1e-6, "{policy:?} {run:?}");
+            assert!((run.makespan_s - 4.0).abs() < 1e-6, "{run:?}");
             assert_eq!(run.snic_read_bytes.iter().sum::<f64>(), 1e9);
         }
     }
