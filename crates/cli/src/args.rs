@@ -368,6 +368,13 @@ pub enum BenchCommand {
     /// The second process of `bench fabric` (started by it).
     #[command(hide = true)]
     FabricPeer(FabricPeerArgs),
+    /// Cached KV to a prefill engine two ways, between two processes over libfabric: read
+    /// from the storage tier directly, or read by a decode process and written on with paged
+    /// writes (paper 003's storage -> DE -> PE path); every landed block checked.
+    Kvpath(KvPathBenchArgs),
+    /// The decode process of `bench kvpath` (started by it).
+    #[command(hide = true)]
+    KvpathPeer(KvPathPeerArgs),
 }
 
 /// `kvroute bench fabric`.
@@ -398,6 +405,37 @@ pub struct FabricPeerArgs {
     /// Manual progress.
     #[arg(long)]
     pub manual: bool,
+}
+
+/// `kvroute bench kvpath`.
+#[derive(Debug, Clone, Args)]
+pub struct KvPathBenchArgs {
+    /// The store (`kvroute store write` first).
+    #[arg(long)]
+    pub dir: std::path::PathBuf,
+    /// libfabric provider: shm or tcp (efa on EFA hosts).
+    #[arg(long, default_value = "shm")]
+    pub provider: String,
+    /// Rounds of each path, in rotated order (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub rounds: u32,
+    /// Blocks per pass (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub blocks: usize,
+}
+
+/// `kvroute bench kvpath-peer`.
+#[derive(Debug, Clone, Args)]
+pub struct KvPathPeerArgs {
+    /// The store.
+    #[arg(long)]
+    pub dir: std::path::PathBuf,
+    /// libfabric provider.
+    #[arg(long)]
+    pub provider: String,
+    /// Address to bind.
+    #[arg(long)]
+    pub node: Option<String>,
 }
 
 /// `kvroute bench kernels`.

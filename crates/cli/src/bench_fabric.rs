@@ -132,7 +132,9 @@ fn iters_for(size: u64, budget: Duration, quick: bool) -> u64 {
     n.clamp(if quick { 5 } else { 10 }, 20_000)
 }
 
-struct Peer {
+/// A copy of this binary started as a bench's second process, spoken to in JSON lines over its
+/// stdin and stdout; told to exit (and waited for) on drop.
+pub(crate) struct Peer {
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
@@ -140,15 +142,21 @@ struct Peer {
 
 impl Peer {
     fn start(provider: &str, node: Option<&str>, manual: bool) -> Result<Self> {
-        let exe = std::env::current_exe().context("finding the kvroute binary")?;
-        let mut cmd = Command::new(exe);
-        cmd.args(["bench", "fabric-peer", "--provider", provider]);
+        let mut args = vec!["bench", "fabric-peer", "--provider", provider];
         if manual {
-            cmd.arg("--manual");
+            args.push("--manual");
         }
         if let Some(n) = node {
-            cmd.args(["--node", n]);
+            args.extend(["--node", n]);
         }
+        Self::spawn(&args)
+    }
+
+    /// Starts `kvroute ARGS...`.
+    pub(crate) fn spawn(args: &[&str]) -> Result<Self> {
+        let exe = std::env::current_exe().context("finding the kvroute binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.args(args);
         let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -169,13 +177,15 @@ impl Peer {
         })
     }
 
-    fn send<T: Serialize>(&mut self, msg: &T) -> Result<()> {
+    /// Sends one JSON line.
+    pub(crate) fn send<T: Serialize>(&mut self, msg: &T) -> Result<()> {
         writeln!(self.stdin, "{}", serde_json::to_string(msg)?)?;
         self.stdin.flush()?;
         Ok(())
     }
 
-    fn recv<T: for<'de> Deserialize<'de>>(&mut self) -> Result<T> {
+    /// Reads one JSON line.
+    pub(crate) fn recv<T: for<'de> Deserialize<'de>>(&mut self) -> Result<T> {
         let mut line = String::new();
         if self.stdout.read_line(&mut line)? == 0 {
             bail!("the bench peer exited");
@@ -186,12 +196,17 @@ impl Peer {
 
 impl Drop for Peer {
     fn drop(&mut self) {
+        // Every peer command enum has an `Exit` variant spelled this way.
         let _ = self.send(&PeerCommand::Exit);
         let _ = self.child.wait();
     }
 }
 
-fn fabric_config(provider: &str, node: Option<&str>, threads: bool) -> Result<FabricConfig> {
+pub(crate) fn fabric_config(
+    provider: &str,
+    node: Option<&str>,
+    threads: bool,
+) -> Result<FabricConfig> {
     Ok(FabricConfig {
         provider: provider.parse()?,
         node: node.map(str::to_owned),
@@ -202,7 +217,7 @@ fn fabric_config(provider: &str, node: Option<&str>, threads: bool) -> Result<Fa
     })
 }
 
-fn open(
+pub(crate) fn open(
     provider: &str,
     node: Option<&str>,
     progress: Progress,

@@ -16,6 +16,7 @@ pub mod args;
 mod bench;
 mod bench_fabric;
 mod bench_kernels;
+mod bench_kvpath;
 pub mod demo;
 mod kernel;
 
@@ -36,6 +37,7 @@ use args::{
 pub use bench::{Target, TransportBenchReport};
 pub use bench_fabric::{Compared, FabricBenchReport, PagedRow};
 pub use bench_kernels::KernelsBenchReport;
+pub use bench_kvpath::KvPathReport;
 pub use kernel::{GpuReport, KernelReport};
 pub use plan::{HelixReport, PrfaasReport};
 pub use predict::PredictReport;
@@ -87,6 +89,11 @@ pub fn run(cli: &Cli) -> Result<String> {
         Command::Store(StoreCommand::Bench(args)) => render(cli.json, &store::bench(args)?),
         Command::Holder(args) => {
             demo::holder(args)?;
+            Ok(String::new())
+        }
+        Command::Bench(BenchCommand::Kvpath(args)) => render(cli.json, &bench_kvpath::run(args)?),
+        Command::Bench(BenchCommand::KvpathPeer(args)) => {
+            bench_kvpath::peer(args)?;
             Ok(String::new())
         }
         Command::Bench(BenchCommand::FabricPeer(args)) => {

@@ -582,3 +582,50 @@ fn simulate_prfaas_reports_both_readings_and_a_trace() {
     let out = kvroute(&["simulate", "prfaas", "--h20-slowdown", "nan"]);
     assert_eq!(out.status.code(), Some(1));
 }
+
+#[test]
+fn bench_kvpath_moves_blocks_both_ways_and_checks_every_one() {
+    let dir = scratch("kvpath");
+    let d = dir.to_str().unwrap();
+    json(&kvroute(&[
+        "store", "write", "--dir", d, "--chunks", "4", "--tokens", "64", "--layers", "3", "--json",
+    ]));
+    let v = json(&kvroute(&[
+        "bench",
+        "kvpath",
+        "--dir",
+        d,
+        "--provider",
+        "shm",
+        "--rounds",
+        "1",
+        "--json",
+    ]));
+    assert_eq!(
+        (v["blocks"].as_u64(), v["layers"].as_u64()),
+        (Some(4), Some(3))
+    );
+    // Two passes that write (DE path, hop alone), 4 blocks each.
+    assert_eq!(
+        (v["checked"].as_u64(), v["matched"].as_u64()),
+        (Some(8), Some(8))
+    );
+    let paths = v["paths"].as_array().unwrap();
+    assert_eq!(paths.len(), 3);
+    assert!(
+        paths
+            .iter()
+            .all(|p| p["median_mb_s"].as_f64().unwrap() > 0.0)
+    );
+    assert!(v["implied_cnic_gbps"].as_f64().unwrap() > 0.0);
+    let out = kvroute(&[
+        "bench",
+        "kvpath",
+        "--dir",
+        "/nonexistent-store",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let _ = std::fs::remove_dir_all(&dir);
+}

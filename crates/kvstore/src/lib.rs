@@ -43,6 +43,7 @@ pub mod layout;
 pub mod pool;
 pub mod prefix;
 pub mod registry;
+pub mod staging;
 pub mod storage;
 pub mod trace;
 
@@ -52,5 +53,6 @@ pub use layout::{BlockLayout, FullBlock, LayerBlock, PAGE_BYTES, ROW_BYTES, conc
 pub use pool::PagedPool;
 pub use prefix::{BlockKey, CacheError, Eviction, PrefixCache};
 pub use registry::{ChunkEntry, ChunkId, ChunkRegistry};
+pub use staging::{StagingError, StagingRegion};
 pub use storage::{BlockStore, StorageError};
 pub use trace::{ReplayConfig, ReplayReport, TraceReader, TraceRecord, replay};
