@@ -263,10 +263,10 @@ mod tests {
                 .unwrap();
         }
         landed.wait().unwrap();
-        for k in 0..4usize {
+        for (k, want) in expected.iter().enumerate() {
             let mut got = vec![0u8; layout.full_bytes()];
             inbox.read_at(k * layout.full_bytes(), &mut got).unwrap();
-            assert_eq!(crc32c::crc32c(&got), expected[k], "block {k}");
+            assert_eq!(crc32c::crc32c(&got), *want, "block {k}");
         }
         assert_eq!(staging.crc(&a, 1).unwrap(), expected[3]);
         assert!(matches!(
