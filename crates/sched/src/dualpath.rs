@@ -23,6 +23,9 @@
 //! - [`Policy::PrefillRead`]: the baseline without DualPath: engines in turn, every read on
 //!   the PE side (storage to prefill only).
 //!
+//! [`pack_forward`] is section 6.2's intra-engine scheduling: a PE's part of a forward pass
+//! under the compute quota, the last request chunked.
+//!
 //! Simplification: the paper's DE groups fetch from their own queues; here the DE is picked in
 //! the same step as the PE, with the same two-phase rule, so that the read side can be chosen
 //! at once. A request is placed only when a DE has HBM for its whole KV at the end of decode.
@@ -571,6 +574,53 @@ impl DualPath {
     }
 }
 
+/// Section 6.2's intra-engine scheduling: one PE's part of a forward pass, packed FIFO from
+/// its ready requests (`(cached tokens, tokens still to compute)` each) while the predicted
+/// attention time `cost(cached, n)` stays within `quota_s`. The request that does not fit
+/// whole is chunked: the longest prefix of its tokens that fits, found by binary search (one
+/// token if the pass would otherwise be empty), and packing stops there. `take(k, n)` is told
+/// each request taken (its index in the iterator) and how many tokens. Returns the predicted
+/// attention seconds of the pass.
+pub fn pack_forward(
+    ready: impl IntoIterator<Item = (u64, u64)>,
+    quota_s: f64,
+    cost: impl Fn(u64, u64) -> f64,
+    mut take: impl FnMut(usize, u64),
+) -> f64 {
+    let mut left = quota_s;
+    let mut spent = 0.0;
+    for (k, (cached, remaining)) in ready.into_iter().enumerate() {
+        if remaining == 0 {
+            continue;
+        }
+        let n = if cost(cached, remaining) <= left {
+            remaining
+        } else {
+            let (mut lo, mut hi) = (0u64, remaining);
+            while lo < hi {
+                let mid = (lo + hi).div_ceil(2);
+                if cost(cached, mid) <= left {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            if lo == 0 && spent == 0.0 { 1 } else { lo }
+        };
+        if n == 0 {
+            break;
+        }
+        let c = cost(cached, n);
+        left -= c;
+        spent += c;
+        take(k, n);
+        if n < remaining || left <= 0.0 {
+            break;
+        }
+    }
+    spent
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -744,6 +794,33 @@ mod tests {
         s.engine_failed(0, &mut back);
         s.engine_failed(99, &mut back);
         assert_eq!(back.len(), on_pe0.len());
+    }
+
+    /// Cost = tokens x 1 ms. Quota 10 ms: the first request (4 tokens) whole, the second (9)
+    /// chunked to the 6 that fit, and the third not at all. A request bigger than the quota
+    /// alone still advances by its fitting chunk; one whose first token alone passes the
+    /// quota advances by one token.
+    #[test]
+    fn compute_quota_packing_by_hand() {
+        let cost = |_: u64, n: u64| n as f64 * 1e-3;
+        let mut taken = Vec::new();
+        let spent = pack_forward([(0, 4), (100, 9), (0, 3)], 0.010, cost, |k, n| {
+            taken.push((k, n))
+        });
+        assert_eq!(taken, [(0, 4), (1, 6)]);
+        assert!((spent - 0.010).abs() < 1e-12);
+        taken.clear();
+        pack_forward([(0, 50)], 0.010, cost, |k, n| taken.push((k, n)));
+        assert_eq!(taken, [(0, 10)]);
+        taken.clear();
+        let huge = |_: u64, n: u64| n as f64;
+        pack_forward([(0, 50), (0, 1)], 0.010, huge, |k, n| taken.push((k, n)));
+        assert_eq!(taken, [(0, 1)]);
+        // The cost sees the cached length: attention grows with the context.
+        taken.clear();
+        let ctx = |cached: u64, n: u64| (cached + n) as f64 * n as f64 * 1e-3;
+        pack_forward([(8, 4)], 0.030, ctx, |k, n| taken.push((k, n)));
+        assert_eq!(taken, [(0, 2)]);
     }
 
     #[test]

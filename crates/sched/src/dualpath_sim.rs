@@ -34,7 +34,9 @@ use kvroute_kvstore::{Eviction, PrefixCache, TraceRecord};
 use serde::Serialize;
 
 use crate::des::{EventQueue, FifoLink, Nanos, nanos, seconds};
-use crate::dualpath::{DualPath, Placement, Policy, ReadSide, Request, SchedConfig, Topology};
+use crate::dualpath::{
+    DualPath, Placement, Policy, ReadSide, Request, SchedConfig, Topology, pack_forward,
+};
 use crate::error::{Result, SchedError, count, positive};
 use crate::rng::Rng;
 use crate::stats::{Percentiles, max_over_avg};
@@ -576,39 +578,22 @@ impl Sim<'_> {
         batch.clear();
         let mut new_tokens = 0u64;
         for e in node * per..(node + 1) * per {
-            let mut quota = self.cfg.compute_quota_s;
-            let mut spent = 0.0;
-            for &i in &self.ready[e as usize] {
-                let l = &self.live[i as usize];
-                let cached = l.request.tokens() - l.remaining;
-                let cost = |n: u64| self.cfg.model.attention_flops(cached, n) / self.cfg.gpu_flops;
-                let take = if cost(l.remaining) <= quota {
-                    l.remaining
-                } else {
-                    // The longest chunk that fits (at least one token when the batch is empty).
-                    let (mut lo, mut hi) = (0u64, l.remaining);
-                    while lo < hi {
-                        let mid = (lo + hi).div_ceil(2);
-                        if cost(mid) <= quota {
-                            lo = mid
-                        } else {
-                            hi = mid - 1
-                        }
-                    }
-                    if lo == 0 && spent == 0.0 { 1 } else { lo }
-                };
-                if take == 0 {
-                    break;
-                }
-                let c = cost(take);
-                quota -= c;
-                spent += c;
-                new_tokens += take;
-                batch.push((i, take, l.epoch));
-                if take < l.remaining || quota <= 0.0 {
-                    break;
-                }
-            }
+            let ready = &self.ready[e as usize];
+            let live = &self.live;
+            let (model, flops) = (&self.cfg.model, self.cfg.gpu_flops);
+            let spent = pack_forward(
+                ready.iter().map(|&i| {
+                    let l = &live[i as usize];
+                    (l.request.tokens() - l.remaining, l.remaining)
+                }),
+                self.cfg.compute_quota_s,
+                |cached, n| model.attention_flops(cached, n) / flops,
+                |k, take| {
+                    let i = ready[k];
+                    new_tokens += take;
+                    batch.push((i, take, live[i as usize].epoch));
+                },
+            );
             attn.push(spent);
         }
         if batch.is_empty() {
