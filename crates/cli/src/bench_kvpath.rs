@@ -16,12 +16,11 @@
 //! (`kvroute simulate dualpath --snic-gbps ... --cnic-gbps ...`).
 
 use std::fmt;
-use std::fs::File;
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Result, anyhow, bail};
 use kvroute_kvstore::{BlockStore, StagingRegion};
 use kvroute_transport::{MrDesc, NetAddr, Progress, ProviderChoice};
 use serde::{Deserialize, Serialize};
@@ -29,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use crate::args::{KvPathBenchArgs, KvPathPeerArgs};
 use crate::bench::machine;
 use crate::bench_fabric::{Peer, open};
+use crate::store::drop_cache;
 
 /// The most bytes the inbox may take (every block of a pass lands in its own slot).
 const MAX_INBOX: usize = 4 << 30;
@@ -115,20 +115,6 @@ fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     s.get(s.len() / 2).copied().unwrap_or(0.0)
-}
-
-fn drop_cache(files: &[PathBuf]) -> Result<()> {
-    for path in files {
-        let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-        nix::fcntl::posix_fadvise(
-            &file,
-            0,
-            0,
-            nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
-        )
-        .with_context(|| format!("dropping {} from the page cache", path.display()))?;
-    }
-    Ok(())
 }
 
 fn provider_and_node(provider: &str) -> Result<(String, Option<&'static str>)> {

@@ -426,7 +426,7 @@ fn mb_s(bytes: u64, started: Instant) -> f64 {
 }
 
 /// Evicts the files' clean pages from the page cache, so the next read comes from the device.
-fn drop_cache(files: &[PathBuf]) -> Result<()> {
+pub(crate) fn drop_cache(files: &[PathBuf]) -> Result<()> {
     for path in files {
         let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
         nix::fcntl::posix_fadvise(
