@@ -514,9 +514,10 @@ pub struct PredictArgs {
     /// Re-prefill cost c, microseconds per token per layer.
     #[arg(long, default_value_t = 1.0)]
     pub local_us_per_token_layer: f64,
-    /// Online-softmax merge on the requester, microseconds.
-    #[arg(long, default_value_t = 25.0)]
-    pub merge_us: f64,
+    /// A flat online-softmax merge on the requester, microseconds, instead of paper 000's
+    /// 25 us bound spread over rows x parts.
+    #[arg(long)]
+    pub merge_us: Option<f64>,
     /// Congestion: effective bandwidth divided by this.
     #[arg(long, default_value_t = 1.0)]
     pub bw_degradation: f64,

@@ -5,8 +5,8 @@ use std::fmt;
 use anyhow::{Context, Result};
 use kvroute_costmodel::crossover::{byte_crossover_rows, route_bytes_saved};
 use kvroute_costmodel::{
-    Allowed, Congestion, CostModel, CostParams, Decision, Fabric, ModelDims, Primitive, Request,
-    Selection, SpliceCost, fabric_preset, model_preset,
+    Allowed, Congestion, CostModel, CostParams, Decision, Fabric, MergeCost, ModelDims, Primitive,
+    Request, Selection, Source, Sources, SpliceCost, fabric_preset, model_preset,
 };
 use serde::Serialize;
 
@@ -37,6 +37,8 @@ pub struct PredictReport {
     pub request: Request,
     /// The three costs, the choice and the reason.
     pub decision: Decision,
+    /// Where each group of constants came from (paper, measured, given).
+    pub sources: Sources,
     /// Mq* over the attended tokens (one layer, paper 000 section 5.2).
     pub byte_crossover_rows: f64,
     /// Fraction of one layer's pull that routing saves (negative: routing ships more).
@@ -82,14 +84,27 @@ pub(crate) fn run(args: &PredictArgs) -> Result<PredictReport> {
     let preset = model_preset(&args.model)?;
     let (fabric_label, fabric) = fabric_from(args)?;
     let mut params = CostParams::paper_defaults(preset.dims, fabric);
+    if fabric_label == "measured" {
+        params.sources.fabric = Source::Given;
+    }
     if let Some(us) = args.splice_us {
         params.splice = SpliceCost {
             fixed_us: us,
             per_token_us: 0.0,
         };
+        params.sources.splice = Source::Given;
+    }
+    if args.local_us_per_token_layer != 1.0 {
+        params.sources.local = Source::Given;
     }
     params.local_us_per_token_layer = args.local_us_per_token_layer;
-    params.merge_us = args.merge_us;
+    if let Some(us) = args.merge_us {
+        params.merge = MergeCost {
+            fixed_us: us,
+            us_per_row_part: 0.0,
+        };
+        params.sources.merge = Source::Given;
+    }
     params.congestion = Congestion {
         bw_degradation: args.bw_degradation,
         probe_inflation: args.probe_inflation,
@@ -137,6 +152,7 @@ pub(crate) fn evaluate(
         effective_fabric: *costs.effective_fabric(),
         request,
         decision,
+        sources: params.sources,
         byte_crossover_rows: byte_crossover_rows(&dims, attended)?,
         route_bytes_saved: route_bytes_saved(&dims, request.mq_rows, attended)?,
         route_fetch_crossover_rows: costs
@@ -193,8 +209,21 @@ impl fmt::Display for PredictReport {
                 .filter(|(_, us)| *us > 0.0)
                 .map(|(t, us)| format!("{t} {}", Micros(*us)))
                 .collect();
-            writeln!(f, "{}", terms.join(", "))?;
+            writeln!(
+                f,
+                "{}{}",
+                terms.join(", "),
+                if c.breakdown.transport_total_us > 0.0 {
+                    format!(
+                        "; transport subtotal {}",
+                        Micros(c.breakdown.transport_total_us)
+                    )
+                } else {
+                    String::new()
+                }
+            )?;
         }
+        writeln!(f, "constants: {}", self.sources.describe())?;
         writeln!(f, "choice: {}", self.decision)?;
         write!(f, "bytes: Mq* = {:.0} rows; ", self.byte_crossover_rows)?;
         if self.route_bytes_saved >= 0.0 {

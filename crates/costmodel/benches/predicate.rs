@@ -42,8 +42,8 @@ fn bare_argmin(p: &CostParams, mq: f64, ct: f64) -> u8 {
     let route = p.fabric.probe_us
         + p.fabric.turnaround_us
         + mq * p.model.routed_row_bytes() as f64 / bytes_per_us
-        + p.holder.flat_us
-        + p.merge_us;
+        + p.holder.dense_us(mq, ct)
+        + p.merge.at(mq, 1.0);
     let fetch = ct * layers * p.model.kv_bytes_per_token_layer() as f64 / bytes_per_us
         + p.splice.fixed_us
         + p.splice.per_token_us * ct;

@@ -14,11 +14,11 @@
 use serde::{Deserialize, Serialize};
 
 use crate::congestion::Congestion;
-use crate::error::{Result, non_negative, positive};
+use crate::error::{Result, positive};
 use crate::fabric::Fabric;
 use crate::model::ModelDims;
 use crate::request::{Request, Selection};
-use crate::step_costs::{GatherCost, HolderCompute, SpliceCost};
+use crate::step_costs::{GatherCost, HolderCompute, MergeCost, SpliceCost};
 
 /// Everything the model needs besides the request.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -33,18 +33,101 @@ pub struct CostParams {
     pub gather: GatherCost,
     /// The holder's partial attention.
     pub holder: HolderCompute,
-    /// `T_merge`: the requester's online-softmax merge, microseconds.
-    pub merge_us: f64,
+    /// `T_merge`: the requester's online-softmax merge.
+    pub merge: MergeCost,
     /// `c`: re-prefill cost per token per layer, microseconds.
     pub local_us_per_token_layer: f64,
     /// Contention on the fabric.
     pub congestion: Congestion,
+    /// The fabric whole-chunk pulls see, where it was measured apart from the routed round
+    /// trip (a bulk paged transfer is not a one-write dispatch); `None`: `fabric` prices both,
+    /// as paper 000 section 4.2 does.
+    #[serde(default)]
+    pub pull: Option<Fabric>,
+    /// Where each group of constants came from.
+    #[serde(default)]
+    pub sources: Sources,
+}
+
+/// Where a group of constants came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Source {
+    /// A paper's published figure, or a fit to its statements (the presets say which).
+    #[default]
+    Paper,
+    /// Measured on the running system.
+    Measured,
+    /// Given by the user (a command-line value).
+    Given,
+}
+
+impl Source {
+    /// The lower-case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Paper => "paper",
+            Self::Measured => "measured",
+            Self::Given => "given",
+        }
+    }
+}
+
+/// The source of each group of [`CostParams`] constants, so a printed prediction can say which
+/// of its terms are a paper's and which were measured here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Sources {
+    /// Probe, turnaround and BW of the routed round trip.
+    pub fabric: Source,
+    /// The pull fabric, where there is one.
+    pub pull: Source,
+    /// The holder's partial attention.
+    pub holder: Source,
+    /// The merge.
+    pub merge: Source,
+    /// The splice.
+    pub splice: Source,
+    /// The sparse gather.
+    pub gather: Source,
+    /// The re-prefill cost `c`.
+    pub local: Source,
+}
+
+impl Sources {
+    /// Every group from the papers.
+    pub const PAPER: Self = Self {
+        fabric: Source::Paper,
+        pull: Source::Paper,
+        holder: Source::Paper,
+        merge: Source::Paper,
+        splice: Source::Paper,
+        gather: Source::Paper,
+        local: Source::Paper,
+    };
+
+    /// `name: source` for each group, for a printed line.
+    pub fn describe(&self) -> String {
+        [
+            ("fabric", self.fabric),
+            ("pull", self.pull),
+            ("holder compute", self.holder),
+            ("merge", self.merge),
+            ("splice", self.splice),
+            ("gather", self.gather),
+            ("local c", self.local),
+        ]
+        .iter()
+        .map(|(what, s)| format!("{what} {}", s.name()))
+        .collect::<Vec<_>>()
+        .join(", ")
+    }
 }
 
 impl CostParams {
     /// The operating point of paper 000 for `model` on `fabric`: the measured splice (section
-    /// 7), the prototype gather (5.4), FlashMLA holder compute (6.3), a merge of at most 25 us
-    /// (4.2), and c = 1.0 us per token-layer, the middle of the 0.5-1.5 band of section 5.1.
+    /// 7), the prototype gather (5.4), FlashMLA holder compute (6.3), the merge's 25 us bound
+    /// (4.2) at Mq = 1024, and c = 1.0 us per token-layer, the middle of the 0.5-1.5 band of
+    /// section 5.1. Every source is the paper's except the fabric, whose caller says.
     pub const fn paper_defaults(model: ModelDims, fabric: Fabric) -> Self {
         Self {
             model,
@@ -52,9 +135,11 @@ impl CostParams {
             splice: SpliceCost::MEASURED_H100_V2_LITE,
             gather: GatherCost::PROTOTYPE_H100_IBGDA,
             holder: HolderCompute::FLASHMLA_H100,
-            merge_us: 25.0,
+            merge: MergeCost::PAPER_BOUND,
             local_us_per_token_layer: 1.0,
             congestion: Congestion::NONE,
+            pull: None,
+            sources: Sources::PAPER,
         }
     }
 }
@@ -122,6 +207,11 @@ pub struct CostBreakdown {
     pub splice_us: f64,
     /// Gather overhead (sparse fetch).
     pub gather_us: f64,
+    /// The transport subtotal: probe, turnaround, transfer, return and gather, everything
+    /// but compute, merge and splice ([`CostBreakdown::transport_us`], kept here so a JSON
+    /// reader sees it).
+    #[serde(default)]
+    pub transport_total_us: f64,
     /// Bytes over the fabric, all ranks together.
     pub wire_bytes: f64,
     /// Bytes over one rank pair's path.
@@ -150,10 +240,20 @@ impl CostBreakdown {
         self.terms().iter().map(|(_, us)| us).sum()
     }
 
-    /// The transport round trip alone (probe, turnaround, transfer, return): what paper 000
-    /// reports as "T_route" in section 4.3.
+    /// The transport alone (probe, turnaround, transfer, return, gather): for route, what
+    /// paper 000 reports as "T_route" in section 4.3 (~116 us at Mq = 1024 on IBGDA).
+    #[inline]
     pub fn transport_us(&self) -> f64 {
-        self.probe_us + self.turnaround_us + self.transfer_us + self.return_us
+        self.probe_us + self.turnaround_us + self.transfer_us + self.return_us + self.gather_us
+    }
+
+    /// The same breakdown with [`CostBreakdown::transport_total_us`] filled in.
+    #[inline]
+    fn with_transport_total(self) -> Self {
+        Self {
+            transport_total_us: self.transport_us(),
+            ..self
+        }
     }
 
     /// The largest term (the first one on a tie).
@@ -175,6 +275,7 @@ impl CostBreakdown {
 pub struct CostModel {
     params: CostParams,
     fabric: Fabric,
+    pull: Fabric,
 }
 
 impl CostModel {
@@ -184,10 +285,18 @@ impl CostModel {
         params.splice.validate()?;
         params.gather.validate()?;
         params.holder.validate()?;
-        non_negative("merge_us", params.merge_us)?;
+        params.merge.validate()?;
         positive("local_us_per_token_layer", params.local_us_per_token_layer)?;
         let fabric = params.congestion.apply(&params.fabric)?;
-        Ok(Self { params, fabric })
+        let pull = match &params.pull {
+            Some(pull) => params.congestion.apply(pull)?,
+            None => fabric,
+        };
+        Ok(Self {
+            params,
+            fabric,
+            pull,
+        })
     }
 
     /// The parameters this model was built from.
@@ -198,6 +307,12 @@ impl CostModel {
     /// The fabric one flow sees after congestion.
     pub const fn effective_fabric(&self) -> &Fabric {
         &self.fabric
+    }
+
+    /// The fabric a whole-chunk pull sees after congestion (the routed one unless
+    /// [`CostParams::pull`] is set).
+    pub const fn effective_pull_fabric(&self) -> &Fabric {
+        &self.pull
     }
 
     /// Route's cost for `request`.
@@ -222,26 +337,44 @@ impl CostModel {
     #[inline]
     pub(crate) fn route_unchecked(&self, request: &Request) -> CostBreakdown {
         let model = &self.params.model;
-        let holders = match request.selection {
-            Selection::Contiguous => 1,
-            Selection::Sparse { holders, .. } => holders,
+        let mq = f64::from(request.mq_rows);
+        let ranks = f64::from(request.tp_degree);
+        // The holder's kernel serves this requester's rows beside its co-batched requesters'
+        // (taken to be of the same size); each rank runs its 1/N of the heads.
+        let batch_rows = mq * f64::from(request.holder_requesters) / ranks;
+        let (holders, compute_us) = match request.selection {
+            Selection::Contiguous => (
+                1,
+                self.params
+                    .holder
+                    .dense_us(batch_rows, f64::from(request.chunk_tokens)),
+            ),
+            // Each holder attends its share of the selection; they run in parallel.
+            Selection::Sparse { topk, holders } => (
+                holders,
+                self.params.holder.sparse_us(
+                    batch_rows,
+                    (f64::from(topk) / f64::from(holders)).ceil(),
+                    f64::from(topk),
+                ),
+            ),
         };
         // The requester ships its rows to every holder of the set and gets a partial from each.
-        let rows = f64::from(request.mq_rows) * f64::from(holders);
-        let ranks = f64::from(request.tp_degree);
+        let rows = mq * f64::from(holders);
         let query_bytes = rows * model.query_row_bytes() as f64;
         let partial_bytes = rows * model.partial_row_bytes() as f64;
         CostBreakdown {
             probe_us: self.fabric.probe_us,
             turnaround_us: self.fabric.turnaround_us,
             transfer_us: self.fabric.transfer_us(query_bytes / ranks),
-            compute_us: self.params.holder.at(request.holder_requesters),
+            compute_us,
             return_us: self.fabric.transfer_us(partial_bytes / ranks),
-            merge_us: self.params.merge_us,
+            merge_us: self.params.merge.at(mq / ranks, f64::from(holders)),
             wire_bytes: query_bytes + partial_bytes,
             wire_bytes_per_rank: (query_bytes + partial_bytes) / ranks,
             ..CostBreakdown::default()
         }
+        .with_transport_total()
     }
 
     #[inline]
@@ -253,24 +386,38 @@ impl CostModel {
             Selection::Contiguous => {
                 let bytes = model.chunk_bytes(request.chunk_tokens, layers);
                 CostBreakdown {
-                    transfer_us: self.fabric.transfer_us(bytes / ranks),
+                    probe_us: self.pulled_probe_us(),
+                    transfer_us: self.pull.transfer_us(bytes / ranks),
                     splice_us: self.params.splice.at(f64::from(request.chunk_tokens)),
                     wire_bytes: bytes,
                     wire_bytes_per_rank: bytes / ranks,
                     ..CostBreakdown::default()
                 }
+                .with_transport_total()
             }
             Selection::Sparse { topk, holders } => {
                 let bytes = model.chunk_bytes(topk, layers);
                 CostBreakdown {
-                    transfer_us: self.fabric.transfer_us(bytes / ranks),
+                    probe_us: self.pulled_probe_us(),
+                    transfer_us: self.pull.transfer_us(bytes / ranks),
                     gather_us: f64::from(layers)
                         * self.params.gather.per_layer_us(f64::from(holders)),
                     wire_bytes: bytes,
                     wire_bytes_per_rank: bytes / ranks,
                     ..CostBreakdown::default()
                 }
+                .with_transport_total()
             }
+        }
+    }
+
+    /// A pull's fixed cost: the measured pull fabric's intercept where there is one; none in
+    /// paper 000's `T_pull = ct b_KV / BW` (section 4.2).
+    #[inline]
+    fn pulled_probe_us(&self) -> f64 {
+        match self.params.pull {
+            Some(_) => self.pull.probe_us + self.pull.turnaround_us,
+            None => 0.0,
         }
     }
 

@@ -63,21 +63,40 @@ pub fn fetch_local_crossover_tokens(
 
 impl CostModel {
     /// The query batch above which fetch beats route on time for `request`'s chunk and
-    /// selection (route grows with `Mq`, fetch does not). `None` if route's fixed terms
-    /// already exceed fetch. Paper 000 section 5.5 puts it near `Mq ~ 10^5` at decode.
+    /// selection (route grows with `Mq`, fetch does not), interpolated between the two whole
+    /// batches around it. `None` if route already costs more at one row, or still costs less
+    /// at `u32::MAX` rows. Route's total never falls as `Mq` grows (every term is
+    /// non-decreasing in it, the compute roofline included), so a bisection finds it. Paper
+    /// 000 section 5.5 puts it near `Mq ~ 10^5` at decode with the holder's compute flat.
     pub fn route_fetch_crossover_rows(&self, request: &Request) -> Result<Option<f64>> {
-        let one_row = Request {
-            mq_rows: 1,
-            ..*request
+        let at = |mq_rows: u32| -> Result<f64> {
+            Ok(self
+                .route(&Request {
+                    mq_rows,
+                    ..*request
+                })?
+                .total_us())
         };
-        let two_rows = Request {
-            mq_rows: 2,
-            ..*request
-        };
-        let fetch = self.fetch(&one_row)?.total_us();
-        let at_one = self.route(&one_row)?.total_us();
-        let per_row = self.route(&two_rows)?.total_us() - at_one;
-        let fixed = at_one - per_row;
-        Ok((fetch > fixed).then(|| (fetch - fixed) / per_row))
+        let fetch = self
+            .fetch(&Request {
+                mq_rows: 1,
+                ..*request
+            })?
+            .total_us();
+        if at(1)? >= fetch || at(u32::MAX)? < fetch {
+            return Ok(None);
+        }
+        // Invariant: route(lo) < fetch <= route(hi).
+        let (mut lo, mut hi) = (1u32, u32::MAX);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if at(mid)? < fetch {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let (below, above) = (at(lo)?, at(hi)?);
+        Ok(Some(f64::from(lo) + (fetch - below) / (above - below)))
     }
 }

@@ -55,10 +55,10 @@ pub mod step_costs;
 struct ReadmeExample;
 
 pub use congestion::Congestion;
-pub use cost::{CostBreakdown, CostModel, CostParams, Term};
+pub use cost::{CostBreakdown, CostModel, CostParams, Source, Sources, Term};
 pub use error::{CostModelError, Requirement, Result};
 pub use fabric::{FABRIC_PRESETS, Fabric, FabricPreset, fabric_preset};
 pub use model::{MODEL_PRESETS, ModelDims, ModelPreset, model_preset};
 pub use predicate::{Decision, Micros, PrimitiveCost, Reason};
 pub use request::{Allowed, Primitive, Request, Selection};
-pub use step_costs::{GatherCost, HolderCompute, SpliceCost};
+pub use step_costs::{GatherCost, HolderCompute, MergeCost, SparsePremium, SpliceCost};

@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Result, count, non_negative, positive};
+use crate::error::{Result, finite, non_negative, positive};
 
 /// The position-adaptation splice of a contiguous fetch: `fixed_us + per_token_us x ct`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -83,40 +83,135 @@ impl GatherCost {
     }
 }
 
-/// A holder's batched partial attention as a function of the routed requesters it serves:
-/// flat up to an elbow, then linear (paper 000 section 6.3, figure 4(b)).
+/// A holder's partial attention: `rows` query rows against `tokens` attended entries, priced
+/// as a roofline of three bounds, whichever is largest:
+///
+/// - `floor_us`: the latency of a kernel that underuses its device (launch, one wave);
+/// - `tokens x us_per_token`: reading the attended entries once (memory-bound: few rows);
+/// - `rows x tokens x us_per_row_token`: the row-by-entry work (compute-bound: many rows).
+///
+/// `rows` is the holder's whole batch: the routed requesters it serves at once share one
+/// kernel call (paper 000 section 6.3), so a decision prices `Mq x holder_requesters` rows.
+/// Under sparse selection the holder attends its share of the top-k entries through an
+/// indexed gather, which costs [`SparsePremium`] over the dense kernel at the same count.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct HolderCompute {
-    /// Latency of the partial while the GPU is underused, microseconds.
-    pub flat_us: f64,
-    /// Requesters served before the partial turns linear.
-    pub elbow_requesters: u32,
-    /// Added latency per requester beyond the elbow, microseconds.
-    pub per_extra_requester_us: f64,
+    /// Latency floor of one kernel call, microseconds.
+    pub floor_us: f64,
+    /// Memory bound: microseconds per attended entry.
+    pub us_per_token: f64,
+    /// Compute bound: microseconds per (query row, attended entry) pair.
+    pub us_per_row_token: f64,
+    /// The indexed-gather premium of the sparse kernel.
+    pub sparse: SparsePremium,
 }
 
 impl HolderCompute {
-    /// A piecewise-linear fit to paper 000 section 6.3's three statements about FlashMLA on one
-    /// H100 at ct = 2048: flat to N ~ 8, 15-37 us for N <= 16, and <= 0.4 ms at N = 256.
+    /// FlashMLA on one H100, fitted to paper 000 section 6.3's statements at ct = 2048 with
+    /// 16 rows per requester: flat up to N ~ 8 requesters, 15-37 us for N <= 16, <= 0.4 ms at
+    /// N = 256. The floor is the flat 15 us; the compute bound passes through 400 us at
+    /// N = 256 (4096 rows x 2048 entries), which leaves the floor at N ~ 9.8 and gives 25 us
+    /// at N = 16; the memory bound is 1152 B per entry at the H100's 3.35 TB/s, never the
+    /// largest at these shapes.
     pub const FLASHMLA_H100: Self = Self {
-        flat_us: 15.0,
-        elbow_requesters: 8,
-        per_extra_requester_us: 1.5,
+        floor_us: 15.0,
+        us_per_token: 1152.0 / 3.35e6,
+        us_per_row_token: 400.0 / (4096.0 * 2048.0),
+        sparse: SparsePremium::FLASHMLA_H100,
     };
 
     /// Checks the terms.
     pub fn validate(&self) -> Result<()> {
-        positive("holder.flat_us", self.flat_us)?;
-        count("holder.elbow_requesters", self.elbow_requesters)?;
-        non_negative("holder.per_extra_requester_us", self.per_extra_requester_us)?;
+        non_negative("holder.floor_us", self.floor_us)?;
+        non_negative("holder.us_per_token", self.us_per_token)?;
+        positive("holder.us_per_row_token", self.us_per_row_token)?;
+        self.sparse.validate()
+    }
+
+    /// The dense partial of `rows` rows over `tokens` entries, microseconds.
+    #[inline]
+    pub fn dense_us(&self, rows: f64, tokens: f64) -> f64 {
+        self.floor_us
+            .max(tokens * self.us_per_token)
+            .max(rows * tokens * self.us_per_row_token)
+    }
+
+    /// The sparse partial of `rows` rows over `entries` selected entries, of a selection of
+    /// `topk` per query, microseconds.
+    #[inline]
+    pub fn sparse_us(&self, rows: f64, entries: f64, topk: f64) -> f64 {
+        self.dense_us(rows, entries) * self.sparse.at(topk)
+    }
+}
+
+/// How much more the sparse (indexed-gather) partial costs than the dense one over as many
+/// entries, as a line in the selection budget `k`, never below 1.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SparsePremium {
+    /// The premium extrapolated to k = 0.
+    pub at_zero: f64,
+    /// Added premium per selected entry.
+    pub per_entry: f64,
+}
+
+impl SparsePremium {
+    /// Paper 000 section 6.3: FlashMLA's bf16 sparse kernel costs 1.1x the dense one at
+    /// k = 512, widening to 2-3x at k = 2048; the line through (512, 1.1) and (2048, 2.5).
+    pub const FLASHMLA_H100: Self = Self {
+        at_zero: 1.1 - 512.0 * (1.4 / 1536.0),
+        per_entry: 1.4 / 1536.0,
+    };
+    /// No premium: a sparse partial costs what a dense one over as many entries does.
+    pub const NONE: Self = Self {
+        at_zero: 1.0,
+        per_entry: 0.0,
+    };
+
+    /// Checks the terms.
+    pub fn validate(&self) -> Result<()> {
+        finite("holder.sparse.at_zero", self.at_zero)?;
+        non_negative("holder.sparse.per_entry", self.per_entry)?;
         Ok(())
     }
 
-    /// The partial's latency when `requesters` routed requesters share the holder.
+    /// The premium at a selection budget of `topk`.
     #[inline]
-    pub fn at(&self, requesters: u32) -> f64 {
-        let extra = requesters.saturating_sub(self.elbow_requesters);
-        self.flat_us + f64::from(extra) * self.per_extra_requester_us
+    pub fn at(&self, topk: f64) -> f64 {
+        (self.at_zero + self.per_entry * topk).max(1.0)
+    }
+}
+
+/// The requester's online-softmax merge of the partials a decision brings back:
+/// `fixed_us + rows x parts x us_per_row_part`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct MergeCost {
+    /// Per-merge fixed cost (a kernel launch), microseconds.
+    pub fixed_us: f64,
+    /// Microseconds per (query row, merged partial) pair.
+    pub us_per_row_part: f64,
+}
+
+impl MergeCost {
+    /// Paper 000 section 4.2 bounds the merge at <= 25 us and gives no curve. This preset is
+    /// that bound placed at the paper's operating point (Mq = 1024, the requester's partial
+    /// and one routed partial: 2048 row-parts), over a 5 us launch: an upper bound spread
+    /// linearly, not a measurement.
+    pub const PAPER_BOUND: Self = Self {
+        fixed_us: 5.0,
+        us_per_row_part: 20.0 / 2048.0,
+    };
+
+    /// Checks the terms.
+    pub fn validate(&self) -> Result<()> {
+        non_negative("merge.fixed_us", self.fixed_us)?;
+        non_negative("merge.us_per_row_part", self.us_per_row_part)?;
+        Ok(())
+    }
+
+    /// The merge of `parts` partials of `rows` rows each, microseconds.
+    #[inline]
+    pub fn at(&self, rows: f64, parts: f64) -> f64 {
+        self.fixed_us + rows * parts * self.us_per_row_part
     }
 }
 
@@ -152,15 +247,61 @@ mod tests {
         assert!((seven - 3900.0).abs() < 1.0, "{seven}");
     }
 
+    /// Paper 000 section 6.3, figure 4(b): FlashMLA at ct = 2048, 16 rows per requester.
     #[test]
     fn holder_compute_honours_section_6_3_flat_to_8_decode_band_and_saturation_bound() {
         let h = HolderCompute::FLASHMLA_H100;
-        assert_eq!(h.at(1), h.at(8), "flat up to the elbow");
-        assert!(h.at(9) > h.at(8), "linear beyond it");
+        let at = |n: u32| h.dense_us(16.0 * f64::from(n), 2048.0);
+        assert_eq!(at(1), at(8), "flat up to the elbow");
+        assert!(at(12) > at(8), "linear beyond it");
         for n in 1..=16 {
-            assert!((15.0..=37.0).contains(&h.at(n)), "N = {n}: {}", h.at(n));
+            assert!((15.0..=37.0).contains(&at(n)), "N = {n}: {}", at(n));
         }
-        assert!(h.at(256) <= 400.0, "{}", h.at(256));
+        assert!(at(256) <= 400.0 + 1e-9, "{}", at(256));
+        assert!(at(256) > 390.0, "saturated: {}", at(256));
+    }
+
+    #[test]
+    fn holder_compute_grows_with_the_chunk_and_with_the_selection_budget() {
+        let h = HolderCompute::FLASHMLA_H100;
+        // 128 frontier heads x 8 requesters: past the floor, so the chunk shows.
+        let rows = 1024.0;
+        let mut last = 0.0;
+        for ct in [512.0, 2048.0, 8192.0, 65_536.0] {
+            let us = h.dense_us(rows, ct);
+            assert!(us > last, "ct {ct}: {us} after {last}");
+            last = us;
+        }
+        assert!(h.dense_us(rows, 65_536.0) / h.dense_us(rows, 2048.0) > 31.0);
+        let mut last = 0.0;
+        for k in [512.0, 1024.0, 2048.0] {
+            let us = h.sparse_us(rows, k, k);
+            assert!(us > last, "top-{k}: {us} after {last}");
+            last = us;
+        }
+    }
+
+    /// Paper 000 section 6.3: the sparse kernel is 1.1x the dense one at k = 512 and 2-3x at
+    /// k = 2048, 17-60 us at h_q = 128.
+    #[test]
+    fn sparse_premium_matches_section_6_3() {
+        let p = SparsePremium::FLASHMLA_H100;
+        assert!((p.at(512.0) - 1.1).abs() < 1e-12);
+        assert!((2.0..=3.0).contains(&p.at(2048.0)), "{}", p.at(2048.0));
+        assert_eq!(p.at(0.0), 1.0, "never below the dense kernel");
+        let h = HolderCompute::FLASHMLA_H100;
+        for k in [1024.0, 2048.0] {
+            let us = h.sparse_us(128.0, k, k);
+            assert!((17.0..=60.0).contains(&us), "top-{k}: {us}");
+        }
+    }
+
+    #[test]
+    fn merge_grows_with_rows_and_parts_and_meets_the_section_4_2_bound() {
+        let m = MergeCost::PAPER_BOUND;
+        assert!((m.at(1024.0, 2.0) - 25.0).abs() < 1e-9);
+        assert!(m.at(16.0, 2.0) < m.at(1024.0, 2.0));
+        assert!(m.at(1024.0, 7.0) > m.at(1024.0, 2.0));
     }
 
     #[test]
@@ -191,8 +332,16 @@ mod tests {
         );
         assert!(
             HolderCompute {
-                elbow_requesters: 0,
+                us_per_row_token: 0.0,
                 ..HolderCompute::FLASHMLA_H100
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(
+            MergeCost {
+                fixed_us: -1.0,
+                us_per_row_part: 0.0
             }
             .validate()
             .is_err()

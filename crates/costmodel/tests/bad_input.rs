@@ -4,8 +4,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvroute_costmodel::{
-    Allowed, Congestion, CostModel, CostModelError, CostParams, Fabric, ModelDims, Request,
-    Requirement, fabric_preset, model_preset,
+    Allowed, Congestion, CostModel, CostModelError, CostParams, Fabric, MergeCost, ModelDims,
+    Request, Requirement, fabric_preset, model_preset,
 };
 
 fn params() -> CostParams {
@@ -90,17 +90,23 @@ fn non_finite_negative_and_zero_parameters_are_refused_at_construction() {
     let cases: [(CostParams, &str); 7] = [
         (
             CostParams {
-                merge_us: f64::NAN,
+                merge: MergeCost {
+                    fixed_us: f64::NAN,
+                    ..MergeCost::PAPER_BOUND
+                },
                 ..params()
             },
-            "merge_us",
+            "merge.fixed_us",
         ),
         (
             CostParams {
-                merge_us: -1.0,
+                merge: MergeCost {
+                    us_per_row_part: -1.0,
+                    ..MergeCost::PAPER_BOUND
+                },
                 ..params()
             },
-            "merge_us",
+            "merge.us_per_row_part",
         ),
         (
             CostParams {

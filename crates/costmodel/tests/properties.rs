@@ -7,8 +7,8 @@
 
 use kvroute_costmodel::fit::{RoundTripSample, Weighting, fit_round_trips};
 use kvroute_costmodel::{
-    Allowed, Congestion, CostModel, CostParams, Fabric, GatherCost, HolderCompute, ModelDims,
-    Primitive, Request, Selection, SpliceCost, model_preset,
+    Allowed, Congestion, CostModel, CostParams, Fabric, GatherCost, HolderCompute, MergeCost,
+    ModelDims, Primitive, Request, Selection, Sources, SparsePremium, SpliceCost, model_preset,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
@@ -124,18 +124,23 @@ proptest! {
     fn arbitrary_parameters_are_accepted_or_refused_without_panicking(
         vals in proptest::collection::vec(prop_oneof![
             Just(f64::NAN), Just(f64::INFINITY), Just(-1.0), Just(0.0), 1e-9f64..1e9
-        ], 12),
-        counts in proptest::collection::vec(prop_oneof![Just(0u32), Just(u32::MAX), 0u32..100_000], 4),
+        ], 16),
+        counts in proptest::collection::vec(prop_oneof![Just(0u32), Just(u32::MAX), 0u32..100_000], 3),
     ) {
         let params = CostParams {
             model: ModelDims { layers: counts[0], query_heads: counts[1], ..model_preset("deepseek-v3.2").unwrap().dims },
             fabric: Fabric { probe_us: vals[0], bw_gbps: vals[1], turnaround_us: vals[2], link_gbps: Some(vals[3]) },
             splice: SpliceCost { fixed_us: vals[4], per_token_us: vals[5] },
             gather: GatherCost { fixed_us_per_layer: vals[6], per_holder_us_per_layer: vals[7] },
-            holder: HolderCompute { flat_us: vals[8], elbow_requesters: counts[2], per_extra_requester_us: vals[9] },
-            merge_us: vals[10],
-            local_us_per_token_layer: vals[11],
-            congestion: Congestion { concurrent_flows: counts[3], ..Congestion::NONE },
+            holder: HolderCompute {
+                floor_us: vals[8], us_per_token: vals[9], us_per_row_token: vals[12],
+                sparse: SparsePremium { at_zero: vals[13], per_entry: vals[14] },
+            },
+            merge: MergeCost { fixed_us: vals[10], us_per_row_part: vals[11] },
+            local_us_per_token_layer: vals[15],
+            congestion: Congestion { concurrent_flows: counts[2], ..Congestion::NONE },
+            pull: None,
+            sources: Sources::PAPER,
         };
         let all_valid = vals.iter().all(|v| v.is_finite() && *v > 0.0) && counts.iter().all(|c| *c > 0);
         let accepted = CostModel::new(params).is_ok();
