@@ -9,8 +9,8 @@ use kvroute_costmodel::crossover::{
     route_fetch_breakeven_bw_gbps,
 };
 use kvroute_costmodel::{
-    Congestion, CostModel, CostParams, FABRIC_PRESETS, Fabric, HolderCompute, MergeCost,
-    ModelDims, Primitive, Request, SpliceCost, fabric_preset, model_preset,
+    Congestion, CostModel, CostParams, FABRIC_PRESETS, Fabric, HolderCompute, MergeCost, ModelDims,
+    Primitive, Request, SpliceCost, fabric_preset, model_preset,
 };
 
 fn v2_lite() -> ModelDims {

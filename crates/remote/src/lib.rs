@@ -30,6 +30,7 @@ pub mod dispatch;
 mod error;
 #[allow(unsafe_code)]
 mod holder;
+pub mod kernel_rate;
 #[cfg(feature = "measure")]
 pub mod measure;
 pub mod probe;

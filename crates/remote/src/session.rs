@@ -114,8 +114,16 @@ pub struct HolderStats {
     pub kernel_calls: u64,
     /// Query rows attended.
     pub rows: u64,
+    /// Sum over kernel calls of rows x attended entries (whole chunk, or the selection):
+    /// with `kernel_us`, the holder's achieved rate.
+    #[serde(default)]
+    pub row_tokens: u64,
     /// Time in kernels, microseconds.
     pub kernel_us: f64,
+    /// The holder's kernel roofline, measured on its machine at start and refitted from the
+    /// calls it serves. From the peer: validate before pricing with it.
+    #[serde(default)]
+    pub kernel: Option<crate::kernel_rate::HolderKernel>,
     /// Time serving batches, from taking the arrivals to posting the last reply (kernels
     /// included), microseconds: `serve_us - kernel_us` is the holder's own host overhead.
     #[serde(default)]

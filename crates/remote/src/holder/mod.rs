@@ -17,12 +17,14 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvroute_costmodel::HolderCompute;
 use kvroute_kernels::Backend;
 use kvroute_kvstore::ChunkEntry;
 use kvroute_transport::{Access, RegisteredBuffer, TransferEngine};
 
 use crate::chunks::HeldChunks;
 use crate::error::RemoteError;
+use crate::kernel_rate::{KernelRate, calibrate};
 use crate::session::{Hello, HolderStats};
 use crate::wire;
 
@@ -200,6 +202,17 @@ fn check_hello(hello: &Hello) -> Result<(), String> {
     hello.pool.as_ref().map_or(Ok(()), |pool| own("pool", pool))
 }
 
+/// The kernel roofline measured on the first held chunk's first layer, with the softmax
+/// scale of DeepSeek-V2-Lite (any finite scale times the same).
+fn calibrate_on(chunks: &HeldChunks, backend: Backend) -> Result<HolderCompute, RemoteError> {
+    let first = chunks
+        .chunks()
+        .first()
+        .ok_or_else(|| RemoteError::Config("a holder needs chunks".into()))?;
+    let layer = chunks.block(first)?.layer(0)?;
+    calibrate(backend, layer.rows(), 0.1147)
+}
+
 struct Shared {
     engine: TransferEngine,
     config: HolderConfig,
@@ -212,6 +225,8 @@ struct Shared {
     /// Proof messages as the transport delivered them: (session, token, sender).
     proofs: crossbeam_channel::Receiver<(u16, u64, Option<kvroute_transport::NetAddr>)>,
     stats: Mutex<HolderStats>,
+    /// The kernel's roofline, calibrated at start and refitted from served calls.
+    kernel: Mutex<KernelRate>,
     stop: AtomicBool,
 }
 
@@ -263,6 +278,7 @@ impl Holder {
                 .ok_or_else(|| RemoteError::Config("staging larger than memory".into()))
         };
         let entries = chunks.entries(&engine.main_address());
+        let kernel = KernelRate::new(calibrate_on(&chunks, config.backend)?);
         let staging = engine.alloc_mr_with(staging_bytes(config.reply_bytes)?, Access::Local)?;
         let gather_staging =
             engine.alloc_mr_with(staging_bytes(config.gather_bytes)?.max(1), Access::Local)?;
@@ -287,6 +303,7 @@ impl Holder {
             gather_staging,
             entries,
             stats: Mutex::new(HolderStats::default()),
+            kernel: Mutex::new(kernel),
             stop: AtomicBool::new(false),
         });
         let addr = listener
@@ -345,6 +362,7 @@ impl Shared {
     fn stats(&self) -> HolderStats {
         let mut s = lock(&self.stats).clone();
         s.active = lock(&self.sessions).iter().flatten().count() as u64;
+        s.kernel = Some(lock(&self.kernel).current());
         s
     }
 

@@ -372,9 +372,15 @@ impl Shared {
                 });
             stats.kernel_calls += 1;
             match result {
-                Ok(()) => {
-                    stats.rows += (queries.len() / D_QK) as u64;
+                Ok(entries) => {
+                    let rows = queries.len() / D_QK;
+                    stats.rows += rows as u64;
+                    stats.row_tokens += (rows * entries) as u64;
                     stats.segments += segs.len() as u64;
+                    let us = kernel_started.elapsed().as_secs_f64() * 1e6;
+                    if indices.is_empty() {
+                        lock(&self.kernel).observe(rows, entries, us);
+                    }
                 }
                 Err(e) => {
                     // One bad segment (an index out of range) must not fail the others: redo
@@ -396,8 +402,9 @@ impl Shared {
                                 )
                             });
                         match served {
-                            Ok(()) => {
+                            Ok(entries) => {
                                 stats.rows += seg.rows as u64;
+                                stats.row_tokens += (seg.rows * entries) as u64;
                                 stats.segments += 1;
                             }
                             Err(_) => layouts[r].statuses[s] = Status::Kernel,
@@ -455,7 +462,7 @@ impl Shared {
         queries: &[u16],
         indices: &[i32],
         out: &mut WireOut<'_>,
-    ) -> Result<(), RemoteError> {
+    ) -> Result<usize, RemoteError> {
         let held = self
             .chunks
             .get(kvroute_kvstore::ChunkId(chunk))
@@ -468,6 +475,7 @@ impl Shared {
         let q = Queries::new(queries)?;
         if k == 0 {
             partial_dense_wire(self.config.backend, &q, &cache, scale, out)?;
+            Ok(cache.tokens())
         } else {
             let sel = Selection::new(
                 indices,
@@ -477,8 +485,8 @@ impl Shared {
                 cache.tokens(),
             )?;
             partial_sparse_wire(self.config.backend, &q, &cache, &sel, scale, out)?;
+            Ok(k as usize)
         }
-        Ok(())
     }
 
     /// Finishes one request's reply in the session's staging (the kernels wrote the rows of
