@@ -247,6 +247,50 @@ fn score(fabric: &Fabric, row_bytes: f64, samples: &[RoundTripSample]) -> Mape {
     }
 }
 
+/// The Theil-Sen line through `(x, y)` points: the median of the slopes of every pair with
+/// distinct abscissae, then the median of `y - slope x` as the intercept. Up to ~29% of the
+/// points can be arbitrarily wrong (a preempted round trip, a page-cache miss) without moving
+/// it, where one such point can drag a least-squares line anywhere. `O(n^2)` time and memory
+/// in the points: meant for windows of a few hundred. Errors on non-finite input or fewer
+/// than two distinct abscissae.
+pub fn theil_sen(points: &[(f64, f64)]) -> Result<Line> {
+    for &(x, y) in points {
+        finite("sample x", x)?;
+        finite("sample y", y)?;
+    }
+    let mut slopes = Vec::with_capacity(points.len() * points.len().saturating_sub(1) / 2);
+    for (i, &(x0, y0)) in points.iter().enumerate() {
+        for &(x1, y1) in &points[i + 1..] {
+            if x1 != x0 {
+                slopes.push((y1 - y0) / (x1 - x0));
+            }
+        }
+    }
+    if slopes.is_empty() {
+        return Err(CostModelError::TooFewSamples {
+            needed: 2,
+            got: points.len().min(1),
+        });
+    }
+    let slope = median(&mut slopes);
+    let mut intercepts: Vec<f64> = points.iter().map(|&(x, y)| y - slope * x).collect();
+    Ok(Line {
+        intercept: median(&mut intercepts),
+        slope,
+    })
+}
+
+/// The median of `values` (the mean of the middle two for an even count), reordering them.
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -386,5 +430,33 @@ mod tests {
             (fixed - 40.0).abs() < 1e-6 && (bw - 12.0).abs() < 1e-9,
             "{fixed} {bw}"
         );
+    }
+
+    #[test]
+    fn theil_sen_ignores_a_minority_of_wild_points_that_least_squares_follows() {
+        let mut points: Vec<(f64, f64)> = (0..20)
+            .map(|i| {
+                let x = f64::from(i) * 1e5;
+                (x, 50.0 + x / 3e3)
+            })
+            .collect();
+        // Five preempted round trips, 10x to 100x slow, at the small end.
+        for (i, p) in points.iter_mut().take(5).enumerate() {
+            p.1 *= 10.0 * (i + 1) as f64;
+        }
+        let robust = theil_sen(&points).unwrap();
+        assert!(
+            (robust.slope - 1.0 / 3e3).abs() / (1.0 / 3e3) < 1e-9,
+            "{robust:?}"
+        );
+        assert!((robust.intercept - 50.0).abs() < 1e-6, "{robust:?}");
+        let plain = least_squares(points.iter().copied()).unwrap();
+        assert!(
+            (plain.slope - 1.0 / 3e3).abs() / (1.0 / 3e3) > 0.05,
+            "{plain:?}"
+        );
+        assert!(theil_sen(&[(1.0, 2.0), (1.0, 3.0)]).is_err());
+        assert!(theil_sen(&[]).is_err());
+        assert!(theil_sen(&[(1.0, f64::NAN), (2.0, 3.0)]).is_err());
     }
 }

@@ -60,6 +60,12 @@ pub enum SchedError {
     /// The cost model refused its inputs.
     #[error("cost model: {0}")]
     CostModel(#[from] kvroute_costmodel::CostModelError),
+    /// No replica of a chunk is alive and local re-prefill is not allowed.
+    #[error("none of the chunk's {replicas} replicas is alive, and local is not allowed")]
+    NoHolder {
+        /// Replicas the chunk has.
+        replicas: usize,
+    },
     /// The prefix cache refused an operation.
     #[error("prefix cache: {0}")]
     Cache(#[from] kvroute_kvstore::CacheError),

@@ -7,6 +7,8 @@
 //!   and cache-aware placement, short-timescale threshold feedback);
 //! - [`prfaas_sim`]: PrfaaS-PD, homogeneous PD and naive heterogeneous deployments simulated
 //!   side by side (paper 001 section 4's case study);
+//! - [`selector`]: the per-request route / fetch / local selector of paper 000, its constants
+//!   calibrated on the live system (fabric fit, holders' kernel reports, load and liveness);
 //! - [`des`]: the event queue and FIFO link the simulators share; [`stats`]: percentiles and
 //!   max/avg balance; [`rng`]: the seeded generator every workload draws from.
 
@@ -17,6 +19,7 @@ mod error;
 pub mod prfaas;
 pub mod prfaas_sim;
 pub mod rng;
+pub mod selector;
 pub mod stats;
 
 pub use error::{Result, SchedError};
