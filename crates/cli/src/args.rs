@@ -47,6 +47,9 @@ pub enum Command {
     /// Measure route (against the raw write round trip) over Mq and fetch over ct between
     /// processes, fit the cost model, write plots and the raw samples.
     Sweep(SweepArgs),
+    /// Check the calibrated route / fetch predicate against live holders: predict, then
+    /// measure, over an (Mq, ct) grid spanning the crossover.
+    VerifyPredicate(VerifyArgs),
     /// Request traces (Mooncake's format) through the prefix cache.
     #[command(subcommand)]
     Trace(TraceCommand),
@@ -826,6 +829,35 @@ pub struct SweepArgs {
     #[arg(long)]
     pub quiet: bool,
     /// Seed of the corpus and queries.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// `kvroute verify-predicate`: the calibrated selector's predictions against measurements.
+#[derive(Debug, Clone, Args)]
+pub struct VerifyArgs {
+    /// libfabric provider: auto (shm if present, else tcp), shm or tcp.
+    #[arg(long, default_value = "auto")]
+    pub provider: String,
+    /// Holder processes per chunk size (the grid's points go round them).
+    #[arg(long, default_value_t = 2)]
+    pub holders: usize,
+    /// Query rows per routed request, comma separated.
+    #[arg(long, default_value = "16,64,256,1024", value_delimiter = ',')]
+    pub mq: Vec<u32>,
+    /// Chunk sizes in tokens, comma separated (each gets holders of its own).
+    #[arg(long, default_value = "512,1024,2048,4096", value_delimiter = ',')]
+    pub ct: Vec<u32>,
+    /// Measurements of each primitive per point (the median is compared).
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    /// Who progresses the engines (see `kvroute holder --progress`).
+    #[arg(long, value_enum, default_value = "thread")]
+    pub progress: ProgressArg,
+    /// Write predicted-vs-measured.png and decision-map.png here.
+    #[arg(long)]
+    pub plots: Option<std::path::PathBuf>,
+    /// Seed of the corpus and the queries.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
 }

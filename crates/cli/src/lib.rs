@@ -8,7 +8,8 @@
 //! `demo` and `holder` (the main job end to end), `sweep` (route and fetch measured between
 //! processes, fitted and plotted), `trace replay` (a request trace through the prefix cache),
 //! `store write | verify | bench` (the storage tier) and `simulate dualpath | prfaas` (the
-//! cluster schedulers in the discrete-event simulator).
+//! cluster schedulers in the discrete-event simulator), `verify-predicate` (the calibrated
+//! route / fetch selector's predictions against live measurements).
 
 #![forbid(unsafe_code)]
 
@@ -17,6 +18,7 @@ mod bench;
 mod bench_fabric;
 mod bench_kernels;
 mod bench_kvpath;
+mod calibrate;
 pub mod demo;
 mod kernel;
 
@@ -28,6 +30,7 @@ mod store;
 mod sweep;
 mod tour;
 mod units;
+mod verify;
 
 use anyhow::Result;
 pub use args::Cli;
@@ -46,6 +49,7 @@ pub use simulate::{SimulateDualPathReport, SimulatePrfaasReport};
 pub use store::{StoreBenchReport, StoreVerifyReport, StoreWriteReport, TraceReplayReport};
 pub use sweep::SweepReport;
 pub use tour::{Figure, StopResult, TourReport, TourStop};
+pub use verify::VerifyReport;
 
 /// Runs `cli` and returns what to print: pretty JSON with `--json`, text otherwise.
 pub fn run(cli: &Cli) -> Result<String> {
@@ -65,6 +69,7 @@ pub fn run(cli: &Cli) -> Result<String> {
         Command::Demo(args) => checked(cli.json, &demo::run(args)?, "the demo"),
         Command::Requester(args) => checked(cli.json, &demo::requester(args)?, "the requester"),
         Command::Sweep(args) => render(cli.json, &sweep::run(args)?),
+        Command::VerifyPredicate(args) => render(cli.json, &verify::run(args)?),
         Command::Trace(TraceCommand::Replay(args)) => render(cli.json, &store::replay(args)?),
         Command::Simulate(SimulateCommand::Dualpath(args)) => {
             render(cli.json, &simulate::dualpath(args)?)

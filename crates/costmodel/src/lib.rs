@@ -61,4 +61,6 @@ pub use fabric::{FABRIC_PRESETS, Fabric, FabricPreset, fabric_preset};
 pub use model::{MODEL_PRESETS, ModelDims, ModelPreset, model_preset};
 pub use predicate::{Decision, Micros, PrimitiveCost, Reason};
 pub use request::{Allowed, Primitive, Request, Selection};
-pub use step_costs::{GatherCost, HolderCompute, MergeCost, SparsePremium, SpliceCost};
+pub use step_costs::{
+    GatherCost, HolderCompute, KernelTable, MergeCost, SparsePremium, SpliceCost,
+};

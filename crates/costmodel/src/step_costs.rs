@@ -84,7 +84,7 @@ impl GatherCost {
 }
 
 /// A holder's partial attention: `rows` query rows against `tokens` attended entries, priced
-/// as a roofline of three bounds, whichever is largest:
+/// as a fixed dispatch cost plus a roofline of three bounds, whichever is largest:
 ///
 /// - `floor_us`: the latency of a kernel that underuses its device (launch, one wave);
 /// - `tokens x us_per_token`: reading the attended entries once (memory-bound: few rows);
@@ -96,6 +96,10 @@ impl GatherCost {
 /// indexed gather, which costs [`SparsePremium`] over the dense kernel at the same count.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct HolderCompute {
+    /// Dispatch cost added to every call whatever its size (waking a CPU holder's worker
+    /// threads, for one), microseconds; 0 where the floor covers it, as on a GPU.
+    #[serde(default)]
+    pub fixed_us: f64,
     /// Latency floor of one kernel call, microseconds.
     pub floor_us: f64,
     /// Memory bound: microseconds per attended entry.
@@ -104,6 +108,11 @@ pub struct HolderCompute {
     pub us_per_row_token: f64,
     /// The indexed-gather premium of the sparse kernel.
     pub sparse: SparsePremium,
+    /// A kernel measured at several batch sizes, used instead of the three bounds where
+    /// present (a CPU kernel's efficiency moves with the batch in steps no roofline has:
+    /// register blocking, the rows at which it starts a second thread).
+    #[serde(default)]
+    pub table: Option<KernelTable>,
 }
 
 impl HolderCompute {
@@ -114,14 +123,20 @@ impl HolderCompute {
     /// at N = 16; the memory bound is 1152 B per entry at the H100's 3.35 TB/s, never the
     /// largest at these shapes.
     pub const FLASHMLA_H100: Self = Self {
+        fixed_us: 0.0,
         floor_us: 15.0,
         us_per_token: 1152.0 / 3.35e6,
         us_per_row_token: 400.0 / (4096.0 * 2048.0),
         sparse: SparsePremium::FLASHMLA_H100,
+        table: None,
     };
 
     /// Checks the terms.
     pub fn validate(&self) -> Result<()> {
+        if let Some(table) = &self.table {
+            table.validate()?;
+        }
+        non_negative("holder.fixed_us", self.fixed_us)?;
         non_negative("holder.floor_us", self.floor_us)?;
         non_negative("holder.us_per_token", self.us_per_token)?;
         positive("holder.us_per_row_token", self.us_per_row_token)?;
@@ -131,6 +146,22 @@ impl HolderCompute {
     /// The dense partial of `rows` rows over `tokens` entries, microseconds.
     #[inline]
     pub fn dense_us(&self, rows: f64, tokens: f64) -> f64 {
+        self.fixed_us + self.shape_us(rows, tokens)
+    }
+
+    /// The call's cost without the fixed dispatch: the measured table where there is one,
+    /// else the roofline.
+    #[inline]
+    pub fn shape_us(&self, rows: f64, tokens: f64) -> f64 {
+        match &self.table {
+            Some(table) => table.at(rows, tokens),
+            None => self.roofline_us(rows, tokens),
+        }
+    }
+
+    /// The roofline alone (no fixed cost): the largest of the three bounds.
+    #[inline]
+    pub fn roofline_us(&self, rows: f64, tokens: f64) -> f64 {
         self.floor_us
             .max(tokens * self.us_per_token)
             .max(rows * tokens * self.us_per_row_token)
@@ -141,6 +172,47 @@ impl HolderCompute {
     #[inline]
     pub fn sparse_us(&self, rows: f64, entries: f64, topk: f64) -> f64 {
         self.dense_us(rows, entries) * self.sparse.at(topk)
+    }
+}
+
+/// A kernel timed at [`KernelTable::ROWS`] query rows, each at two chunk sizes: per row
+/// count, a fixed cost and a cost per attended entry. Between two row counts both are
+/// interpolated in log rows (the cost per entry as a cost per row-entry); beyond the last,
+/// the cost per row-entry of the last holds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct KernelTable {
+    /// Per row count, the fixed part, microseconds.
+    pub fixed_us: [f64; 5],
+    /// Per row count, microseconds per attended entry (all rows together).
+    pub us_per_token: [f64; 5],
+}
+
+impl KernelTable {
+    /// The row counts the table is measured at.
+    pub const ROWS: [f64; 5] = [1.0, 16.0, 64.0, 256.0, 1024.0];
+
+    /// Checks every entry: finite, the fixed parts non-negative, the rates positive.
+    pub fn validate(&self) -> Result<()> {
+        for (&fixed, &rate) in self.fixed_us.iter().zip(&self.us_per_token) {
+            non_negative("holder.table.fixed_us", fixed)?;
+            positive("holder.table.us_per_token", rate)?;
+        }
+        Ok(())
+    }
+
+    /// The call of `rows` rows over `tokens` entries, microseconds.
+    pub fn at(&self, rows: f64, tokens: f64) -> f64 {
+        let r = rows.max(1.0);
+        let last = Self::ROWS.len() - 1;
+        let per_row_token = |i: usize| self.us_per_token[i] / Self::ROWS[i];
+        if r >= Self::ROWS[last] {
+            return self.fixed_us[last] + r * tokens * per_row_token(last);
+        }
+        let i = Self::ROWS.iter().rposition(|&x| x <= r).unwrap_or(0);
+        let w = (r.ln() - Self::ROWS[i].ln()) / (Self::ROWS[i + 1].ln() - Self::ROWS[i].ln());
+        let fixed = self.fixed_us[i] + w * (self.fixed_us[i + 1] - self.fixed_us[i]);
+        let rate = per_row_token(i) + w * (per_row_token(i + 1) - per_row_token(i));
+        fixed + r * tokens * rate
     }
 }
 
@@ -294,6 +366,42 @@ mod tests {
             let us = h.sparse_us(128.0, k, k);
             assert!((17.0..=60.0).contains(&us), "top-{k}: {us}");
         }
+    }
+
+    #[test]
+    fn a_kernel_table_reproduces_its_points_and_interpolates_between_them() {
+        let t = KernelTable {
+            fixed_us: [20.0, 300.0, 400.0, 800.0, 600.0],
+            us_per_token: [0.15, 0.85, 3.2, 8.4, 33.0],
+        };
+        t.validate().unwrap();
+        for (i, &rows) in KernelTable::ROWS.iter().enumerate() {
+            let want = t.fixed_us[i] + 2048.0 * t.us_per_token[i];
+            assert!((t.at(rows, 2048.0) - want).abs() < 1e-9, "rows {rows}");
+        }
+        // Between 16 and 64 rows, and beyond 1024 at the last row-entry cost.
+        let mid = t.at(32.0, 2048.0);
+        assert!(mid > t.at(16.0, 2048.0) && mid < t.at(64.0, 2048.0));
+        assert!((t.at(2048.0, 1000.0) - (600.0 + 2048.0 * 1000.0 * 33.0 / 1024.0)).abs() < 1e-6);
+        let h = HolderCompute {
+            table: Some(t),
+            fixed_us: 100.0,
+            ..HolderCompute::FLASHMLA_H100
+        };
+        assert!((h.dense_us(16.0, 2048.0) - (100.0 + t.at(16.0, 2048.0))).abs() < 1e-9);
+        let bad = KernelTable {
+            us_per_token: [0.15, 0.0, 3.2, 8.4, 33.0],
+            ..t
+        };
+        assert!(bad.validate().is_err());
+        assert!(
+            HolderCompute {
+                table: Some(bad),
+                ..HolderCompute::FLASHMLA_H100
+            }
+            .validate()
+            .is_err()
+        );
     }
 
     #[test]

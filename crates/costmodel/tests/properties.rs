@@ -124,7 +124,7 @@ proptest! {
     fn arbitrary_parameters_are_accepted_or_refused_without_panicking(
         vals in proptest::collection::vec(prop_oneof![
             Just(f64::NAN), Just(f64::INFINITY), Just(-1.0), Just(0.0), 1e-9f64..1e9
-        ], 16),
+        ], 17),
         counts in proptest::collection::vec(prop_oneof![Just(0u32), Just(u32::MAX), 0u32..100_000], 3),
     ) {
         let params = CostParams {
@@ -133,8 +133,10 @@ proptest! {
             splice: SpliceCost { fixed_us: vals[4], per_token_us: vals[5] },
             gather: GatherCost { fixed_us_per_layer: vals[6], per_holder_us_per_layer: vals[7] },
             holder: HolderCompute {
+                fixed_us: vals[16],
                 floor_us: vals[8], us_per_token: vals[9], us_per_row_token: vals[12],
                 sparse: SparsePremium { at_zero: vals[13], per_entry: vals[14] },
+                table: None,
             },
             merge: MergeCost { fixed_us: vals[10], us_per_row_part: vals[11] },
             local_us_per_token_layer: vals[15],

@@ -8,7 +8,7 @@
 use std::collections::VecDeque;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use kvroute_costmodel::{HolderCompute, SparsePremium};
+use kvroute_costmodel::{HolderCompute, KernelTable, SparsePremium};
 use kvroute_kernels::layout::{D_QK, PARTIAL_ROW_BYTES};
 use kvroute_kernels::{Backend, Cache, Queries, WireOut, partial_dense_wire};
 use serde::{Deserialize, Serialize};
@@ -17,11 +17,11 @@ use crate::error::RemoteError;
 
 /// Kernel calls whose compute-bound rate is kept (the median of these is reported).
 const WINDOW: usize = 64;
-/// Compute-bound calls needed before they replace the start-up rate.
-const MIN_OBSERVED: usize = 4;
-/// Rows of the start-up calibration's compute-bound point.
-const CALIBRATION_ROWS: usize = 256;
-/// Entries of the start-up calibration's floor point.
+/// Served calls needed before they rescale the start-up calibration.
+const MIN_OBSERVED: usize = 3;
+/// Distinct call shapes (predicted times 1.5x apart) needed to fit a fixed cost as well.
+const MIN_SHAPES: usize = 3;
+/// Fewest entries the start-up calibration times a call over.
 const FLOOR_TOKENS: usize = 64;
 /// Repetitions of each start-up point; the fastest is kept.
 const REPS: usize = 3;
@@ -29,14 +29,14 @@ const REPS: usize = 3;
 /// What a holder reports about its kernel ([`crate::HolderStats::kernel`]).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct HolderKernel {
-    /// The roofline now: the start-up calibration with its compute bound replaced by the
-    /// median of recent compute-bound calls once there are enough.
+    /// The roofline now: the start-up calibration as the recent served calls have rescaled it
+    /// (see [`KernelRate::current`]).
     pub compute: HolderCompute,
     /// When the start-up calibration ran, milliseconds since the Unix epoch.
     pub calibrated_unix_ms: u64,
-    /// Compute-bound kernel calls observed since (the refit's evidence).
+    /// Dense kernel calls observed since (the refit's evidence).
     pub observed_calls: u64,
-    /// Of those, how many the reported compute bound is the median of.
+    /// Of those, how many the reported roofline is fitted to.
     pub window: u32,
 }
 
@@ -45,7 +45,8 @@ pub struct HolderKernel {
 pub struct KernelRate {
     start: HolderCompute,
     calibrated_unix_ms: u64,
-    recent: VecDeque<f64>,
+    /// (the start-up roofline's time for the call's shape, the call's time), microseconds.
+    recent: VecDeque<(f64, f64)>,
     observed: u64,
 }
 
@@ -63,31 +64,38 @@ impl KernelRate {
         }
     }
 
-    /// Records one served kernel call of `rows` rows over `tokens` entries that took `us`.
-    /// Only calls the start-up roofline puts on its compute bound (by a factor of two, so
-    /// the memory bound and the floor do not leak in) update the compute rate.
+    /// Records one served dense kernel call of `rows` rows over `tokens` entries that took
+    /// `us`. A time that is not finite and positive is not evidence.
     pub fn observe(&mut self, rows: usize, tokens: usize, us: f64) {
-        let (r, t) = (rows as f64, tokens as f64);
-        let compute = r * t * self.start.us_per_row_token;
-        let other = self.start.floor_us.max(t * self.start.us_per_token);
-        if !(us.is_finite() && us > 0.0) || rows == 0 || tokens == 0 || compute < 2.0 * other {
+        if !(us.is_finite() && us > 0.0) || rows == 0 || tokens == 0 {
+            return;
+        }
+        let predicted = self.start.shape_us(rows as f64, tokens as f64);
+        if !(predicted.is_finite() && predicted > 0.0) {
             return;
         }
         if self.recent.len() == WINDOW {
             self.recent.pop_front();
         }
-        self.recent.push_back(us / (r * t));
+        self.recent.push_back((predicted, us));
         self.observed += 1;
     }
 
-    /// The roofline as it stands.
+    /// The roofline as it stands. A holder serving requests is not the idle machine it
+    /// calibrated on at start (its cores are shared with its own serving and progress threads
+    /// and whatever else runs there; its worker threads sleep between calls and take time to
+    /// wake), so once [`MIN_OBSERVED`] calls are in, the start-up roofline is refitted to them
+    /// as `fixed + scale x shape`: a Theil-Sen line of the calls' times against what the
+    /// start-up calibration says of their shapes, robust to a stalled call, its fixed cost no
+    /// more than half the fastest call, the scale then the median ratio of what is left.
+    /// Calls of fewer than [`MIN_SHAPES`] shapes cannot split a fixed cost from a scale: the
+    /// median ratio rescales alone.
     pub fn current(&self) -> HolderKernel {
-        let mut compute = self.start;
-        if self.recent.len() >= MIN_OBSERVED {
-            let mut v: Vec<f64> = self.recent.iter().copied().collect();
-            v.sort_by(f64::total_cmp);
-            compute.us_per_row_token = v[v.len() / 2];
-        }
+        let compute = if self.recent.len() >= MIN_OBSERVED {
+            self.refit().unwrap_or(self.start)
+        } else {
+            self.start
+        };
         HolderKernel {
             compute,
             calibrated_unix_ms: self.calibrated_unix_ms,
@@ -95,14 +103,54 @@ impl KernelRate {
             window: self.recent.len() as u32,
         }
     }
+
+    fn refit(&self) -> Option<HolderCompute> {
+        let points: Vec<(f64, f64)> = self.recent.iter().copied().collect();
+        let mut shapes: Vec<f64> = points.iter().map(|p| p.0).collect();
+        shapes.sort_by(f64::total_cmp);
+        shapes.dedup_by(|a, b| *a <= *b * 1.5);
+        let fastest = points.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+        let line = kvroute_costmodel::fit::theil_sen(&points).ok();
+        let (fixed, scale) = match line {
+            // A fixed cost needs three shapes to be told from a scale, and can be no more
+            // than half the fastest call it is part of.
+            Some(l) if shapes.len() >= MIN_SHAPES && l.slope > 0.0 => {
+                let fixed = l.intercept.clamp(0.0, 0.5 * fastest);
+                let mut ratios: Vec<f64> = points.iter().map(|p| (p.1 - fixed) / p.0).collect();
+                ratios.sort_by(f64::total_cmp);
+                (fixed, ratios[ratios.len() / 2])
+            }
+            _ => {
+                let mut ratios: Vec<f64> = points.iter().map(|p| p.1 / p.0).collect();
+                ratios.sort_by(f64::total_cmp);
+                (0.0, ratios[ratios.len() / 2])
+            }
+        };
+        let s = &self.start;
+        let fitted = HolderCompute {
+            fixed_us: s.fixed_us + fixed,
+            floor_us: s.floor_us * scale,
+            us_per_token: s.us_per_token * scale,
+            us_per_row_token: s.us_per_row_token * scale,
+            sparse: s.sparse,
+            table: s.table.map(|t| KernelTable {
+                fixed_us: t.fixed_us.map(|f| f * scale),
+                us_per_token: t.us_per_token.map(|r| r * scale),
+            }),
+        };
+        fitted.validate().is_ok().then_some(fitted)
+    }
 }
 
-/// Measures the roofline of the dense wire kernel (what a holder runs for a route) on
-/// `backend` over one held layer, `rows` of `tokens` 576-wide bf16 entries: the fastest of a
-/// few calls at (1 row, 64 entries) for the floor, (1 row, every entry) for the memory
-/// bound and (256 rows, every entry) for the compute bound; the layer's own rows stand in
-/// for the queries. The sparse premium stays paper 000's (a dense calibration cannot see
-/// the indexed gather).
+/// Measures the dense wire kernel (what a holder runs for a route) on `backend` over one
+/// held layer, `rows` of `tokens` 576-wide bf16 entries, the layer's own rows standing in
+/// for the queries: at each of [`KernelTable::ROWS`] query rows, the fastest of a few calls
+/// over a quarter of the entries (at least 64) and over all of them, the line through the two
+/// as that row count's fixed cost and cost per entry. The roofline's bounds are filled from
+/// the same calls (the floor from one row over the fewest entries, the memory bound from one
+/// row over all, the compute bound from the most rows over all) for a reader; the table
+/// prices. The sparse premium stays paper 000's (a dense calibration cannot see the indexed
+/// gather).
 pub fn calibrate(backend: Backend, rows: &[u16], scale: f32) -> Result<HolderCompute, RemoteError> {
     let tokens = rows.len() / D_QK;
     if tokens == 0 {
@@ -110,13 +158,9 @@ pub fn calibrate(backend: Backend, rows: &[u16], scale: f32) -> Result<HolderCom
             "kernel calibration needs a held layer".into(),
         ));
     }
-    let queries: Vec<u16> = rows
-        .iter()
-        .copied()
-        .cycle()
-        .take(CALIBRATION_ROWS * D_QK)
-        .collect();
-    let mut out = vec![0u8; CALIBRATION_ROWS * PARTIAL_ROW_BYTES];
+    let most = KernelTable::ROWS[KernelTable::ROWS.len() - 1] as usize;
+    let queries: Vec<u16> = rows.iter().copied().cycle().take(most * D_QK).collect();
+    let mut out = vec![0u8; most * PARTIAL_ROW_BYTES];
     let mut time = |r: usize, t: usize| -> Result<f64, RemoteError> {
         let q = Queries::new(&queries[..r * D_QK])?;
         let cache = Cache::contiguous(&rows[..t * D_QK])?;
@@ -129,15 +173,31 @@ pub fn calibrate(backend: Backend, rows: &[u16], scale: f32) -> Result<HolderCom
         }
         Ok(best)
     };
-    let floor_us = time(1, FLOOR_TOKENS.min(tokens))?;
-    let memory_us = time(1, tokens)?;
-    let compute_us = time(CALIBRATION_ROWS, tokens)?;
+    let few = (tokens / 4).max(FLOOR_TOKENS).min(tokens);
+    let mut table = KernelTable {
+        fixed_us: [0.0; 5],
+        us_per_token: [0.0; 5],
+    };
+    let mut ends = Vec::new();
+    for (i, &r) in KernelTable::ROWS.iter().enumerate() {
+        let (small, all) = (time(r as usize, few)?, time(r as usize, tokens)?);
+        let rate = if tokens > few && all > small {
+            (all - small) / (tokens - few) as f64
+        } else {
+            all / tokens as f64
+        };
+        table.fixed_us[i] = (all - rate * tokens as f64).max(0.0);
+        table.us_per_token[i] = rate;
+        ends.push((small, all));
+    }
     let t = tokens as f64;
     let compute = HolderCompute {
-        floor_us,
-        us_per_token: memory_us / t,
-        us_per_row_token: compute_us / (CALIBRATION_ROWS as f64 * t),
+        fixed_us: 0.0,
+        floor_us: ends[0].0,
+        us_per_token: ends[0].1 / t,
+        us_per_row_token: ends[ends.len() - 1].1 / (most as f64 * t),
         sparse: SparsePremium::FLASHMLA_H100,
+        table: Some(table),
     };
     compute
         .validate()
@@ -150,52 +210,60 @@ mod tests {
     use super::*;
 
     const START: HolderCompute = HolderCompute {
+        fixed_us: 0.0,
         floor_us: 5.0,
         us_per_token: 0.2,
         us_per_row_token: 0.08,
         sparse: SparsePremium::NONE,
+        table: None,
     };
 
     #[test]
-    fn only_compute_bound_calls_move_the_rate_and_the_median_resists_outliers() {
+    fn served_calls_refit_a_fixed_cost_and_a_scale_and_a_stall_does_not_move_them() {
         let mut rate = KernelRate::new(START);
-        // One row over 2048 entries is memory-bound (0.08 < 2 x 0.2 per entry): ignored.
-        for _ in 0..10 {
-            rate.observe(1, 2048, 999.0);
-        }
-        assert_eq!(rate.current().observed_calls, 0);
         assert_eq!(rate.current().compute, START);
-        // Compute-bound calls at 0.05 us per row-entry, and one stalled call.
-        for _ in 0..5 {
-            rate.observe(256, 2048, 0.05 * 256.0 * 2048.0);
+        // The machine serves at half the start-up speed, with 150 us to wake its workers.
+        let served = |rows: f64, tokens: f64| 150.0 + 2.0 * START.roofline_us(rows, tokens);
+        for _ in 0..3 {
+            for (rows, tokens) in [(16usize, 512usize), (256, 2048), (1, 2048), (64, 1024)] {
+                rate.observe(rows, tokens, served(rows as f64, tokens as f64));
+            }
         }
         rate.observe(256, 2048, 1e9);
         let now = rate.current();
-        assert_eq!(now.observed_calls, 6);
-        assert!(
-            (now.compute.us_per_row_token - 0.05).abs() < 1e-12,
-            "{now:?}"
-        );
-        assert_eq!(now.compute.floor_us, START.floor_us);
+        assert_eq!(now.observed_calls, 13);
+        assert!((now.compute.fixed_us - 150.0).abs() < 1e-6, "{now:?}");
+        for (rows, tokens) in [(16.0, 512.0), (1024.0, 4096.0), (1.0, 64.0)] {
+            let want = served(rows, tokens);
+            let got = now.compute.dense_us(rows, tokens);
+            assert!(
+                (got / want - 1.0).abs() < 1e-9,
+                "{rows}x{tokens}: {got} vs {want}"
+            );
+        }
         // Bad times are not evidence.
         for us in [f64::NAN, -1.0, 0.0, f64::INFINITY] {
             rate.observe(256, 2048, us);
         }
-        assert_eq!(rate.current().observed_calls, 6);
+        assert_eq!(rate.current().observed_calls, 13);
     }
 
     #[test]
-    fn the_window_forgets_old_calls() {
+    fn one_shape_rescales_and_the_window_forgets_old_calls() {
         let mut rate = KernelRate::new(START);
         for _ in 0..WINDOW {
-            rate.observe(256, 2048, 0.05 * 256.0 * 2048.0);
+            rate.observe(256, 2048, 2.0 * START.roofline_us(256.0, 2048.0));
         }
+        assert!(
+            (rate.current().compute.us_per_row_token / START.us_per_row_token - 2.0).abs() < 1e-9
+        );
         for _ in 0..WINDOW {
-            rate.observe(256, 2048, 0.1 * 256.0 * 2048.0);
+            rate.observe(256, 2048, 3.0 * START.roofline_us(256.0, 2048.0));
         }
         let now = rate.current();
         assert_eq!(now.window as usize, WINDOW);
-        assert!((now.compute.us_per_row_token - 0.1).abs() < 1e-12);
+        assert_eq!(now.compute.fixed_us, 0.0);
+        assert!((now.compute.us_per_row_token / START.us_per_row_token - 3.0).abs() < 1e-9);
     }
 
     #[test]

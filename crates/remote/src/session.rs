@@ -157,6 +157,10 @@ pub struct HolderStats {
     pub evicted: u64,
     /// Sessions active now.
     pub active: u64,
+    /// Sessions served at once before new requesters are told busy (paper 000 section 6.3's
+    /// cap per holder).
+    #[serde(default)]
+    pub cap: u64,
 }
 
 /// Opens a session for `engine` on a holder's control connection (`writer` and a reader over

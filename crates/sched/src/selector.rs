@@ -663,10 +663,12 @@ mod tests {
 
     fn cpu_kernel() -> HolderCompute {
         HolderCompute {
+            fixed_us: 0.0,
             floor_us: 5.0,
             us_per_token: 0.2,
             us_per_row_token: 0.08,
             sparse: SparsePremium::NONE,
+            table: None,
         }
     }
 

@@ -363,6 +363,7 @@ impl Shared {
         let mut s = lock(&self.stats).clone();
         s.active = lock(&self.sessions).iter().flatten().count() as u64;
         s.kernel = Some(lock(&self.kernel).current());
+        s.cap = self.config.max_requesters as u64;
         s
     }
 

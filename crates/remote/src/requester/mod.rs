@@ -400,6 +400,29 @@ impl Requester {
         self.link_for(chunk)
     }
 
+    /// The holders of `chunk` (indices into the holders given to [`Requester::connect`]), in
+    /// the registry's replica order, each with whether it is still considered alive.
+    pub fn replicas(&self, chunk: ChunkId) -> Vec<(usize, bool)> {
+        let Ok(entries) = self.registry.holders(chunk) else {
+            return Vec::new();
+        };
+        entries
+            .iter()
+            .filter_map(|e| {
+                let at = self
+                    .links
+                    .iter()
+                    .position(|l| l.welcome.holder == e.holder)?;
+                Some((at, self.links[at].alive))
+            })
+            .collect()
+    }
+
+    /// Holders connected at start, alive or not.
+    pub fn holders(&self) -> usize {
+        self.links.len()
+    }
+
     /// The first live link holding `chunk`.
     fn link_for(&self, chunk: ChunkId) -> Result<usize, RouteError> {
         let holders = self

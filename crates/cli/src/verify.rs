@@ -1,0 +1,791 @@
+//! `kvroute verify-predicate`: paper 000's claim that the route / fetch predicate "can be
+//! evaluated, not profiled", checked on this system. For each chunk size of the grid it starts
+//! holder processes, calibrates the selector on them once ([`crate::calibrate`]: the fabric
+//! from routed round trips, each holder's kernel roofline as it reports it, the merge and the
+//! splice measured here, one pull), predicts route and fetch for every Mq from that
+//! calibration alone, and only then measures both, repetitions interleaved over the points.
+//!
+//! - **route** measured: staging the Mq query rows, the round trip to the holder (its dense
+//!   kernel over one layer of the chunk included), and the merge of the partial from its
+//!   wire rows into f32: what the model's transport + compute + merge terms price.
+//! - **fetch** measured: the whole chunk (every layer) pulled into the requester's pool and
+//!   spliced in place 4096 positions on: the model's pull + splice.
+//! - **local** is a re-prefill of the chunk through the model (`ct x L x c`). No weights run
+//!   here, and a CPU recompute of the attention alone is not a fair stand-in (it skips the
+//!   projections and the FFN that dominate a prefill), so local is neither measured nor
+//!   offered to the selector here.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use kvroute_costmodel::{Allowed, Primitive, Request};
+use kvroute_kernels::layout::D_QK;
+use kvroute_kernels::{Backend, Partial, merge_wire};
+use kvroute_kvstore::ChunkId;
+use kvroute_kvstore::corpus::queries;
+use kvroute_remote::{Call, Requester, RequesterConfig};
+use serde::Serialize;
+
+use crate::args::VerifyArgs;
+use crate::calibrate::{CalibrationSummary, calibrate, corpus_model};
+use crate::demo::{SCALE, fabric_engine_with, provider_for, spawn_holder, v2_lite_corpus};
+
+/// Target: median absolute prediction error of each primitive, percent.
+pub(crate) const TARGET_ERROR_PCT: f64 = 15.0;
+/// Target: share of decisive points where the choice was the measured fastest.
+pub(crate) const TARGET_CORRECT: f64 = 0.95;
+/// A point is decisive when its two measured times differ by more than this.
+pub(crate) const DECISIVE: f64 = 0.20;
+/// Target: regret over the measured-fastest total, percent.
+pub(crate) const TARGET_REGRET_PCT: f64 = 5.0;
+/// The requester's own prompt before the document: fetched chunks are re-homed past it.
+const PREFIX: i64 = 4096;
+/// Passes over the grid the live system learns from before predictions are fixed.
+const WARM: usize = 2;
+/// The probe sweep's largest Mq ([`kvroute_remote::probe::ProbeConfig::default`]).
+const PROBE_MQ: usize = 2048;
+
+/// One primitive at one point.
+#[derive(Debug, Clone, Serialize)]
+pub struct Measured {
+    /// The calibrated model's prediction, microseconds.
+    pub predicted_us: f64,
+    /// The median of the measurements, microseconds.
+    pub measured_us: f64,
+    /// Every measurement, microseconds.
+    pub samples_us: Vec<f64>,
+    /// (predicted - measured) / measured, percent.
+    pub error_pct: f64,
+}
+
+impl Measured {
+    fn new(predicted_us: f64, mut samples_us: Vec<f64>) -> Self {
+        let mut sorted = samples_us.clone();
+        sorted.sort_by(f64::total_cmp);
+        let measured_us = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
+        samples_us.shrink_to_fit();
+        Self {
+            predicted_us,
+            measured_us,
+            samples_us,
+            error_pct: 100.0 * (predicted_us - measured_us) / measured_us,
+        }
+    }
+}
+
+/// One (Mq, ct) point.
+#[derive(Debug, Clone, Serialize)]
+pub struct VerifyPoint {
+    /// Query rows.
+    pub mq: u32,
+    /// Chunk tokens.
+    pub ct: u32,
+    /// The holder (index) serving the point's chunk.
+    pub holder: usize,
+    /// Route.
+    pub route: Measured,
+    /// Fetch.
+    pub fetch: Measured,
+    /// Of route, the holder's kernel: the compute term against the holder's own timing of
+    /// the kernel call that served it.
+    pub route_kernel: Measured,
+    /// The predictions of the start-up calibration alone, before any traffic.
+    pub cold: Cold,
+    /// What the selector chose.
+    pub choice: Primitive,
+    /// What measured fastest.
+    pub fastest: Primitive,
+    /// Whether the two measured times differ by more than [`DECISIVE`].
+    pub decisive: bool,
+    /// Measured time of the choice minus the fastest's, microseconds.
+    pub regret_us: f64,
+}
+
+/// Predictions made from the start-up calibration alone.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Cold {
+    /// Route, microseconds.
+    pub route_predicted_us: f64,
+    /// Fetch, microseconds.
+    pub fetch_predicted_us: f64,
+    /// The choice.
+    pub choice: Primitive,
+}
+
+/// The grid's verdict.
+#[derive(Debug, Clone, Serialize)]
+pub struct VerifySummary {
+    /// Median absolute route prediction error, percent.
+    pub route_median_abs_error_pct: f64,
+    /// Median absolute fetch prediction error, percent.
+    pub fetch_median_abs_error_pct: f64,
+    /// The same two from the start-up calibration alone, before any traffic, percent.
+    pub cold_median_abs_error_pct: (f64, f64),
+    /// Decisive points where the start-up calibration's choice was the measured fastest.
+    pub cold_decisive_correct: usize,
+    /// Points.
+    pub points: usize,
+    /// Points whose measured times differ by more than 20%.
+    pub decisive_points: usize,
+    /// Of those, where the choice was the measured fastest.
+    pub decisive_correct: usize,
+    /// `decisive_correct / decisive_points` (1 with none).
+    pub decisive_correct_share: f64,
+    /// Share of all points where the choice was the measured fastest.
+    pub correct_share: f64,
+    /// Time lost against the measured fastest, summed, microseconds.
+    pub regret_us: f64,
+    /// The measured fastest, summed, microseconds.
+    pub fastest_total_us: f64,
+    /// `regret_us / fastest_total_us`, percent.
+    pub regret_pct: f64,
+    /// Every target met.
+    pub targets_met: bool,
+}
+
+/// What `verify-predicate` found.
+#[derive(Debug, Clone, Serialize)]
+pub struct VerifyReport {
+    /// The provider the transport opened.
+    pub provider: String,
+    /// This machine.
+    pub machine: String,
+    /// Holder processes per chunk size.
+    pub holders: usize,
+    /// Repetitions per primitive per point.
+    pub reps: usize,
+    /// Each chunk size's calibration.
+    pub calibrations: Vec<(u32, CalibrationSummary)>,
+    /// The grid.
+    pub points: Vec<VerifyPoint>,
+    /// The verdict.
+    pub summary: VerifySummary,
+    /// What local means here.
+    pub local: &'static str,
+    /// The PNGs written.
+    pub plots: Vec<PathBuf>,
+}
+
+const LOCAL: &str = "local (re-prefill, the model's ct x L x c) is neither measured nor offered: \
+                     no weights run here, and recomputing the attention alone would skip the \
+                     projections and FFN that dominate a prefill";
+
+/// `kvroute verify-predicate`.
+pub(crate) fn run(args: &VerifyArgs) -> Result<VerifyReport> {
+    if !(1..=8).contains(&args.holders) {
+        bail!("--holders must be 1 to 8");
+    }
+    if args.mq.is_empty() || args.mq.contains(&0) || args.ct.is_empty() || args.reps == 0 {
+        bail!("--mq and --ct need positive values, --reps at least 1");
+    }
+    if let Some(ct) = args.ct.iter().find(|&&ct| ct < 64) {
+        bail!("--ct {ct}: chunks of at least 64 tokens");
+    }
+    let provider = provider_for(&args.provider)?;
+    let largest = args.mq.iter().copied().max().unwrap_or(1) as usize;
+    let rows = largest.max(PROBE_MQ);
+    // A request's rows (and the probe's indices) plus headers; a reply's rows fit too.
+    let slot_bytes = (rows * (D_QK * 2 + 4) + (64 << 10)).next_power_of_two();
+    let mut provider_name = String::new();
+    let mut calibrations = Vec::new();
+    let mut points = Vec::new();
+    for &ct in &args.ct {
+        let spec = v2_lite_corpus(ct, args.holders as u32, args.seed)?;
+        let procs = (0..args.holders)
+            .map(|h| {
+                spawn_holder(
+                    &spec,
+                    &provider,
+                    &[h as u32],
+                    &[
+                        "--progress".into(),
+                        args.progress.to_string(),
+                        "--max-requesters".into(),
+                        "2".into(),
+                        "--slot-bytes".into(),
+                        slot_bytes.to_string(),
+                    ],
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let addrs: Vec<_> = procs.iter().map(|p| p.addr).collect();
+        let (engine, name) = fabric_engine_with(&provider, args.progress)?;
+        provider_name = name;
+        let mut config = RequesterConfig::new(SCALE);
+        config.link_bytes = slot_bytes;
+        config.pool_pages = spec.layout().pages() as u32;
+        config.timeout = Duration::from_secs(30);
+        // Spin briefly, then sleep: a requester busy-polling through a long route takes a core
+        // from the holder's kernel on a small machine.
+        config.spin = Duration::from_millis(1);
+        let mut req = Requester::connect(engine, &addrs, config)?;
+        let rope = spec.rope()?;
+        let doc = spec.tokens() as i64;
+        let re_homed = |c: u32| -> Vec<i64> {
+            spec.positions(ChunkId(c))
+                .iter()
+                .map(|p| p + PREFIX)
+                .collect()
+        };
+        let probe_rows = queries(PROBE_MQ, doc, &rope, args.seed ^ 99);
+        let to0 = re_homed(0);
+        let cal = calibrate(&mut req, &spec, &probe_rows, Some((ChunkId(0), &to0)))
+            .with_context(|| format!("calibrating at ct = {ct}"))?;
+        let mut warm = Vec::new();
+        let mut cal = cal;
+        let grid: Vec<(u32, u32, Vec<u16>, Vec<i64>)> = args
+            .mq
+            .iter()
+            .enumerate()
+            .map(|(i, &mq)| {
+                let chunk = (i % args.holders) as u32;
+                let q = queries(mq as usize, PREFIX + doc, &rope, args.seed ^ u64::from(mq));
+                (mq, chunk, q, re_homed(chunk))
+            })
+            .collect();
+        // Predictions from the start-up calibration alone ("cold").
+        let cold = grid
+            .iter()
+            .map(|(mq, chunk, _, _)| decide(&req, &cal, *chunk, *mq, ct))
+            .collect::<Result<Vec<_>>>()?;
+        let bytes = corpus_model(&spec)?.chunk_bytes(ct, spec.layers);
+        let mut merged = Partial::empty(largest);
+        let mut samples = vec![Samples::default(); grid.len()];
+        // Passes of traffic the live system learns from (the selector refits the fabric and
+        // the pulls, the holders refit their kernels), then predictions are fixed and the next
+        // `reps` passes are what they are compared with.
+        for rep in 0..WARM + args.reps {
+            for k in 0..grid.len() {
+                let i = if rep % 2 == 0 { k } else { grid.len() - 1 - k };
+                let (mq, chunk, q, to) = &grid[i];
+                let route = route_once(&mut req, *chunk, q, &mut merged)?;
+                let started = Instant::now();
+                let fetched = req
+                    .fetch(ChunkId(*chunk), to, rope, Backend::Cpu)
+                    .with_context(|| format!("fetching chunk {chunk}"))?;
+                let fetch_us = started.elapsed().as_secs_f64() * 1e6;
+                let now = cal.now_ms();
+                cal.selector.observe_route(
+                    *mq,
+                    route.total_us - route.kernel_us - route.merge_us,
+                    now,
+                );
+                cal.selector.observe_pull(bytes, fetched.transfer_us, now);
+                req.release(fetched)?;
+                if rep >= WARM {
+                    let s = &mut samples[i];
+                    s.route.push(route.total_us);
+                    s.kernel.push(route.kernel_us);
+                    s.fetch.push(fetch_us);
+                }
+            }
+            if rep + 1 == WARM {
+                cal.poll_holders(&mut req)?;
+                let _ = cal.selector.refit(cal.now_ms());
+                calibrations.push((ct, CalibrationSummary::of(&cal)?));
+                warm = grid
+                    .iter()
+                    .map(|(mq, chunk, _, _)| decide(&req, &cal, *chunk, *mq, ct))
+                    .collect::<Result<Vec<_>>>()?;
+            }
+        }
+        for (i, (mq, _, _, _)) in grid.iter().enumerate() {
+            let s = std::mem::take(&mut samples[i]);
+            let choice = &warm[i];
+            let mut p = point(
+                *mq,
+                ct,
+                choice.holder.unwrap_or(0),
+                choice.primitive,
+                (
+                    Measured::new(choice.decision.route.total_us, s.route),
+                    Measured::new(choice.decision.fetch.total_us, s.fetch),
+                ),
+            );
+            p.route_kernel = Measured::new(choice.decision.route.breakdown.compute_us, s.kernel);
+            p.cold = Cold {
+                route_predicted_us: cold[i].decision.route.total_us,
+                fetch_predicted_us: cold[i].decision.fetch.total_us,
+                choice: cold[i].primitive,
+            };
+            points.push(p);
+        }
+        drop(req);
+        drop(procs);
+    }
+    let summary = summarise(&points);
+    let mut report = VerifyReport {
+        provider: provider_name,
+        machine: crate::bench::machine(),
+        holders: args.holders,
+        reps: args.reps,
+        calibrations,
+        points,
+        summary,
+        local: LOCAL,
+        plots: Vec::new(),
+    };
+    if let Some(dir) = &args.plots {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        report.plots = plots(&report, dir)?;
+    }
+    Ok(report)
+}
+
+/// One route as the model prices it: the rows staged, the round trip (the holder's kernel
+/// included), the partial merged from its wire rows. Microseconds.
+fn route_once(
+    req: &mut Requester,
+    chunk: u32,
+    q: &[u16],
+    merged: &mut Partial,
+) -> Result<RouteTimes> {
+    let call = [Call {
+        chunk: ChunkId(chunk),
+        layer: 0,
+        queries: q,
+        sparse: None,
+    }];
+    let started = Instant::now();
+    let routed = req.stage_copied(&call).route_wire();
+    let part = routed.partial(0)?;
+    let merging = Instant::now();
+    merge_wire(&[part], merged)?;
+    let merge_us = merging.elapsed().as_secs_f64() * 1e6;
+    let total_us = started.elapsed().as_secs_f64() * 1e6;
+    Ok(RouteTimes {
+        total_us,
+        kernel_us: routed.holder_kernel_us(0, total_us).unwrap_or(0.0),
+        merge_us,
+    })
+}
+
+/// One measured route: the whole of it, the holder's kernel as its reply says, the merge.
+struct RouteTimes {
+    total_us: f64,
+    kernel_us: f64,
+    merge_us: f64,
+}
+
+/// A point's measurements, microseconds.
+#[derive(Debug, Clone, Default)]
+struct Samples {
+    route: Vec<f64>,
+    kernel: Vec<f64>,
+    fetch: Vec<f64>,
+}
+
+/// The selector's choice for `mq` rows against chunk `chunk` of `ct` tokens, route or fetch.
+fn decide(
+    req: &Requester,
+    cal: &crate::calibrate::Calibrated,
+    chunk: u32,
+    mq: u32,
+    ct: u32,
+) -> Result<kvroute_sched::selector::Choice> {
+    let replicas: Vec<usize> = req
+        .replicas(ChunkId(chunk))
+        .into_iter()
+        .filter(|r| r.1)
+        .map(|r| r.0)
+        .collect();
+    let request = Request {
+        allowed: Allowed {
+            local: false,
+            ..Allowed::ALL
+        },
+        ..Request::contiguous(mq, ct)
+    };
+    Ok(cal.selector.decide(&replicas, request)?)
+}
+
+fn point(
+    mq: u32,
+    ct: u32,
+    holder: usize,
+    choice: Primitive,
+    (route, fetch): (Measured, Measured),
+) -> VerifyPoint {
+    let (fastest, best, other) = if route.measured_us <= fetch.measured_us {
+        (Primitive::Route, route.measured_us, fetch.measured_us)
+    } else {
+        (Primitive::Fetch, fetch.measured_us, route.measured_us)
+    };
+    let chosen = if choice == Primitive::Route {
+        route.measured_us
+    } else {
+        fetch.measured_us
+    };
+    VerifyPoint {
+        mq,
+        ct,
+        holder,
+        decisive: other > best * (1.0 + DECISIVE),
+        regret_us: chosen - best,
+        route_kernel: Measured::new(f64::NAN, Vec::new()),
+        cold: Cold {
+            route_predicted_us: f64::NAN,
+            fetch_predicted_us: f64::NAN,
+            choice,
+        },
+        route,
+        fetch,
+        choice,
+        fastest,
+    }
+}
+
+fn median_abs(values: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.map(f64::abs).collect();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// The verdict over `points`.
+pub(crate) fn summarise(points: &[VerifyPoint]) -> VerifySummary {
+    let decisive: Vec<&VerifyPoint> = points.iter().filter(|p| p.decisive).collect();
+    let decisive_correct = decisive.iter().filter(|p| p.choice == p.fastest).count();
+    let correct = points.iter().filter(|p| p.choice == p.fastest).count();
+    let regret_us: f64 = points.iter().map(|p| p.regret_us).sum();
+    let fastest_total_us: f64 = points
+        .iter()
+        .map(|p| p.route.measured_us.min(p.fetch.measured_us))
+        .sum();
+    let share = |n: usize, of: usize| if of == 0 { 1.0 } else { n as f64 / of as f64 };
+    let route = median_abs(points.iter().map(|p| p.route.error_pct));
+    let fetch = median_abs(points.iter().map(|p| p.fetch.error_pct));
+    let decisive_correct_share = share(decisive_correct, decisive.len());
+    let cold_error = |pick: fn(&VerifyPoint) -> (f64, f64)| {
+        median_abs(points.iter().map(|p| {
+            let (predicted, measured) = pick(p);
+            100.0 * (predicted - measured) / measured
+        }))
+    };
+    let regret_pct = 100.0 * regret_us / fastest_total_us;
+    VerifySummary {
+        route_median_abs_error_pct: route,
+        fetch_median_abs_error_pct: fetch,
+        cold_median_abs_error_pct: (
+            cold_error(|p| (p.cold.route_predicted_us, p.route.measured_us)),
+            cold_error(|p| (p.cold.fetch_predicted_us, p.fetch.measured_us)),
+        ),
+        cold_decisive_correct: decisive
+            .iter()
+            .filter(|p| p.cold.choice == p.fastest)
+            .count(),
+        points: points.len(),
+        decisive_points: decisive.len(),
+        decisive_correct,
+        decisive_correct_share,
+        correct_share: share(correct, points.len()),
+        regret_us,
+        fastest_total_us,
+        regret_pct,
+        targets_met: route <= TARGET_ERROR_PCT
+            && fetch <= TARGET_ERROR_PCT
+            && decisive_correct_share >= TARGET_CORRECT
+            && regret_pct < TARGET_REGRET_PCT,
+    }
+}
+
+impl std::fmt::Display for VerifyReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "kvroute verify-predicate: {} holder processes per chunk size over libfabric {}, {} reps, {}",
+            self.holders, self.provider, self.reps, self.machine
+        )?;
+        for (ct, c) in &self.calibrations {
+            write!(f, "ct = {ct}: {c}")?;
+        }
+        writeln!(
+            f,
+            "{:>5} {:>5} {:>3}  {:>21} {:>7}  {:>21} {:>7}  {:<6} {:<6}",
+            "Mq",
+            "ct",
+            "h",
+            "route pred/meas us",
+            "err",
+            "fetch pred/meas us",
+            "err",
+            "choice",
+            "fastest"
+        )?;
+        for p in &self.points {
+            let mark = if p.choice == p.fastest {
+                ""
+            } else if p.decisive {
+                "  WRONG"
+            } else {
+                "  (within 20%)"
+            };
+            writeln!(
+                f,
+                "{:>5} {:>5} {:>3}  {:>10.0}/{:<10.0} {:>+6.1}% {:>10.0}/{:<10.0}  {:>10.0}/{:<10.0} {:>+6.1}%  {:<6} {:<6}{mark}",
+                p.mq,
+                p.ct,
+                p.holder,
+                p.route.predicted_us,
+                p.route.measured_us,
+                p.route.error_pct,
+                p.route_kernel.predicted_us,
+                p.route_kernel.measured_us,
+                p.fetch.predicted_us,
+                p.fetch.measured_us,
+                p.fetch.error_pct,
+                p.choice.name(),
+                p.fastest.name()
+            )?;
+        }
+        let s = &self.summary;
+        let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
+        writeln!(
+            f,
+            "median |error|: route {:.1}%, fetch {:.1}% (target <= {TARGET_ERROR_PCT}%: {}, {})",
+            s.route_median_abs_error_pct,
+            s.fetch_median_abs_error_pct,
+            verdict(s.route_median_abs_error_pct <= TARGET_ERROR_PCT),
+            verdict(s.fetch_median_abs_error_pct <= TARGET_ERROR_PCT)
+        )?;
+        writeln!(
+            f,
+            "  from the start-up calibration alone (before any traffic): route {:.1}%, fetch {:.1}%, choice right at {}/{} decisive points",
+            s.cold_median_abs_error_pct.0,
+            s.cold_median_abs_error_pct.1,
+            s.cold_decisive_correct,
+            s.decisive_points
+        )?;
+        writeln!(
+            f,
+            "choice = measured fastest at {}/{} decisive points ({:.0}%, target >= {:.0}%: {}), {:.0}% of all {}",
+            s.decisive_correct,
+            s.decisive_points,
+            100.0 * s.decisive_correct_share,
+            100.0 * TARGET_CORRECT,
+            verdict(s.decisive_correct_share >= TARGET_CORRECT),
+            100.0 * s.correct_share,
+            s.points
+        )?;
+        writeln!(
+            f,
+            "regret {:.0} us of {:.0} us ({:.2}%, target < {TARGET_REGRET_PCT}%: {})",
+            s.regret_us,
+            s.fastest_total_us,
+            s.regret_pct,
+            verdict(s.regret_pct < TARGET_REGRET_PCT)
+        )?;
+        writeln!(f, "note: {}", self.local)?;
+        for p in &self.plots {
+            writeln!(f, "wrote {}", p.display())?;
+        }
+        Ok(())
+    }
+}
+
+fn plots(r: &VerifyReport, dir: &Path) -> Result<Vec<PathBuf>> {
+    use plotters::prelude::*;
+
+    use crate::sweep::plots::{err, font, legend};
+    font()?;
+    let mut out = Vec::new();
+    // Predicted against measured, both primitives, with the y = x line.
+    let path = dir.join("predicted-vs-measured.png");
+    {
+        let values = r
+            .points
+            .iter()
+            .flat_map(|p| {
+                [
+                    p.route.predicted_us,
+                    p.route.measured_us,
+                    p.fetch.predicted_us,
+                    p.fetch.measured_us,
+                ]
+            })
+            .filter(|v| v.is_finite() && *v > 0.0);
+        let (lo, hi) = values.fold((f64::INFINITY, 0f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
+        if !lo.is_finite() {
+            bail!("nothing to plot");
+        }
+        let (lo, hi) = (lo / 1.5, hi * 1.5);
+        let root = BitMapBackend::new(&path, (900, 860)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                format!("predicted vs measured ({}, {} reps)", r.provider, r.reps),
+                ("sans-serif", 24),
+            )
+            .margin(18)
+            .x_label_area_size(50)
+            .y_label_area_size(80)
+            .build_cartesian_2d((lo..hi).log_scale(), (lo..hi).log_scale())
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc("measured (us, median)")
+            .y_desc("predicted (us)")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .draw()
+            .map_err(err)?;
+        chart
+            .draw_series(LineSeries::new([(lo, lo), (hi, hi)], BLACK.stroke_width(1)))
+            .map_err(err)?
+            .label("predicted = measured")
+            .legend(legend(BLACK));
+        for (name, color, pick) in [
+            (
+                "route",
+                RGBColor(0, 128, 0),
+                (|p: &VerifyPoint| &p.route) as fn(&VerifyPoint) -> &Measured,
+            ),
+            ("fetch", RGBColor(200, 30, 30), |p: &VerifyPoint| &p.fetch),
+        ] {
+            chart
+                .draw_series(r.points.iter().map(|p| {
+                    let m = pick(p);
+                    Circle::new((m.measured_us, m.predicted_us), 5, color.filled())
+                }))
+                .map_err(err)?
+                .label(name)
+                .legend(legend(color));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 15))
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)?;
+    }
+    out.push(path);
+    // The decision map: (Mq, ct), coloured by the choice, wrong decisive choices crossed.
+    let path = dir.join("decision-map.png");
+    {
+        let mqs = r.points.iter().map(|p| f64::from(p.mq));
+        let cts = r.points.iter().map(|p| f64::from(p.ct));
+        let span = |v: &mut dyn Iterator<Item = f64>| {
+            v.fold((f64::INFINITY, 0f64), |(lo, hi), x| (lo.min(x), hi.max(x)))
+        };
+        let (x0, x1) = span(&mut mqs.clone());
+        let (y0, y1) = span(&mut cts.clone());
+        let root = BitMapBackend::new(&path, (1000, 760)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                format!(
+                    "decision map ({}): colour = choice, X = not the measured fastest",
+                    r.provider
+                ),
+                ("sans-serif", 22),
+            )
+            .margin(18)
+            .x_label_area_size(50)
+            .y_label_area_size(80)
+            .build_cartesian_2d(
+                (x0 / 1.6..x1 * 1.6).log_scale(),
+                (y0 / 1.6..y1 * 1.6).log_scale(),
+            )
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc("Mq (query rows)")
+            .y_desc("ct (chunk tokens)")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .draw()
+            .map_err(err)?;
+        for (name, prim, color) in [
+            ("route chosen", Primitive::Route, RGBColor(0, 128, 0)),
+            ("fetch chosen", Primitive::Fetch, RGBColor(200, 30, 30)),
+        ] {
+            chart
+                .draw_series(
+                    r.points.iter().filter(|p| p.choice == prim).map(|p| {
+                        Circle::new((f64::from(p.mq), f64::from(p.ct)), 12, color.filled())
+                    }),
+                )
+                .map_err(err)?
+                .label(name)
+                .legend(legend(color));
+        }
+        chart
+            .draw_series(r.points.iter().filter(|p| p.choice != p.fastest).map(|p| {
+                Cross::new(
+                    (f64::from(p.mq), f64::from(p.ct)),
+                    14,
+                    BLACK.stroke_width(3),
+                )
+            }))
+            .map_err(err)?
+            .label("not the measured fastest")
+            .legend(legend(BLACK));
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 15))
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)?;
+    }
+    out.push(path);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(predicted_us: f64, measured: f64) -> Measured {
+        Measured::new(predicted_us, vec![measured * 1.1, measured, measured * 0.9])
+    }
+
+    #[test]
+    fn the_summary_counts_decisive_points_and_regret() {
+        let points = vec![
+            // Right and decisive.
+            point(
+                16,
+                512,
+                0,
+                Primitive::Route,
+                (m(100.0, 110.0), m(1000.0, 900.0)),
+            ),
+            // Wrong and decisive: 300 us lost.
+            point(
+                1024,
+                512,
+                1,
+                Primitive::Route,
+                (m(500.0, 1200.0), m(1000.0, 900.0)),
+            ),
+            // Wrong but within 20%: 50 us lost, not decisive.
+            point(
+                256,
+                512,
+                0,
+                Primitive::Fetch,
+                (m(900.0, 850.0), m(800.0, 900.0)),
+            ),
+        ];
+        assert_eq!(points[1].regret_us, 300.0);
+        assert!(!points[2].decisive);
+        let s = summarise(&points);
+        assert_eq!((s.decisive_points, s.decisive_correct), (2, 1));
+        assert_eq!(s.decisive_correct_share, 0.5);
+        assert_eq!(s.regret_us, 350.0);
+        assert_eq!(s.fastest_total_us, 110.0 + 900.0 + 850.0);
+        assert!(!s.targets_met);
+        // Route errors: -9.1%, -58.3%, +5.9%: the median absolute is 9.1%.
+        assert!((s.route_median_abs_error_pct - 100.0 * 10.0 / 110.0).abs() < 1e-9);
+    }
+}
