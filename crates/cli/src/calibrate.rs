@@ -39,11 +39,16 @@ impl Calibrated {
         self.epoch.elapsed().as_millis() as u64
     }
 
-    /// Asks every live holder for its kernel roofline and load and hands them to the selector;
-    /// a holder that does not answer is marked dead.
-    pub(crate) fn poll_holders(&mut self, req: &mut Requester) -> Result<()> {
+    /// Asks every live holder for its kernel roofline and load and hands them to the selector.
+    /// A holder that does not answer is marked dead, here and in the requester (its chunks go
+    /// to their replicas); returns those, each with why.
+    pub(crate) fn poll_holders(&mut self, req: &mut Requester) -> Result<Vec<(usize, String)>> {
         let now = self.now_ms();
+        let mut dead = Vec::new();
         for h in 0..req.holders() {
+            if !self.selector.holders().get(h).is_some_and(|s| s.alive) {
+                continue;
+            }
             match req.holder_stats(h) {
                 Ok(stats) => {
                     // This requester's own session is one of the holder's active ones.
@@ -55,10 +60,12 @@ impl Calibrated {
                 Err(e) => {
                     tracing::warn!(holder = h, %e, "holder did not report; marked dead");
                     self.selector.set_alive(h, false)?;
+                    req.mark_dead(h)?;
+                    dead.push((h, e.to_string()));
                 }
             }
         }
-        Ok(())
+        Ok(dead)
     }
 }
 

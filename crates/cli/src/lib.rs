@@ -41,6 +41,7 @@ pub use bench::{Target, TransportBenchReport};
 pub use bench_fabric::{Compared, FabricBenchReport, PagedRow};
 pub use bench_kernels::KernelsBenchReport;
 pub use bench_kvpath::KvPathReport;
+pub use calibrate::CalibrationSummary;
 pub use kernel::{GpuReport, KernelReport};
 pub use plan::{HelixReport, PrfaasReport};
 pub use predict::PredictReport;

@@ -83,12 +83,55 @@ fn demo_over_tcp_routes_and_checks() {
 fn demo_over_shm_routes_and_checks() {
     let json = assert_passed(&["--provider", "shm", "--holders", "3", "--steps", "2"]);
     assert_eq!(json["provider"], "shm");
-    // One decision per distinct input: the dense steps' chunks all have the same size (one
-    // decision for every chunk of both steps), and the sparse selection.
+    // One decision per chunk (its holders' kernel, load and liveness are its own) logged
+    // once per choice, covering every step it was taken for, and one for the sparse
+    // selection.
     let decisions = json["decisions"].as_array().cloned().unwrap_or_default();
-    assert_eq!(decisions.len(), 2, "{decisions:?}");
-    assert_eq!(decisions[0]["chunks"], serde_json::json!([0, 1, 2]));
-    assert_eq!(decisions[0]["steps"], serde_json::json!([0, 1]));
+    for chunk in 0..3u64 {
+        let mut steps: Vec<u64> = decisions
+            .iter()
+            .filter(|d| d["chunks"] == serde_json::json!([chunk]))
+            .flat_map(|d| d["steps"].as_array().cloned().unwrap_or_default())
+            .filter_map(|s| s.as_u64())
+            .collect();
+        steps.sort_unstable();
+        assert_eq!(steps, vec![0, 1], "chunk {chunk}: {decisions:?}");
+    }
+    assert!(
+        decisions
+            .iter()
+            .any(|d| d["chunks"] == serde_json::json!([])),
+        "{decisions:?}"
+    );
+    // Every route (one chunk, one layer) and fetch (one chunk) has its prediction beside
+    // its measurement: per dense step, a route per routed chunk and checked layer or a
+    // fetch per fetched chunk, then the sparse step's three layers.
+    let timings = json["timings"].as_array().cloned().unwrap_or_default();
+    for t in &timings {
+        let (p, m) = (&t["predicted_us"], &t["measured_us"]);
+        assert!(
+            p.as_f64().is_some_and(|v| v > 0.0) && m.as_f64().is_some_and(|v| v > 0.0),
+            "{t}"
+        );
+    }
+    let per_step = |step: u64| timings.iter().filter(|t| t["step"] == step).count();
+    for step in 0..2 {
+        assert!(
+            (3..=9).contains(&per_step(step)),
+            "step {step}: {timings:?}"
+        );
+    }
+    assert!(per_step(2) >= 1, "{timings:?}");
+    // The calibration it priced with: the fabric fitted here, each holder's kernel report,
+    // with ages.
+    let cal = &json["calibration"];
+    assert!(cal["bw_gbps"].as_f64().is_some_and(|v| v > 0.0), "{cal}");
+    assert_eq!(
+        cal["holder_kernels"].as_array().map_or(0, Vec::len),
+        3,
+        "{cal}"
+    );
+    assert!(cal["detail"]["ages_ms"]["fabric"].is_u64(), "{cal}");
 }
 
 #[test]

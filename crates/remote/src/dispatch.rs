@@ -26,6 +26,10 @@ pub struct MergedStep {
     pub parts: Vec<Partial>,
     /// The calls re-sent after their holder failed.
     pub fallbacks: Vec<Fallback>,
+    /// The longest kernel time a reply of the first attempt reported for its call (bounded
+    /// by that attempt's round trip, [`crate::wire::kernel_us_within`]), microseconds: what a
+    /// caller takes out of the step's time to see the transport's part.
+    pub kernel_us: f64,
 }
 
 /// Routes `calls` and merges their partials. Each call's query rows are copied straight into
@@ -39,6 +43,7 @@ pub fn route_merged(req: &mut Requester, calls: &[Call<'_>]) -> Result<MergedSte
     let mut step = MergedStep {
         parts: Vec::new(),
         fallbacks: Vec::new(),
+        kernel_us: 0.0,
     };
     let mut pending: Vec<usize> = (0..calls.len()).collect();
     for retry in [false, true] {
@@ -46,7 +51,14 @@ pub fn route_merged(req: &mut Requester, calls: &[Call<'_>]) -> Result<MergedSte
             break;
         }
         let subset: Vec<Call<'_>> = pending.iter().map(|&i| calls[i]).collect();
+        let started = std::time::Instant::now();
         let routed = req.stage_copied(&subset).route_wire();
+        let round_trip_us = started.elapsed().as_secs_f64() * 1e6;
+        if !retry {
+            step.kernel_us = (0..subset.len())
+                .filter_map(|j| routed.holder_kernel_us(j, round_trip_us))
+                .fold(0.0, f64::max);
+        }
         let mut parts = Vec::with_capacity(pending.len());
         let mut failed = Vec::new();
         for (j, &i) in pending.iter().enumerate() {

@@ -280,7 +280,7 @@ pub struct Calibration {
 pub struct CalibrationAges {
     /// The fabric fit.
     pub fabric: Option<u64>,
-    /// The pull fit.
+    /// The newest pull sample (a pull fit or, with one size only, their median rate).
     pub pull: Option<u64>,
     /// The merge measurement.
     pub merge: Option<u64>,
@@ -298,6 +298,7 @@ pub struct Selector {
     pull: FabricEstimator,
     merge_at_ms: Option<u64>,
     splice_at_ms: Option<u64>,
+    pull_at_ms: Option<u64>,
     holders: Vec<HolderState>,
 }
 
@@ -317,6 +318,7 @@ impl Selector {
             pull,
             merge_at_ms: None,
             splice_at_ms: None,
+            pull_at_ms: None,
             holders,
         })
     }
@@ -331,6 +333,7 @@ impl Selector {
     /// A whole-chunk pull of `bytes` that took `us`.
     pub fn observe_pull(&mut self, bytes: f64, us: f64, now_ms: u64) {
         self.pull.observe(bytes, us, now_ms);
+        self.pull_at_ms = Some(now_ms);
     }
 
     /// Refits both lines now (after a start-up sweep).
@@ -535,7 +538,7 @@ impl Selector {
             holders: self.holders.clone(),
             ages_ms: CalibrationAges {
                 fabric: self.fabric.fit().map(|f| age(f.fitted_at_ms)),
-                pull: self.pull.fit().map(|f| age(f.fitted_at_ms)),
+                pull: self.pull_at_ms.map(age),
                 merge: self.merge_at_ms.map(age),
                 splice: self.splice_at_ms.map(age),
                 holder_kernels: self

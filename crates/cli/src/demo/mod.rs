@@ -18,10 +18,12 @@ use std::fmt;
 use std::net::SocketAddr;
 
 use anyhow::{Context, Result, anyhow, bail};
+use kvroute_costmodel::Primitive;
 use kvroute_kernels::Partial;
 use serde::Serialize;
 
 use crate::args::{DemoArgs, RequesterArgs};
+use crate::calibrate::CalibrationSummary;
 
 mod holders;
 mod steps;
@@ -83,6 +85,23 @@ pub struct Decided {
     pub reason: String,
 }
 
+/// One prediction beside the measurement of the same thing.
+#[derive(Debug, Clone, Serialize)]
+pub struct Timing {
+    /// The decode step.
+    pub step: u32,
+    /// The kind of thing timed: the unit both sides cover.
+    pub kind: &'static str,
+    /// Which one (chunk, layer).
+    pub what: String,
+    /// The primitive run.
+    pub primitive: Primitive,
+    /// The calibrated selector's price of it, microseconds.
+    pub predicted_us: f64,
+    /// Its measured time, microseconds.
+    pub measured_us: f64,
+}
+
 /// What the demo did and found.
 #[derive(Debug, Clone, Serialize)]
 pub struct DemoReport {
@@ -106,9 +125,15 @@ pub struct DemoReport {
     /// Set when no line fitted the probe sweep (a loaded machine) and `fitted` is a bound
     /// from its points instead: why.
     pub probe_fallback: Option<String>,
+    /// The selector's start-up calibration: every constant it prices with, where it came
+    /// from and how old it is.
+    pub calibration: CalibrationSummary,
     /// Each decision.
     pub decisions: Vec<Decided>,
-    /// Route round trips of the decode steps (submit to merged output), microseconds.
+    /// Every prediction beside its measurement.
+    pub timings: Vec<Timing>,
+    /// Route round trips of the decode steps, one chunk and one layer each (submit to its
+    /// partial merged from the wire), microseconds.
     pub route_us: Vec<f64>,
     /// Fetch transfer and splice times, microseconds.
     pub fetch_us: Vec<(f64, f64)>,
@@ -137,7 +162,7 @@ impl fmt::Display for DemoReport {
             .collect();
         writeln!(
             f,
-            "probe sweep (route, staging to checked reply, minus the holder's kernel; best of {}): {}",
+            "probe sweep (one-entry routes, staging to checked reply, minus the holder's kernel; median of {}): {}",
             kvroute_remote::probe::ProbeConfig::default().reps,
             sweep.join(", ")
         )?;
@@ -150,6 +175,7 @@ impl fmt::Display for DemoReport {
             "{how} T_probe = {:.1} us, BW = {:.2} GB/s",
             self.fitted.0, self.fitted.1
         )?;
+        write!(f, "{}", self.calibration)?;
         for d in &self.decisions {
             let what = if d.chunk == u32::MAX {
                 "sparse".to_owned()
@@ -165,14 +191,47 @@ impl fmt::Display for DemoReport {
                 d.reason
             )?;
         }
-        if !self.route_us.is_empty() {
-            let mut v = self.route_us.clone();
-            v.sort_by(f64::total_cmp);
+        if !self.timings.is_empty() {
             writeln!(
                 f,
-                "route round trips (all of a step's routed chunks, submit to merged output): {}, median {:.0} us",
-                v.len(),
-                v[v.len() / 2]
+                "predicted (calibrated selector, constants above) vs measured, the same thing on both sides:"
+            )?;
+        }
+        let mut keys: Vec<(u32, &str)> = self.timings.iter().map(|t| (t.step, t.kind)).collect();
+        keys.dedup();
+        for (step, kind) in keys {
+            let ts: Vec<&Timing> = self
+                .timings
+                .iter()
+                .filter(|t| t.step == step && t.kind == kind)
+                .collect();
+            let predicted: f64 = ts.iter().map(|t| t.predicted_us).sum();
+            let measured: f64 = ts.iter().map(|t| t.measured_us).sum();
+            writeln!(
+                f,
+                "  step {step}: {} x {kind}: predicted {:.2} ms, measured {:.2} ms ({:+.0}%)",
+                ts.len(),
+                predicted / 1e3,
+                measured / 1e3,
+                100.0 * (predicted - measured) / measured
+            )?;
+        }
+        let mut kinds: Vec<&str> = self.timings.iter().map(|t| t.kind).collect();
+        kinds.sort_unstable();
+        kinds.dedup();
+        for kind in kinds {
+            let mut errors: Vec<f64> = self
+                .timings
+                .iter()
+                .filter(|t| t.kind == kind)
+                .map(|t| (100.0 * (t.predicted_us - t.measured_us) / t.measured_us).abs())
+                .collect();
+            errors.sort_by(f64::total_cmp);
+            writeln!(
+                f,
+                "  {kind}: median |error| {:.0}% over {}",
+                errors[errors.len() / 2],
+                errors.len()
             )?;
         }
         for (t, s) in &self.fetch_us {

@@ -7,19 +7,22 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use kvroute_costmodel::request::Selection;
-use kvroute_costmodel::{CostModel, CostParams, Primitive, Request, model_preset};
+use kvroute_costmodel::{Primitive, Request};
 use kvroute_kernels::{
     Backend, Cache, Partial, Queries, Rope, merge, partial_dense, partial_sparse,
 };
 use kvroute_kvstore::corpus::queries;
 use kvroute_kvstore::{ChunkId, CorpusSpec, FullBlock};
 use kvroute_remote::dispatch::{MergedStep, route_merged};
-use kvroute_remote::probe::{ProbeConfig, probe_fabric};
 use kvroute_remote::{Call, Fetched, GatherPart, Requester, RequesterConfig, Sparse};
 use kvroute_transport::ProviderChoice;
 
-use super::{BF16_TOL, Check, Decided, DemoReport, F32_TOL, HEADS, SCALE, TOPK, check};
+use super::{BF16_TOL, Check, Decided, DemoReport, F32_TOL, HEADS, SCALE, TOPK, Timing, check};
 use crate::args::{PrimitiveArg, StepArgs};
+use crate::calibrate::{Calibrated, CalibrationSummary, calibrate};
+
+/// The requester's own prompt before the document: fetched chunks are re-homed past it.
+const PREFIX: i64 = 4096;
 
 /// The primitive `--force` names.
 fn forced(arg: PrimitiveArg) -> Primitive {
@@ -37,7 +40,7 @@ struct Run<'a> {
     spec: &'a CorpusSpec,
     blocks: Vec<Vec<u16>>,
     rope: Rope,
-    costs: CostModel,
+    cal: Calibrated,
     force: Option<Primitive>,
     /// The layers each step checks: first, middle, last.
     layers: [u32; 3],
@@ -66,13 +69,15 @@ pub(super) fn decode_steps(
     };
     let mut req = Requester::connect(engine, holders, config)?;
     let rope = spec.rope()?;
-    let model = model_preset("deepseek-v2-lite")?.dims;
     let doc_tokens = spec.tokens() as i64;
-    let probe = ProbeConfig::default();
-    let largest = probe.mq.iter().copied().max().unwrap_or(1) as usize;
-    let probe_rows = queries(largest, doc_tokens, &rope, 99);
-    let probed = probe_fabric(&mut req, &probe, &probe_rows, model.routed_row_bytes())?;
-    let fabric = probed.fabric;
+    let probe_rows = queries(2048, doc_tokens, &rope, 99);
+    let to0: Vec<i64> = spec
+        .positions(ChunkId(0))
+        .iter()
+        .map(|p| p + PREFIX)
+        .collect();
+    let cal = calibrate(&mut req, spec, &probe_rows, Some((ChunkId(0), &to0)))?;
+    let summary = CalibrationSummary::of(&cal)?;
     let mut run = Run {
         req,
         spec,
@@ -81,7 +86,6 @@ pub(super) fn decode_steps(
             .map(|c| spec.chunk(ChunkId(c)))
             .collect::<Result<_, _>>()?,
         rope,
-        costs: CostModel::new(CostParams::paper_defaults(model, fabric))?,
         force: plan.force.map(forced),
         layers: [0, spec.layers / 2, spec.layers - 1],
         report: DemoReport {
@@ -91,10 +95,12 @@ pub(super) fn decode_steps(
             chunks: spec.chunks,
             chunk_tokens: spec.chunk_tokens,
             layers: spec.layers,
-            probe_sweep: probed.points,
-            fitted: (fabric.probe_us, fabric.bw_gbps),
-            probe_fallback: probed.fallback,
+            probe_sweep: cal.probe.points.clone(),
+            fitted: (summary.probe_us, summary.bw_gbps),
+            probe_fallback: cal.probe.fallback.clone(),
+            calibration: summary,
             decisions: Vec::new(),
+            timings: Vec::new(),
             route_us: Vec::new(),
             fetch_us: Vec::new(),
             gather_us: Vec::new(),
@@ -102,6 +108,7 @@ pub(super) fn decode_steps(
             checks: Vec::new(),
             passed: false,
         },
+        cal,
     };
     let mq = plan.batch as usize * HEADS;
     for step in 0..plan.steps {
@@ -117,30 +124,67 @@ pub(super) fn decode_steps(
 }
 
 impl Run<'_> {
-    /// The predicate's choice for `request` (or the forced one), logged once per distinct
-    /// input: a decision equal to one already logged only adds its step.
-    fn decide(&mut self, step: u32, request: &Request, chunks: Vec<u32>) -> Result<Primitive> {
+    /// The selector's choice for `request` against the holders of `chunk` (or the forced
+    /// one), with the selector's priced options; logged once per distinct input: a decision
+    /// equal to one already logged only adds its step. The holders' load, liveness and kernel
+    /// reports are refreshed first.
+    fn decide(
+        &mut self,
+        step: u32,
+        request: &Request,
+        (chunk, chunks): (ChunkId, Vec<u32>),
+    ) -> Result<(Primitive, kvroute_costmodel::Decision)> {
+        for (h, why) in self.cal.poll_holders(&mut self.req)? {
+            let addr = self
+                .req
+                .holder_addr(h)
+                .map_or_else(|| format!("holder {h}"), |a| a.to_string());
+            self.report.failures.push(format!(
+                "{addr} stopped answering ({why}) before step {step}: marked dead, its chunks go to their replicas"
+            ));
+        }
+        let replicas: Vec<usize> = self
+            .req
+            .replicas(chunk)
+            .into_iter()
+            .filter(|r| r.1)
+            .map(|r| r.0)
+            .collect();
+        let sparse = chunks.is_empty();
+        let replicas = if sparse {
+            (0..self.req.holders()).collect()
+        } else {
+            replicas
+        };
+        let chosen = self.cal.selector.decide(&replicas, *request)?;
         let (choice, reason) = match self.force {
             Some(p) => (p, "forced".to_owned()),
             None => {
-                let d = self.costs.decide(request)?;
-                let line = d.to_string().lines().next().unwrap_or_default().to_owned();
-                (d.choice, line)
+                let line = chosen
+                    .decision
+                    .to_string()
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .to_owned();
+                (chosen.primitive, line)
             }
         };
-        let sparse = chunks.is_empty();
         let reason = match request.selection {
             Selection::Sparse { topk, holders } if sparse => {
                 format!("sparse top-{topk} over {holders} holders: {reason}")
             }
             _ => reason,
         };
-        let chosen = format!("{choice:?}");
+        let chosen_name = format!("{choice:?}");
         let mq = request.mq_rows;
-        let same =
-            self.report.decisions.iter_mut().find(|d| {
-                d.mq == mq && d.chunks == chunks && d.choice == chosen && d.reason == reason
-            });
+        // The prices move as the calibration refits; the first step's reason stands for the
+        // rest (each step's prices are in the timings).
+        let same = self
+            .report
+            .decisions
+            .iter_mut()
+            .find(|d| d.mq == mq && d.chunks == chunks && d.choice == chosen_name);
         match same {
             Some(d) => d.steps.push(step),
             None => self.report.decisions.push(Decided {
@@ -149,11 +193,37 @@ impl Run<'_> {
                 steps: vec![step],
                 chunks,
                 mq,
-                choice: chosen,
+                choice: chosen_name,
                 reason,
             }),
         }
-        Ok(choice)
+        Ok((choice, chosen.decision))
+    }
+
+    /// Bytes of one whole chunk, every layer.
+    fn cal_bytes(&self) -> f64 {
+        let spec = self.spec;
+        (spec.chunk_tokens as usize
+            * spec.layers as usize
+            * kvroute_kernels::layout::QUERY_ROW_BYTES) as f64
+    }
+
+    /// Records one prediction beside its measurement.
+    fn timed(
+        &mut self,
+        (step, kind): (u32, &'static str),
+        what: String,
+        primitive: Primitive,
+        (predicted_us, measured_us): (f64, f64),
+    ) {
+        self.report.timings.push(Timing {
+            step,
+            kind,
+            what,
+            primitive,
+            predicted_us,
+            measured_us,
+        });
     }
 
     /// One dense decode step: every chunk attended by the primitive chosen for it, each
@@ -163,7 +233,7 @@ impl Run<'_> {
         let spec = self.spec;
         // The requester's own prompt precedes the document: a fetched chunk is re-homed past
         // it, and decode queries sit at the end of the document as the requester sees it.
-        let prefix = 4096i64;
+        let prefix = PREFIX;
         let doc_tokens = spec.tokens() as i64;
         let q = queries(
             mq,
@@ -171,14 +241,32 @@ impl Run<'_> {
             &self.rope,
             seed ^ u64::from(step),
         );
-        // Every chunk has `chunk_tokens` tokens: one input, one decision for all of them.
+        // One decision per chunk: its holders differ in kernel, load and liveness.
         let request = Request::contiguous(mq as u32, spec.chunk_tokens);
-        let primitive = self.decide(step, &request, (0..spec.chunks).collect())?;
-        let choice = vec![primitive; spec.chunks as usize];
+        let mut choice = Vec::with_capacity(spec.chunks as usize);
+        let mut priced = Vec::with_capacity(spec.chunks as usize);
+        for c in 0..spec.chunks {
+            let (primitive, decision) = self.decide(step, &request, (ChunkId(c), vec![c]))?;
+            choice.push(primitive);
+            priced.push(decision);
+        }
         let mut fetched: Vec<(u32, Fetched, Vec<Vec<u16>>)> = Vec::new();
         for c in 0..spec.chunks {
             if choice[c as usize] == Primitive::Fetch {
                 let (chunk, spliced) = self.fetch_spliced(c, prefix)?;
+                let measured = chunk.transfer_us + chunk.splice_us;
+                let predicted = priced[c as usize].fetch.total_us;
+                self.timed(
+                    (step, "fetch (one chunk, every layer, spliced)"),
+                    format!("fetch chunk {c}"),
+                    Primitive::Fetch,
+                    (predicted, measured),
+                );
+                let bytes = self.cal_bytes();
+                let now = self.cal.now_ms();
+                self.cal
+                    .selector
+                    .observe_pull(bytes, chunk.transfer_us, now);
                 fetched.push((c, chunk, spliced));
             }
         }
@@ -193,14 +281,29 @@ impl Run<'_> {
                     sparse: None,
                 })
                 .collect();
+            // Each routed chunk on its own round trip, timed as the model prices it: one
+            // chunk, one layer, submit to its partial merged from the wire.
             let mut parts = Vec::new();
-            if !calls.is_empty() {
+            for call in &calls {
                 let started = Instant::now();
-                let merged = route_merged(&mut self.req, &calls)?;
-                self.report
-                    .route_us
-                    .push(started.elapsed().as_secs_f64() * 1e6);
-                parts = self.note_fallbacks(merged);
+                let merged = route_merged(&mut self.req, std::slice::from_ref(call))?;
+                let us = started.elapsed().as_secs_f64() * 1e6;
+                self.report.route_us.push(us);
+                let c = call.chunk.0;
+                let predicted = priced[c as usize].route.total_us;
+                self.timed(
+                    (step, "route (one chunk, one layer)"),
+                    format!("route chunk {c} layer {layer}"),
+                    Primitive::Route,
+                    (predicted, us),
+                );
+                if merged.fallbacks.is_empty() {
+                    let now = self.cal.now_ms();
+                    self.cal
+                        .selector
+                        .observe_route(mq as u32, us - merged.kernel_us, now);
+                }
+                parts.extend(self.note_fallbacks(merged));
             }
             // The reference attends each chunk as its primitive does: routed and local ones at
             // their stored positions, fetched ones spliced to the requester's.
@@ -325,7 +428,8 @@ impl Run<'_> {
         let spanned = per_chunk.iter().filter(|idx| !idx.is_empty()).count() as u32;
         let request = Request::sparse(HEADS as u32, spec.tokens() as u32, sel_k as u32, spanned);
         // Local has no sparse path here (no weights to recompute a selection with): routed.
-        let choice = self.decide(step, &request, Vec::new())?;
+        let (choice, priced) = self.decide(step, &request, (ChunkId(0), Vec::new()))?;
+        let _ = &priced;
         let qq = Queries::new(&q)?;
         // Single-instance sparse attention over the whole document, per checked layer: what
         // every path must give.
@@ -354,12 +458,31 @@ impl Run<'_> {
                     tokens: idx,
                 })
                 .collect();
+            // The checked layers only (a holder stages one request's gathered rows, and every
+            // layer's would not fit); the prediction is priced for as many layers.
             let wanted: Vec<u16> = self.layers.iter().map(|&l| l as u16).collect();
             let gathered = self
                 .req
                 .gather(&parts, &wanted)
                 .context("gathering the sparse selection")?;
             self.report.gather_us.push(gathered.transfer_us);
+            let mut params = self.cal.selector.params_for(None)?;
+            params.model.layers = wanted.len() as u32;
+            let predicted = kvroute_costmodel::CostModel::new(params)?
+                .fetch(&request)?
+                .total_us();
+            self.timed(
+                (
+                    step,
+                    "sparse fetch (gather from every holder, the checked layers)",
+                ),
+                format!(
+                    "gather top-{sel_k} from {spanned} holders, {} layers",
+                    wanted.len()
+                ),
+                Primitive::Fetch,
+                (predicted, gathered.transfer_us),
+            );
             for (i, &layer) in self.layers.iter().enumerate() {
                 // The gathered rows are the selection, in order: attend all of them.
                 let cache = self.req.gathered_cache(&gathered, i)?;
@@ -387,7 +510,15 @@ impl Run<'_> {
                         }),
                     })
                     .collect();
+                let started = Instant::now();
                 let merged = route_merged(&mut self.req, &calls)?;
+                let us = started.elapsed().as_secs_f64() * 1e6;
+                self.timed(
+                    (step, "sparse route (every holder at once, one layer)"),
+                    format!("sparse route to {} holders, layer {layer}", calls.len()),
+                    Primitive::Route,
+                    (priced.route.total_us, us),
+                );
                 let parts = self.note_fallbacks(merged);
                 let merged = merge(&parts.iter().collect::<Vec<_>>())?;
                 let name = format!(

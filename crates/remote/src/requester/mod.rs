@@ -423,6 +423,22 @@ impl Requester {
         self.links.len()
     }
 
+    /// Holder `holder`'s control address.
+    pub fn holder_addr(&self, holder: usize) -> Option<SocketAddr> {
+        self.links.get(holder).map(|l| l.addr)
+    }
+
+    /// Stops using holder `holder`, found dead by other means than a route (its control
+    /// connection failed, a directory expired it): routes and fetches of its chunks go to
+    /// their next live replica from now on. Its connection is shut.
+    pub fn mark_dead(&mut self, holder: usize) -> Result<(), RemoteError> {
+        if holder >= self.links.len() {
+            return Err(RemoteError::NoSuchHolder(holder));
+        }
+        self.kill(holder);
+        Ok(())
+    }
+
     /// The first live link holding `chunk`.
     fn link_for(&self, chunk: ChunkId) -> Result<usize, RouteError> {
         let holders = self
