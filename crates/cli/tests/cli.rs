@@ -629,3 +629,57 @@ fn bench_kvpath_moves_blocks_both_ways_and_checks_every_one() {
     assert_eq!(out.status.code(), Some(1));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `verify-predicate` on a live holder: at the grid's far corners (a decode batch against a
+/// small chunk, a prefill-sized batch) the two primitives are several times apart, so the
+/// calibrated choice must be the measured fastest there; every point carries its prediction
+/// beside its measurement, and the plots are PNGs.
+#[test]
+fn verify_predicate_predicts_then_measures_route_and_fetch() {
+    let dir = scratch("verify");
+    let v = json(&kvroute(&[
+        "verify-predicate",
+        "--provider",
+        "shm",
+        "--holders",
+        "1",
+        "--ct",
+        "256",
+        "--mq",
+        "16,1024",
+        "--reps",
+        "2",
+        "--plots",
+        dir.to_str().unwrap(),
+        "--json",
+    ]));
+    let points = v["points"].as_array().unwrap();
+    assert_eq!(points.len(), 2);
+    for p in points {
+        for k in ["route", "fetch"] {
+            let (pred, meas) = (
+                p[k]["predicted_us"].as_f64().unwrap(),
+                p[k]["measured_us"].as_f64().unwrap(),
+            );
+            assert!(pred > 0.0 && meas > 0.0, "{p}");
+            assert_eq!(p[k]["samples_us"].as_array().unwrap().len(), 2, "{p}");
+        }
+        assert!(p["cold"]["route_predicted_us"].as_f64().unwrap() > 0.0);
+    }
+    assert_eq!(points[0]["choice"], "route", "{}", points[0]);
+    assert_eq!(points[0]["fastest"], "route", "{}", points[0]);
+    assert_eq!(points[1]["choice"], "fetch", "{}", points[1]);
+    assert_eq!(points[1]["fastest"], "fetch", "{}", points[1]);
+    let s = &v["summary"];
+    assert_eq!(s["decisive_correct"], s["decisive_points"], "{s}");
+    assert!(s["route_median_abs_error_pct"].as_f64().unwrap().is_finite());
+    let cal = &v["calibrations"][0][1];
+    assert!(cal["fabric_fitted"].as_bool().unwrap(), "{cal}");
+    assert!(cal["detail"]["ages_ms"]["merge"].is_u64(), "{cal}");
+    for png in ["predicted-vs-measured.png", "decision-map.png"] {
+        let bytes = std::fs::read(dir.join(png)).unwrap();
+        assert_eq!(&bytes[..4], b"\x89PNG", "{png}");
+    }
+    let out = kvroute(&["verify-predicate", "--mq", "0"]);
+    assert_eq!(out.status.code(), Some(1));
+}
