@@ -849,7 +849,7 @@ pub struct VerifyArgs {
     #[arg(long, default_value = "512,1024,2048,4096", value_delimiter = ',')]
     pub ct: Vec<u32>,
     /// Measurements of each primitive per point (the median is compared).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 7)]
     pub reps: usize,
     /// Who progresses the engines (see `kvroute holder --progress`).
     #[arg(long, value_enum, default_value = "thread")]

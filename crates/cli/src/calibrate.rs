@@ -16,7 +16,7 @@ use kvroute_remote::probe::{
 use kvroute_sched::selector::{FabricBounds, FabricEstimator, HolderState, Selector};
 use serde::Serialize;
 
-/// Route samples the fabric estimator keeps (the start-up sweep is 48; routes run later
+/// Route samples the fabric estimator keeps (the start-up sweep is 120; routes run later
 /// replace them one by one).
 const WINDOW: usize = 256;
 /// New route samples between two refits.

@@ -42,7 +42,7 @@ pub(crate) const TARGET_REGRET_PCT: f64 = 5.0;
 /// The requester's own prompt before the document: fetched chunks are re-homed past it.
 const PREFIX: i64 = 4096;
 /// Passes over the grid the live system learns from before predictions are fixed.
-const WARM: usize = 2;
+const WARM: usize = 3;
 /// The probe sweep's largest Mq ([`kvroute_remote::probe::ProbeConfig::default`]).
 const PROBE_MQ: usize = 2048;
 

@@ -672,7 +672,12 @@ fn verify_predicate_predicts_then_measures_route_and_fetch() {
     assert_eq!(points[1]["fastest"], "fetch", "{}", points[1]);
     let s = &v["summary"];
     assert_eq!(s["decisive_correct"], s["decisive_points"], "{s}");
-    assert!(s["route_median_abs_error_pct"].as_f64().unwrap().is_finite());
+    assert!(
+        s["route_median_abs_error_pct"]
+            .as_f64()
+            .unwrap()
+            .is_finite()
+    );
     let cal = &v["calibrations"][0][1];
     assert!(cal["fabric_fitted"].as_bool().unwrap(), "{cal}");
     assert!(cal["detail"]["ages_ms"]["merge"].is_u64(), "{cal}");

@@ -81,15 +81,15 @@ impl KernelRate {
         self.observed += 1;
     }
 
-    /// The roofline as it stands. A holder serving requests is not the idle machine it
+    /// The kernel as it stands. A holder serving requests is not the idle machine it
     /// calibrated on at start (its cores are shared with its own serving and progress threads
     /// and whatever else runs there; its worker threads sleep between calls and take time to
-    /// wake), so once [`MIN_OBSERVED`] calls are in, the start-up roofline is refitted to them
-    /// as `fixed + scale x shape`: a Theil-Sen line of the calls' times against what the
+    /// wake), so once 3 calls are in, the start-up calibration is refitted to them as
+    /// `fixed + scale x shape`: a Theil-Sen line of the calls' times against what the
     /// start-up calibration says of their shapes, robust to a stalled call, its fixed cost no
     /// more than half the fastest call, the scale then the median ratio of what is left.
-    /// Calls of fewer than [`MIN_SHAPES`] shapes cannot split a fixed cost from a scale: the
-    /// median ratio rescales alone.
+    /// Calls of fewer than 3 shapes (predicted times 1.5x apart) cannot split a fixed cost
+    /// from a scale: the median ratio rescales alone.
     pub fn current(&self) -> HolderKernel {
         let compute = if self.recent.len() >= MIN_OBSERVED {
             self.refit().unwrap_or(self.start)

@@ -12,7 +12,7 @@ use kvroute_kvstore::ChunkId;
 use crate::error::RemoteError;
 use crate::requester::{Call, Requester, Sparse};
 
-/// What to probe. [`Default`]: chunk 0's layer 0 at Mq 1, 16, 64, 256, 1024 and 2048, 12
+/// What to probe. [`Default`]: chunk 0's layer 0 at Mq 1, 16, 64, 256, 1024 and 2048, 20
 /// routes per point, up to 3 sweeps.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProbeConfig {
@@ -35,7 +35,7 @@ impl Default for ProbeConfig {
             chunk: ChunkId(0),
             layer: 0,
             mq: vec![1, 16, 64, 256, 1024, 2048],
-            reps: 12,
+            reps: 20,
             attempts: 3,
         }
     }
