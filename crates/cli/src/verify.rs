@@ -590,7 +590,7 @@ impl std::fmt::Display for VerifyReport {
 fn plots(r: &VerifyReport, dir: &Path) -> Result<Vec<PathBuf>> {
     use plotters::prelude::*;
 
-    use crate::sweep::plots::{err, font, legend};
+    use crate::sweep::plots::{err, finish, font, legend};
     font()?;
     let mut out = Vec::new();
     // Predicted against measured, both primitives, with the y = x line.
@@ -655,15 +655,7 @@ fn plots(r: &VerifyReport, dir: &Path) -> Result<Vec<PathBuf>> {
                 .label(name)
                 .legend(legend(color));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 15))
-            .draw()
-            .map_err(err)?;
-        root.present().map_err(err)?;
+        finish(&mut chart, &root, SeriesLabelPosition::UpperLeft)?;
     }
     out.push(path);
     // The decision map: (Mq, ct), coloured by the choice, wrong decisive choices crossed.
@@ -727,15 +719,7 @@ fn plots(r: &VerifyReport, dir: &Path) -> Result<Vec<PathBuf>> {
             .map_err(err)?
             .label("not the measured fastest")
             .legend(legend(BLACK));
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 15))
-            .draw()
-            .map_err(err)?;
-        root.present().map_err(err)?;
+        finish(&mut chart, &root, SeriesLabelPosition::UpperRight)?;
     }
     out.push(path);
     Ok(out)

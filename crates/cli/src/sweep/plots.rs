@@ -100,7 +100,7 @@ fn log_chart<'a, 'b>(
 }
 
 /// Draws the legend at `at` and writes the PNG.
-fn finish<'a, 'b: 'a>(
+pub(crate) fn finish<'a, 'b: 'a>(
     chart: &mut Chart<'a, 'b>,
     root: &DrawingArea<BitMapBackend<'b>, Shift>,
     at: SeriesLabelPosition,
