@@ -129,9 +129,7 @@ pub(crate) fn calibrate(
         epoch,
     };
     let now = c.now_ms();
-    for &(mq, us) in &c.probe.samples {
-        c.selector.observe_route(mq, us, now);
-    }
+    c.selector.seed_routes(&c.probe.samples);
     if let Err(e) = c.selector.refit(now) {
         // The probe's own constants (a bound, said so in its fallback) stay in the base.
         tracing::warn!(%e, "no fabric fit from the probe sweep");

@@ -8,6 +8,14 @@ use kvroute_cli::Cli;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Logs to stderr: warnings by default, `RUST_LOG` (e.g. `kvroute_sched=debug` for every
+    // selector decision and refit) for more.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     match kvroute_cli::run(&cli) {
         Ok(text) => {
             // A closed pipe (`kvroute tour | head`) is not an error worth a message.

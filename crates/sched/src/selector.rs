@@ -116,17 +116,29 @@ impl FabricEstimator {
     /// Adds one sample; refits when `refit_every` have arrived since the last fit. A sample
     /// that is not finite and positive is dropped.
     pub fn observe(&mut self, bytes: f64, us: f64, now_ms: u64) {
+        if self.push(bytes, us) && self.since_fit >= self.refit_every {
+            let _ = self.refit(now_ms);
+        }
+    }
+
+    /// Adds samples without refitting (a start-up sweep, fitted once after).
+    pub fn extend(&mut self, samples: impl IntoIterator<Item = (f64, f64)>) {
+        for (bytes, us) in samples {
+            self.push(bytes, us);
+        }
+    }
+
+    /// Adds one sample if it is finite and positive; says whether it did.
+    fn push(&mut self, bytes: f64, us: f64) -> bool {
         if !(bytes.is_finite() && bytes > 0.0 && us.is_finite() && us > 0.0) {
-            return;
+            return false;
         }
         if self.window.len() == self.capacity {
             self.window.pop_front();
         }
         self.window.push_back((bytes, us));
         self.since_fit += 1;
-        if self.since_fit >= self.refit_every {
-            let _ = self.refit(now_ms);
-        }
+        true
     }
 
     /// Fits the window now. A line outside the bounds (or none at all) is refused: the last
@@ -328,6 +340,17 @@ impl Selector {
     pub fn observe_route(&mut self, rows: u32, us: f64, now_ms: u64) {
         let bytes = f64::from(rows) * self.base.model.routed_row_bytes() as f64;
         self.fabric.observe(bytes, us, now_ms);
+    }
+
+    /// A start-up sweep of routes, `(rows, microseconds)` as [`Selector::observe_route`]
+    /// takes them, added without refitting: call [`Selector::refit`] after.
+    pub fn seed_routes(&mut self, samples: &[(u32, f64)]) {
+        let row = self.base.model.routed_row_bytes() as f64;
+        self.fabric.extend(
+            samples
+                .iter()
+                .map(|&(rows, us)| (f64::from(rows) * row, us)),
+        );
     }
 
     /// A whole-chunk pull of `bytes` that took `us`.
