@@ -3,10 +3,13 @@
 //!
 //! The demo starts holder processes (copies of this binary running `kvroute holder`) that each
 //! generate and serve chunks of a DeepSeek-V2-Lite-shaped synthetic corpus over libfabric,
-//! connects a requester to them, measures route round trips to fit the cost model's fabric
-//! constants, then runs decode steps: per (chunk, request) the predicate picks route, fetch or
-//! local (or `--force` does), dense steps attend every chunk of the document and a sparse step
-//! attends a top-2048 selection scattered over all holders. Every merged output is checked
+//! connects a requester to them and calibrates the selector on them (`calibrate.rs`:
+//! the fabric from a probe sweep, each holder's own kernel report, the merge and the splice
+//! measured here, one pull), then runs decode steps: per (chunk, request) the selector picks
+//! route, fetch or local (or `--force` does), dense steps attend every chunk of the document
+//! and a sparse step attends a top-2048 selection scattered over all holders. Each route (one
+//! chunk, one layer) and fetch (one chunk, every layer) is timed and printed beside the
+//! selector's price of it, and fed back to the selector. Every merged output is checked
 //! against single-instance attention over the whole document, computed here from a full copy.
 //! Every checked output crossed the wire: routed partials (bf16 on the wire), chunks fetched
 //! and spliced here, rows gathered from the holders. A failed check fails the run.
