@@ -60,11 +60,10 @@ pub struct Measured {
 }
 
 impl Measured {
-    fn new(predicted_us: f64, mut samples_us: Vec<f64>) -> Self {
+    fn new(predicted_us: f64, samples_us: Vec<f64>) -> Self {
         let mut sorted = samples_us.clone();
         sorted.sort_by(f64::total_cmp);
         let measured_us = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
-        samples_us.shrink_to_fit();
         Self {
             predicted_us,
             measured_us,
@@ -230,10 +229,9 @@ pub(crate) fn run(args: &VerifyArgs) -> Result<VerifyReport> {
         };
         let probe_rows = queries(PROBE_MQ, doc, &rope, args.seed ^ 99);
         let to0 = re_homed(0);
-        let cal = calibrate(&mut req, &spec, &probe_rows, Some((ChunkId(0), &to0)))
+        let mut cal = calibrate(&mut req, &spec, &probe_rows, Some((ChunkId(0), &to0)))
             .with_context(|| format!("calibrating at ct = {ct}"))?;
         let mut warm = Vec::new();
-        let mut cal = cal;
         let grid: Vec<(u32, u32, Vec<u16>, Vec<i64>)> = args
             .mq
             .iter()
@@ -384,12 +382,7 @@ fn decide(
     mq: u32,
     ct: u32,
 ) -> Result<kvroute_sched::selector::Choice> {
-    let replicas: Vec<usize> = req
-        .replicas(ChunkId(chunk))
-        .into_iter()
-        .filter(|r| r.1)
-        .map(|r| r.0)
-        .collect();
+    let replicas = req.live_replicas(ChunkId(chunk));
     let request = Request {
         allowed: Allowed {
             local: false,
@@ -590,49 +583,28 @@ impl std::fmt::Display for VerifyReport {
 fn plots(r: &VerifyReport, dir: &Path) -> Result<Vec<PathBuf>> {
     use plotters::prelude::*;
 
-    use crate::sweep::plots::{err, finish, font, legend};
+    use crate::sweep::plots::{err, finish, font, legend, log_chart, range};
     font()?;
     let mut out = Vec::new();
     // Predicted against measured, both primitives, with the y = x line.
     let path = dir.join("predicted-vs-measured.png");
     {
-        let values = r
-            .points
-            .iter()
-            .flat_map(|p| {
-                [
-                    p.route.predicted_us,
-                    p.route.measured_us,
-                    p.fetch.predicted_us,
-                    p.fetch.measured_us,
-                ]
-            })
-            .filter(|v| v.is_finite() && *v > 0.0);
-        let (lo, hi) = values.fold((f64::INFINITY, 0f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
-        if !lo.is_finite() {
-            bail!("nothing to plot");
-        }
-        let (lo, hi) = (lo / 1.5, hi * 1.5);
+        let (lo, hi) = range(r.points.iter().flat_map(|p| {
+            [
+                p.route.predicted_us,
+                p.route.measured_us,
+                p.fetch.predicted_us,
+                p.fetch.measured_us,
+            ]
+        }))?;
         let root = BitMapBackend::new(&path, (900, 860)).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(
-                format!("predicted vs measured ({}, {} reps)", r.provider, r.reps),
-                ("sans-serif", 24),
-            )
-            .margin(18)
-            .x_label_area_size(50)
-            .y_label_area_size(80)
-            .build_cartesian_2d((lo..hi).log_scale(), (lo..hi).log_scale())
-            .map_err(err)?;
-        chart
-            .configure_mesh()
-            .x_desc("measured (us, median)")
-            .y_desc("predicted (us)")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .draw()
-            .map_err(err)?;
+        let mut chart = log_chart(
+            &root,
+            format!("predicted vs measured ({}, {} reps)", r.provider, r.reps),
+            ((lo, hi), "measured (us, median)"),
+            ((lo, hi), "predicted (us)"),
+            true,
+        )?;
         chart
             .draw_series(LineSeries::new([(lo, lo), (hi, hi)], BLACK.stroke_width(1)))
             .map_err(err)?
@@ -661,39 +633,23 @@ fn plots(r: &VerifyReport, dir: &Path) -> Result<Vec<PathBuf>> {
     // The decision map: (Mq, ct), coloured by the choice, wrong decisive choices crossed.
     let path = dir.join("decision-map.png");
     {
-        let mqs = r.points.iter().map(|p| f64::from(p.mq));
-        let cts = r.points.iter().map(|p| f64::from(p.ct));
-        let span = |v: &mut dyn Iterator<Item = f64>| {
-            v.fold((f64::INFINITY, 0f64), |(lo, hi), x| (lo.min(x), hi.max(x)))
-        };
-        let (x0, x1) = span(&mut mqs.clone());
-        let (y0, y1) = span(&mut cts.clone());
         let root = BitMapBackend::new(&path, (1000, 760)).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(
-                format!(
-                    "decision map ({}): colour = choice, X = not the measured fastest",
-                    r.provider
-                ),
-                ("sans-serif", 22),
-            )
-            .margin(18)
-            .x_label_area_size(50)
-            .y_label_area_size(80)
-            .build_cartesian_2d(
-                (x0 / 1.6..x1 * 1.6).log_scale(),
-                (y0 / 1.6..y1 * 1.6).log_scale(),
-            )
-            .map_err(err)?;
-        chart
-            .configure_mesh()
-            .x_desc("Mq (query rows)")
-            .y_desc("ct (chunk tokens)")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .draw()
-            .map_err(err)?;
+        let mut chart = log_chart(
+            &root,
+            format!(
+                "decision map ({}): colour = choice, X = not the measured fastest",
+                r.provider
+            ),
+            (
+                range(r.points.iter().map(|p| f64::from(p.mq)))?,
+                "Mq (query rows)",
+            ),
+            (
+                range(r.points.iter().map(|p| f64::from(p.ct)))?,
+                "ct (chunk tokens)",
+            ),
+            true,
+        )?;
         for (name, prim, color) in [
             ("route chosen", Primitive::Route, RGBColor(0, 128, 0)),
             ("fetch chosen", Primitive::Fetch, RGBColor(200, 30, 30)),

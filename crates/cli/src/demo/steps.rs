@@ -19,7 +19,7 @@ use kvroute_transport::ProviderChoice;
 
 use super::{BF16_TOL, Check, Decided, DemoReport, F32_TOL, HEADS, SCALE, TOPK, Timing, check};
 use crate::args::{PrimitiveArg, StepArgs};
-use crate::calibrate::{Calibrated, CalibrationSummary, calibrate};
+use crate::calibrate::{Calibrated, CalibrationSummary, calibrate, corpus_model};
 
 /// The requester's own prompt before the document: fetched chunks are re-homed past it.
 const PREFIX: i64 = 4096;
@@ -143,18 +143,11 @@ impl Run<'_> {
                 "{addr} stopped answering ({why}) before step {step}: marked dead, its chunks go to their replicas"
             ));
         }
-        let replicas: Vec<usize> = self
-            .req
-            .replicas(chunk)
-            .into_iter()
-            .filter(|r| r.1)
-            .map(|r| r.0)
-            .collect();
         let sparse = chunks.is_empty();
-        let replicas = if sparse {
+        let replicas: Vec<usize> = if sparse {
             (0..self.req.holders()).collect()
         } else {
-            replicas
+            self.req.live_replicas(chunk)
         };
         let chosen = self.cal.selector.decide(&replicas, *request)?;
         let (choice, reason) = match self.force {
@@ -198,14 +191,6 @@ impl Run<'_> {
             }),
         }
         Ok((choice, chosen.decision))
-    }
-
-    /// Bytes of one whole chunk, every layer.
-    fn cal_bytes(&self) -> f64 {
-        let spec = self.spec;
-        (spec.chunk_tokens as usize
-            * spec.layers as usize
-            * kvroute_kernels::layout::QUERY_ROW_BYTES) as f64
     }
 
     /// Records one prediction beside its measurement.
@@ -262,7 +247,7 @@ impl Run<'_> {
                     Primitive::Fetch,
                     (predicted, measured),
                 );
-                let bytes = self.cal_bytes();
+                let bytes = corpus_model(spec)?.chunk_bytes(spec.chunk_tokens, spec.layers);
                 let now = self.cal.now_ms();
                 self.cal
                     .selector
@@ -429,7 +414,6 @@ impl Run<'_> {
         let request = Request::sparse(HEADS as u32, spec.tokens() as u32, sel_k as u32, spanned);
         // Local has no sparse path here (no weights to recompute a selection with): routed.
         let (choice, priced) = self.decide(step, &request, (ChunkId(0), Vec::new()))?;
-        let _ = &priced;
         let qq = Queries::new(&q)?;
         // Single-instance sparse attention over the whole document, per checked layer: what
         // every path must give.

@@ -71,7 +71,7 @@ pub(super) fn all(r: &SweepReport, dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// A log-log chart on a white `root`: the caption, ((range, description)) of each axis,
 /// and whether to draw the grid.
-fn log_chart<'a, 'b>(
+pub(crate) fn log_chart<'a, 'b>(
     root: &'a DrawingArea<BitMapBackend<'b>, Shift>,
     caption: impl AsRef<str>,
     ((x0, x1), x_desc): ((f64, f64), &str),
@@ -119,7 +119,7 @@ pub(crate) fn finish<'a, 'b: 'a>(
 /// The charts here: log-scaled f64 on both axes, over a bitmap of lifetime `'b`.
 type Chart<'a, 'b> = ChartContext<'a, BitMapBackend<'b>, Cartesian2d<LogCoord<f64>, LogCoord<f64>>>;
 
-fn range(values: impl Iterator<Item = f64>) -> Result<(f64, f64)> {
+pub(crate) fn range(values: impl Iterator<Item = f64>) -> Result<(f64, f64)> {
     let (lo, hi) = values
         .filter(|v| v.is_finite() && *v > 0.0)
         .fold((f64::INFINITY, 0f64), |(lo, hi), v| (lo.min(v), hi.max(v)));

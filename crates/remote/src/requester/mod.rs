@@ -400,20 +400,18 @@ impl Requester {
         self.link_for(chunk)
     }
 
-    /// The holders of `chunk` (indices into the holders given to [`Requester::connect`]), in
-    /// the registry's replica order, each with whether it is still considered alive.
-    pub fn replicas(&self, chunk: ChunkId) -> Vec<(usize, bool)> {
+    /// The live holders of `chunk` (indices into the holders given to
+    /// [`Requester::connect`]), in the registry's replica order.
+    pub fn live_replicas(&self, chunk: ChunkId) -> Vec<usize> {
         let Ok(entries) = self.registry.holders(chunk) else {
             return Vec::new();
         };
         entries
             .iter()
             .filter_map(|e| {
-                let at = self
-                    .links
+                self.links
                     .iter()
-                    .position(|l| l.welcome.holder == e.holder)?;
-                Some((at, self.links[at].alive))
+                    .position(|l| l.alive && l.welcome.holder == e.holder)
             })
             .collect()
     }
