@@ -19,8 +19,8 @@ use std::collections::VecDeque;
 
 use kvroute_costmodel::fit::theil_sen;
 use kvroute_costmodel::{
-    Allowed, CostModel, CostParams, Decision, Fabric, HolderCompute, MergeCost, Primitive, Request,
-    Source, SpliceCost,
+    Allowed, CostModel, CostModelError, CostParams, Decision, Fabric, HolderCompute, MergeCost,
+    Primitive, Request, Source, SpliceCost,
 };
 use serde::Serialize;
 
@@ -159,6 +159,12 @@ impl FabricEstimator {
                 self.fit = Some(fit);
                 self.rejected = None;
                 Ok(fit)
+            }
+            // Samples of one size only (a window of same-sized pulls) have no line yet:
+            // nothing was refused.
+            Err(e @ SchedError::CostModel(CostModelError::TooFewSamples { .. })) => {
+                tracing::debug!(%e, "no line through the window yet");
+                Err(e)
             }
             Err(e) => {
                 tracing::warn!(%e, "fabric fit refused; keeping the last one");
