@@ -8,6 +8,8 @@
 //! - [`pool`]: the paged pool, blocks handed out by index (what paged writes target);
 //! - [`registry`]: canonical chunk id -> holder address, region descriptor, layout, stored
 //!   positions, with replicas;
+//! - [`directory`]: the cluster directory holders register in and requesters watch, in
+//!   process or on etcd (the `etcd` feature), under leases;
 //! - [`corpus`]: a deterministic synthetic corpus with a model preset's dimensions (random
 //!   latents, RoPE applied at the stored positions, so splices are real).
 //!
@@ -37,6 +39,7 @@
 //! ```
 
 pub mod corpus;
+pub mod directory;
 mod error;
 pub mod hybrid;
 pub mod layout;
@@ -48,6 +51,7 @@ pub mod storage;
 pub mod trace;
 
 pub use corpus::CorpusSpec;
+pub use directory::{Directory, DirectoryError, DirectoryView};
 pub use error::StoreError;
 pub use layout::{BlockLayout, FullBlock, LayerBlock, PAGE_BYTES, ROW_BYTES, concat_layers};
 pub use pool::PagedPool;

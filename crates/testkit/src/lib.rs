@@ -7,6 +7,8 @@
 //! prefixed with the package's name; a test run on the main thread (`--test-threads 1`, or a
 //! harness of its own) passes its name explicitly with [`record`].
 
+pub mod etcd;
+
 use std::fs::OpenOptions;
 use std::io::Write;
 use std::path::Path;
