@@ -45,7 +45,7 @@ pub use chunks::{HeldChunk, HeldChunks};
 pub use error::{RemoteError, RouteError};
 pub use holder::{Holder, HolderConfig};
 pub use requester::{
-    Call, CodecTimes, Fetched, GatherPart, Gathered, Requester, RequesterConfig, Routed, Sparse,
-    StagedCall, StagedRoute,
+    Call, CodecTimes, DirectorySync, Fetched, GatherPart, Gathered, Requester, RequesterConfig,
+    Routed, Sparse, StagedCall, StagedRoute,
 };
 pub use session::HolderStats;

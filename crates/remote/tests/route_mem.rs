@@ -54,6 +54,7 @@ fn requester(fabric: &MemFabric, holders: &[&Holder]) -> Result<Requester> {
         scale: SCALE,
         tag: 0,
         spin: Duration::from_millis(1),
+        max_holders: 3,
     };
     let addrs: Vec<_> = holders.iter().map(|h| h.addr()).collect();
     common::connect(fabric, &addrs, config)
@@ -167,6 +168,103 @@ fn dense_route_over_two_holders_matches_one_instance() -> Result<()> {
         "one write per holder per step: {stats:?}"
     );
     assert_eq!(stats.kernel_calls, 6);
+    Ok(())
+}
+
+#[test]
+fn holders_added_after_connect_serve_their_chunks_and_replicas() -> Result<()> {
+    let fabric = MemFabric::new();
+    let a = holder(&fabric, &[0, 1], 8)?;
+    let mut req = requester(&fabric, &[&a])?;
+    assert!(matches!(
+        req.holder_for(ChunkId(2)),
+        Err(RouteError::NoHolder(_))
+    ));
+    // b brings chunk 2 and 3, c a replica of chunk 0; a fourth does not fit (room for 3).
+    let (b, c, d) = (
+        holder(&fabric, &[2, 3], 8)?,
+        holder(&fabric, &[0], 8)?,
+        holder(&fabric, &[1], 8)?,
+    );
+    assert_eq!(req.add_holder(b.addr())?, 1);
+    assert_eq!(req.add_holder(c.addr())?, 2);
+    assert!(req.add_holder(d.addr()).is_err());
+    assert_eq!(req.holders(), 3);
+    assert_eq!(req.live_replicas(ChunkId(0)), [0, 2]);
+    let s = spec();
+    let blocks: Vec<_> = (0..s.chunks)
+        .map(|c| s.chunk(ChunkId(c)))
+        .collect::<Result<_, _>>()?;
+    let q = queries(16, 900, &s.rope()?, 5);
+    let whole = |layer: u16| -> Result<Vec<f32>> {
+        let doc = s.document_layer(&blocks, u32::from(layer))?;
+        Ok(partial_dense(
+            Backend::Reference,
+            &Queries::new(&q)?,
+            &Cache::contiguous(&doc)?,
+            SCALE,
+        )?
+        .o)
+    };
+    let parts: Vec<_> = req
+        .route(&dense_calls(&q, 1, 0..4))
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    let merged = merge(&parts.iter().collect::<Vec<_>>())?;
+    assert!(max_abs(&merged.o, &whole(1)?) < 4e-3);
+    // Holder a leaves: chunk 0 goes to its replica on c; chunk 1 has none.
+    req.mark_dead(0)?;
+    assert_eq!(req.holder_for(ChunkId(0))?, 2);
+    assert!(matches!(
+        req.holder_for(ChunkId(1)),
+        Err(RouteError::NoHolder(_))
+    ));
+    let parts: Vec<_> = req
+        .route(&dense_calls(&q, 2, 0..1))
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    assert_eq!(req.holder_stats(2)?.kernel_calls, 1);
+    assert_eq!(parts.len(), 1);
+    Ok(())
+}
+
+#[test]
+fn a_requester_follows_the_directory_holders_register_in() -> Result<()> {
+    use kvroute_kvstore::directory::{Directory, InProcessDirectory};
+    let fabric = MemFabric::new();
+    let dir = InProcessDirectory::new();
+    let watch = dir.watch()?;
+    let (a, b) = (holder(&fabric, &[0, 1], 8)?, holder(&fabric, &[2, 3], 8)?);
+    let (ra, ca) = a.directory_records(0);
+    let reg_a = dir.register(ra, ca)?;
+    let mut req = Requester::connect(
+        TransferEngine::mem(&fabric, 1)?,
+        &[],
+        RequesterConfig {
+            max_holders: 4,
+            link_bytes: 1 << 20,
+            ..RequesterConfig::new(SCALE)
+        },
+    )?;
+    let view = watch.current().map(|s| s.view).ok_or_else(|| anyhow::anyhow!("no view"))?;
+    let sync = req.sync_with(&view);
+    assert_eq!(sync.added, [(0, a.addr())]);
+    assert_eq!(req.holder_for(ChunkId(1))?, 0);
+    let (rb, cb) = b.directory_records(0);
+    let reg_b = dir.register(rb, cb)?;
+    let view = watch.current().map(|s| s.view).ok_or_else(|| anyhow::anyhow!("no view"))?;
+    assert_eq!(req.sync_with(&view).added, [(1, b.addr())]);
+    // Syncing again changes nothing.
+    assert_eq!(req.sync_with(&view), kvroute_remote::DirectorySync::default());
+    let q = queries(16, 900, &spec().rope()?, 5);
+    assert!(req.route(&dense_calls(&q, 0, 0..4)).iter().all(Result::is_ok));
+    // a leaves the directory: the requester stops using it.
+    reg_a.revoke()?;
+    let view = watch.current().map(|s| s.view).ok_or_else(|| anyhow::anyhow!("no view"))?;
+    assert_eq!(req.sync_with(&view).dropped, [(0, a.addr())]);
+    assert!(!req.is_alive(0) && req.is_alive(1));
+    assert!(matches!(req.holder_for(ChunkId(0)), Err(RouteError::NoHolder(_))));
+    drop(reg_b);
     Ok(())
 }
 

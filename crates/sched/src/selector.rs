@@ -422,6 +422,13 @@ impl Selector {
         Ok(())
     }
 
+    /// A holder that joined after the selector was built (found in a directory); returns its
+    /// index, the next one (the caller keeps them equal to its requester's).
+    pub fn add_holder(&mut self, state: HolderState) -> usize {
+        self.holders.push(state);
+        self.holders.len() - 1
+    }
+
     fn holder_mut(&mut self, h: usize) -> Result<&mut HolderState> {
         self.holders.get_mut(h).ok_or(SchedError::OutOfRange {
             name: "holder",
@@ -742,6 +749,18 @@ mod tests {
         let p = s.params_for(Some(0)).unwrap();
         assert_eq!(p.sources.holder, Source::Measured);
         assert_eq!(s.params_for(None).unwrap().sources.holder, Source::Paper);
+    }
+
+    #[test]
+    fn a_holder_added_later_is_decided_for_by_its_index() {
+        let mut s = selector(1);
+        let req = Request::contiguous(16, 2048);
+        assert_eq!(s.add_holder(HolderState::new(8)), 1);
+        s.set_alive(0, false).unwrap();
+        let c = s.decide(&[0, 1], req).unwrap();
+        assert_eq!((c.primitive, c.holder), (Primitive::Route, Some(1)));
+        assert!(s.holder_report(1, (0, 8, None), 1).is_ok());
+        assert!(s.holder_report(2, (0, 8, None), 1).is_err());
     }
 
     #[test]

@@ -66,6 +66,7 @@ pub(super) fn decode_steps(
         scale: SCALE,
         tag: 0,
         spin: Duration::from_millis(1),
+        max_holders: 0,
     };
     let mut req = Requester::connect(engine, holders, config)?;
     let rope = spec.rope()?;

@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 use kvroute_costmodel::HolderCompute;
 use kvroute_kernels::Backend;
 use kvroute_kvstore::ChunkEntry;
-use kvroute_transport::{Access, RegisteredBuffer, TransferEngine};
+use kvroute_kvstore::directory::{ChunkRecord, HolderRecord, SCHEMA};
+use kvroute_transport::{Access, NetAddr, RegisteredBuffer, TransferEngine};
 
 use crate::chunks::HeldChunks;
 use crate::error::RemoteError;
@@ -341,6 +342,28 @@ impl Holder {
     /// The chunks served, as registry entries.
     pub fn entries(&self) -> &[ChunkEntry] {
         &self.shared.entries
+    }
+
+    /// The transfer engine's address (what the entries name as their holder).
+    pub fn engine_addr(&self) -> NetAddr {
+        self.shared.engine.main_address()
+    }
+
+    /// This holder as a directory registers it: its record (id = control address) and one
+    /// chunk record per chunk served, each the copy numbered `replica`.
+    pub fn directory_records(&self, replica: u32) -> (HolderRecord, Vec<ChunkRecord>) {
+        let record = HolderRecord::new(self.addr, self.engine_addr());
+        let chunks = self
+            .entries()
+            .iter()
+            .map(|e| ChunkRecord {
+                schema: SCHEMA,
+                holder: record.id.clone(),
+                replica,
+                entry: e.clone(),
+            })
+            .collect();
+        (record, chunks)
     }
 
     /// The counters now.

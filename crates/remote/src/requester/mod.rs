@@ -12,7 +12,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_kvstore::{ChunkEntry, ChunkId, ChunkRegistry, PAGE_BYTES, PagedPool};
+use kvroute_kvstore::{ChunkEntry, ChunkId, ChunkRegistry, DirectoryView, PAGE_BYTES, PagedPool};
 use kvroute_transport::{
     Access, CancellationToken, DoneFlag, OnDone, RegisteredBuffer, TransferEngine, TransferShape,
 };
@@ -46,11 +46,16 @@ pub struct RequesterConfig {
     /// How long a wait for a reply polls (yielding the core) before it sleeps in 50 us
     /// steps: latency against CPU left to others.
     pub spin: Duration,
+    /// The most holders this requester ever opens a session with: those given to
+    /// [`Requester::connect`] plus those added later by [`Requester::add_holder`] (a holder
+    /// found in a directory). Each takes `link_bytes` of send staging and of reply region,
+    /// reserved at connect. 0: only the holders given to `connect`.
+    pub max_holders: usize,
 }
 
 impl RequesterConfig {
     /// Defaults for `scale`: 5 s timeout, 8 MiB per holder link, a 512-page pool, tag 0,
-    /// 1 ms of polling per wait.
+    /// 1 ms of polling per wait, no holders added after connect.
     pub fn new(scale: f32) -> Self {
         Self {
             timeout: Duration::from_secs(5),
@@ -59,6 +64,7 @@ impl RequesterConfig {
             scale,
             tag: 0,
             spin: Duration::from_millis(1),
+            max_holders: 0,
         }
     }
 }
@@ -85,6 +91,17 @@ pub struct CodecTimes {
     pub decode_us: f64,
 }
 
+/// What [`Requester::sync_with`] changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DirectorySync {
+    /// Holders connected: (index, control address).
+    pub added: Vec<(usize, SocketAddr)>,
+    /// Holders no longer registered, now unused: (index, control address).
+    pub dropped: Vec<(usize, SocketAddr)>,
+    /// Registered holders that could not be used, and why.
+    pub failed: Vec<(SocketAddr, String)>,
+}
+
 /// The requester side of route and fetch.
 pub struct Requester {
     engine: TransferEngine,
@@ -94,6 +111,8 @@ pub struct Requester {
     pool_mem: RegisteredBuffer,
     pool: PagedPool,
     links: Vec<Link>,
+    /// The most links this requester opens (its staging and reply regions hold this many).
+    capacity: usize,
     registry: ChunkRegistry,
     codec: CodecTimes,
 }
@@ -135,13 +154,15 @@ pub(crate) fn wait_all(
 
 impl Requester {
     /// Opens a session with every holder in `holders` and builds the chunk registry from what
-    /// they serve. A holder that is busy or unreachable is an error.
+    /// they serve. A holder that is busy or unreachable is an error. `holders` may be empty
+    /// when `config.max_holders` leaves room for holders added later.
     pub fn connect(
         engine: TransferEngine,
         holders: &[SocketAddr],
         config: RequesterConfig,
     ) -> Result<Self, RemoteError> {
-        if holders.is_empty() || holders.len() > 1 << 12 {
+        let capacity = holders.len().max(config.max_holders);
+        if capacity == 0 || capacity > 1 << 12 {
             return Err(RemoteError::Config(
                 "a requester needs 1 to 4096 holders".into(),
             ));
@@ -156,55 +177,12 @@ impl Requester {
         }
         let link_total = config
             .link_bytes
-            .checked_mul(holders.len())
+            .checked_mul(capacity)
             .ok_or_else(|| RemoteError::Config("link buffers larger than memory".into()))?;
-        let n = holders.len();
         let send = engine.alloc_mr_with(link_total, Access::Local)?;
         let replies = engine.alloc_mr(link_total)?;
         let pool = PagedPool::new(config.pool_pages.max(1), PAGE_BYTES)?;
         let pool_mem = engine.alloc_mr(pool.bytes())?;
-        let mut links = Vec::with_capacity(n);
-        let mut registry = ChunkRegistry::new();
-        for (i, &addr) in holders.iter().enumerate() {
-            let unreachable = |source| RemoteError::Unreachable {
-                holder: addr,
-                source,
-            };
-            let control = TcpStream::connect_timeout(&addr, config.timeout).map_err(unreachable)?;
-            let io = |source| RemoteError::Control { peer: addr, source };
-            control.set_nodelay(true).map_err(io)?;
-            control
-                .set_read_timeout(Some(config.timeout.max(Duration::from_secs(1))))
-                .map_err(io)?;
-            let mut reader = BufReader::new(control.try_clone().map_err(io)?);
-            let mut writer = control.try_clone().map_err(io)?;
-            // 8 bits of kind, 12 of requester tag, 12 of link.
-            let id = (u32::from(config.tag) << 12) | i as u32;
-            let (reply_imm, fetch_imm) = (0x6100_0000 | id, 0x6200_0000 | id);
-            let reply = replies.desc().clone();
-            let hello = Hello {
-                addr: engine.main_address(),
-                reply,
-                pool: Some(pool_mem.desc().clone()),
-                reply_imm,
-                fetch_imm,
-            };
-            let welcome =
-                crate::session::open(&engine, (&mut writer, &mut reader), &hello, config.timeout)?;
-            for entry in &welcome.chunks {
-                registry.register(entry.clone())?;
-            }
-            links.push(Link {
-                control,
-                reader,
-                addr,
-                welcome,
-                reply_imm,
-                fetch_imm,
-                seq: 0,
-                alive: true,
-            });
-        }
         let mut requester = Self {
             engine,
             config,
@@ -212,25 +190,105 @@ impl Requester {
             replies,
             pool_mem,
             pool,
-            links,
-            registry,
+            links: Vec::with_capacity(capacity),
+            capacity,
+            registry: ChunkRegistry::new(),
             codec: CodecTimes::default(),
         };
-        // One small ping per holder opens the data path both ways now, not on the first
-        // route or fetch: providers connect lazily (`tcp;ofi_rxm` set up its connection in
-        // the first fetch's 30 ms; `shm` mapped its peer in the first fetch's 5.6 ms).
-        for (holder, addr) in holders.iter().enumerate() {
-            requester
-                .ping(holder, wire::PING_HEADER, 64, wire::Pong::Staged)
-                .map_err(|e| match e {
-                    RouteError::HolderFailed { why, .. } => RouteError::HolderFailed {
-                        holder: *addr,
-                        why: format!("opening the data path: {why}"),
-                    },
-                    other => other,
-                })?;
+        for &addr in holders {
+            requester.open_link(addr)?;
+        }
+        for holder in 0..holders.len() {
+            requester.open_data_path(holder)?;
         }
         Ok(requester)
+    }
+
+    /// Opens a session with one more holder (found after connect, in a directory) and adds
+    /// the chunks it serves to the registry, after the replicas already known; returns its
+    /// index. Refused when `config.max_holders` links are already open (dead ones count: a
+    /// link's immediates are never reused), when its session fails, or when a chunk it
+    /// serves contradicts the registered copy (the holder is then not used).
+    pub fn add_holder(&mut self, addr: SocketAddr) -> Result<usize, RemoteError> {
+        let holder = self.open_link(addr)?;
+        if let Err(e) = self.open_data_path(holder) {
+            self.kill(holder);
+            return Err(e);
+        }
+        Ok(holder)
+    }
+
+    /// The session with `addr` as link `links.len()`, its chunks registered.
+    fn open_link(&mut self, addr: SocketAddr) -> Result<usize, RemoteError> {
+        let config = &self.config;
+        let i = self.links.len();
+        if i >= self.capacity {
+            return Err(RemoteError::Config(format!(
+                "no room for holder {addr}: {i} links open, the most this requester opens"
+            )));
+        }
+        let unreachable = |source| RemoteError::Unreachable {
+            holder: addr,
+            source,
+        };
+        let control = TcpStream::connect_timeout(&addr, config.timeout).map_err(unreachable)?;
+        let io = |source| RemoteError::Control { peer: addr, source };
+        control.set_nodelay(true).map_err(io)?;
+        control
+            .set_read_timeout(Some(config.timeout.max(Duration::from_secs(1))))
+            .map_err(io)?;
+        let mut reader = BufReader::new(control.try_clone().map_err(io)?);
+        let mut writer = control.try_clone().map_err(io)?;
+        // 8 bits of kind, 12 of requester tag, 12 of link.
+        let id = (u32::from(config.tag) << 12) | i as u32;
+        let (reply_imm, fetch_imm) = (0x6100_0000 | id, 0x6200_0000 | id);
+        let hello = Hello {
+            addr: self.engine.main_address(),
+            reply: self.replies.desc().clone(),
+            pool: Some(self.pool_mem.desc().clone()),
+            reply_imm,
+            fetch_imm,
+        };
+        let welcome = crate::session::open(
+            &self.engine,
+            (&mut writer, &mut reader),
+            &hello,
+            config.timeout,
+        )?;
+        // All of its chunks or none: checked on a copy first.
+        let mut registry = self.registry.clone();
+        for entry in &welcome.chunks {
+            registry.register(entry.clone())?;
+        }
+        self.registry = registry;
+        self.links.push(Link {
+            control,
+            reader,
+            addr,
+            welcome,
+            reply_imm,
+            fetch_imm,
+            seq: 0,
+            alive: true,
+        });
+        Ok(i)
+    }
+
+    /// One small ping opens the data path both ways now, not on the first route or fetch:
+    /// providers connect lazily (`tcp;ofi_rxm` set up its connection in the first fetch's
+    /// 30 ms; `shm` mapped its peer in the first fetch's 5.6 ms).
+    fn open_data_path(&mut self, holder: usize) -> Result<(), RemoteError> {
+        let addr = self.links[holder].addr;
+        self.ping(holder, wire::PING_HEADER, 64, wire::Pong::Staged)
+            .map(|_| ())
+            .map_err(|e| match e {
+                RouteError::HolderFailed { why, .. } => RouteError::HolderFailed {
+                    holder: addr,
+                    why: format!("opening the data path: {why}"),
+                },
+                other => other,
+            })
+            .map_err(RemoteError::from)
     }
 
     /// The chunk registry the holders' welcomes built.
@@ -435,6 +493,56 @@ impl Requester {
         }
         self.kill(holder);
         Ok(())
+    }
+
+    /// Whether holder `holder` is still used.
+    pub fn is_alive(&self, holder: usize) -> bool {
+        self.links.get(holder).is_some_and(|l| l.alive)
+    }
+
+    /// Brings the holders in use in line with a directory's view: opens a session with
+    /// every registered holder not yet connected ([`Requester::add_holder`]) and stops using
+    /// every live one no longer registered (its lease expired or it left:
+    /// [`Requester::mark_dead`]). A holder is the pair (control address, engine address), so
+    /// a holder restarted on the same port is a new one. A registered holder whose session
+    /// fails, or whose welcome names another engine address than its record, is reported and
+    /// not used.
+    pub fn sync_with(&mut self, view: &DirectoryView) -> DirectorySync {
+        let mut out = DirectorySync::default();
+        for (h, l) in self.links.iter().enumerate() {
+            let registered = view
+                .holders
+                .values()
+                .any(|r| r.record.control == l.addr && r.record.engine == l.welcome.holder);
+            if l.alive && !registered {
+                out.dropped.push((h, l.addr));
+            }
+        }
+        for &(h, _) in &out.dropped {
+            self.kill(h);
+        }
+        for r in view.holders.values() {
+            let known = self
+                .links
+                .iter()
+                .any(|l| l.addr == r.record.control && l.welcome.holder == r.record.engine);
+            if known {
+                continue;
+            }
+            match self.add_holder(r.record.control) {
+                Ok(h) if self.links[h].welcome.holder != r.record.engine => {
+                    self.kill(h);
+                    out.failed.push((
+                        r.record.control,
+                        "its welcome names another engine address than its directory record"
+                            .to_owned(),
+                    ));
+                }
+                Ok(h) => out.added.push((h, r.record.control)),
+                Err(e) => out.failed.push((r.record.control, e.to_string())),
+            }
+        }
+        out
     }
 
     /// The first live link holding `chunk`.
