@@ -42,8 +42,12 @@ pub enum Command {
     /// Serve chunks of a synthetic corpus to requesters (started by `demo`, or by hand).
     Holder(HolderArgs),
     /// Run the demo's decode steps against running holders (`kvroute holder`), found by
-    /// address or in a peer file, every output checked against a full copy of the corpus.
+    /// address, in a peer file or in a directory, every output checked against a full copy
+    /// of the corpus.
     Requester(RequesterArgs),
+    /// The cluster directory holders register in.
+    #[command(subcommand)]
+    Directory(DirectoryCommand),
     /// Measure route (against the raw write round trip) over Mq and fetch over ct between
     /// processes, fit the cost model, write plots and the raw samples.
     Sweep(SweepArgs),
@@ -60,6 +64,34 @@ pub enum Command {
     /// same run.
     #[command(subcommand)]
     Simulate(SimulateCommand),
+}
+
+/// `kvroute directory ...`.
+#[derive(Debug, Subcommand)]
+pub enum DirectoryCommand {
+    /// What is registered: holders, their chunks and replica numbers, lease time left, and
+    /// every entry skipped as malformed.
+    List(DirectoryListArgs),
+}
+
+/// `kvroute directory list`.
+#[derive(Debug, Clone, Args)]
+pub struct DirectoryListArgs {
+    /// The directory: etcd://HOST:PORT[,HOST:PORT...].
+    #[arg(long)]
+    pub directory: String,
+}
+
+/// Where a holder registers or a requester looks holders up.
+#[derive(Debug, Clone, Args)]
+pub struct DirectoryArgs {
+    /// A cluster directory, etcd://HOST:PORT[,HOST:PORT...]: holders register their chunks
+    /// there under a lease, requesters discover them there and follow joins and departures.
+    #[arg(long)]
+    pub directory: Option<String>,
+    /// The lease TTL, seconds (2 to 3600): how long a dead holder's chunks stay offered.
+    #[arg(long, default_value_t = 5)]
+    pub directory_ttl: u64,
 }
 
 /// `kvroute simulate ...`.
@@ -649,11 +681,18 @@ pub struct HelixArgs {
 #[derive(Debug, Clone, Args)]
 pub struct RequesterArgs {
     /// Holders' control addresses, comma separated.
-    #[arg(long, value_delimiter = ',', required_unless_present = "peers")]
+    #[arg(long, value_delimiter = ',', required_unless_present_any = ["peers", "directory"])]
     pub holders: Vec<String>,
     /// A static peer file instead: one holder control address per line (`#` comments).
     #[arg(long, conflicts_with = "holders")]
     pub peers: Option<std::path::PathBuf>,
+    /// Find holders in a directory instead (and follow holders joining and leaving).
+    #[command(flatten)]
+    pub directory: DirectoryArgs,
+    /// With a directory: how long a step waits for every chunk of the document to have a
+    /// live holder before it fails, milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    pub wait_ms: u64,
     /// libfabric provider the holders run (shm, tcp, ...).
     #[arg(long, default_value = "tcp")]
     pub provider: String,
@@ -683,6 +722,10 @@ pub struct StepArgs {
     /// How long the requester waits for a holder before declaring it failed, milliseconds.
     #[arg(long, default_value_t = 5000)]
     pub timeout_ms: u64,
+    /// A pause before each decode step after the first, milliseconds (a run that spans
+    /// holders joining and leaving).
+    #[arg(long, default_value_t = 0)]
+    pub pause_ms: u64,
 }
 
 /// `kvroute demo`.
@@ -709,6 +752,10 @@ pub struct DemoArgs {
     /// Kill holder process 0 before this step (tests the fallback to a replica).
     #[arg(long)]
     pub kill_holder_at_step: Option<u32>,
+    /// Holders register in this directory and the requester finds them there (default: the
+    /// requester is given their addresses).
+    #[command(flatten)]
+    pub directory: DirectoryArgs,
 }
 
 /// Which synthetic corpus: a `CorpusSpec` as JSON, or DeepSeek-V2-Lite's of the sizes given.
@@ -758,6 +805,13 @@ pub struct HolderArgs {
     /// Serve until a stop signal (by hand) or until stdin closes (a parent's child).
     #[arg(long, value_enum, default_value = "signal")]
     pub lifeline: Lifeline,
+    /// Register in a directory while serving (revoked at a clean stop).
+    #[command(flatten)]
+    pub directory: DirectoryArgs,
+    /// The replica number registered for every chunk served: a chunk's copies are offered
+    /// lowest number first.
+    #[arg(long, default_value_t = 0)]
+    pub replica: u32,
 }
 
 /// What keeps a holder serving.

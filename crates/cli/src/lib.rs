@@ -20,6 +20,7 @@ mod bench_kernels;
 mod bench_kvpath;
 mod calibrate;
 pub mod demo;
+mod directory;
 mod kernel;
 
 mod plan;
@@ -35,13 +36,15 @@ mod verify;
 use anyhow::Result;
 pub use args::Cli;
 use args::{
-    BenchCommand, Command, KernelCommand, PlanCommand, SimulateCommand, StoreCommand, TraceCommand,
+    BenchCommand, Command, DirectoryCommand, KernelCommand, PlanCommand, SimulateCommand,
+    StoreCommand, TraceCommand,
 };
 pub use bench::{Target, TransportBenchReport};
 pub use bench_fabric::{Compared, FabricBenchReport, PagedRow};
 pub use bench_kernels::KernelsBenchReport;
 pub use bench_kvpath::KvPathReport;
 pub use calibrate::CalibrationSummary;
+pub use directory::Listing;
 pub use kernel::{GpuReport, KernelReport};
 pub use plan::{HelixReport, PrfaasReport};
 pub use predict::PredictReport;
@@ -69,6 +72,9 @@ pub fn run(cli: &Cli) -> Result<String> {
         Command::Kernel(KernelCommand::GpuInfo) => render(cli.json, &kernel::gpu_info()?),
         Command::Demo(args) => checked(cli.json, &demo::run(args)?, "the demo"),
         Command::Requester(args) => checked(cli.json, &demo::requester(args)?, "the requester"),
+        Command::Directory(DirectoryCommand::List(args)) => {
+            render(cli.json, &directory::list(args)?)
+        }
         Command::Sweep(args) => render(cli.json, &sweep::run(args)?),
         Command::VerifyPredicate(args) => render(cli.json, &verify::run(args)?),
         Command::Trace(TraceCommand::Replay(args)) => render(cli.json, &store::replay(args)?),

@@ -246,24 +246,62 @@ fn a_requester_follows_the_directory_holders_register_in() -> Result<()> {
             ..RequesterConfig::new(SCALE)
         },
     )?;
-    let view = watch.current().map(|s| s.view).ok_or_else(|| anyhow::anyhow!("no view"))?;
+    let view = watch
+        .current()
+        .map(|s| s.view)
+        .ok_or_else(|| anyhow::anyhow!("no view"))?;
     let sync = req.sync_with(&view);
     assert_eq!(sync.added, [(0, a.addr())]);
     assert_eq!(req.holder_for(ChunkId(1))?, 0);
     let (rb, cb) = b.directory_records(0);
     let reg_b = dir.register(rb, cb)?;
-    let view = watch.current().map(|s| s.view).ok_or_else(|| anyhow::anyhow!("no view"))?;
+    let view = watch
+        .current()
+        .map(|s| s.view)
+        .ok_or_else(|| anyhow::anyhow!("no view"))?;
     assert_eq!(req.sync_with(&view).added, [(1, b.addr())]);
     // Syncing again changes nothing.
-    assert_eq!(req.sync_with(&view), kvroute_remote::DirectorySync::default());
+    assert_eq!(
+        req.sync_with(&view),
+        kvroute_remote::DirectorySync::default()
+    );
     let q = queries(16, 900, &spec().rope()?, 5);
-    assert!(req.route(&dense_calls(&q, 0, 0..4)).iter().all(Result::is_ok));
+    assert!(
+        req.route(&dense_calls(&q, 0, 0..4))
+            .iter()
+            .all(Result::is_ok)
+    );
     // a leaves the directory: the requester stops using it.
     reg_a.revoke()?;
-    let view = watch.current().map(|s| s.view).ok_or_else(|| anyhow::anyhow!("no view"))?;
+    let view = watch
+        .current()
+        .map(|s| s.view)
+        .ok_or_else(|| anyhow::anyhow!("no view"))?;
     assert_eq!(req.sync_with(&view).dropped, [(0, a.addr())]);
     assert!(!req.is_alive(0) && req.is_alive(1));
-    assert!(matches!(req.holder_for(ChunkId(0)), Err(RouteError::NoHolder(_))));
+    assert!(matches!(
+        req.holder_for(ChunkId(0)),
+        Err(RouteError::NoHolder(_))
+    ));
+    // a registers again (the directory lost its data): its session still works, it is used
+    // again on the same link.
+    let (ra, ca) = a.directory_records(0);
+    let _reg_a = dir.register(ra, ca)?;
+    let view = watch
+        .current()
+        .map(|s| s.view)
+        .ok_or_else(|| anyhow::anyhow!("no view"))?;
+    let sync = req.sync_with(&view);
+    assert_eq!(
+        (sync.relisted, sync.added),
+        (vec![(0, a.addr())], Vec::new())
+    );
+    assert_eq!(req.holder_for(ChunkId(0))?, 0);
+    assert!(
+        req.route(&dense_calls(&q, 0, 0..4))
+            .iter()
+            .all(Result::is_ok)
+    );
     drop(reg_b);
     Ok(())
 }

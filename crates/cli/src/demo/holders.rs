@@ -95,6 +95,7 @@ pub(crate) fn v2_lite_corpus(tokens: u32, chunks: u32, seed: u64) -> Result<Corp
 
 /// `kvroute holder`.
 pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
+    let started_unix_ms = kvroute_kvstore::directory::unix_ms();
     let spec = corpus_of(&args.corpus)?;
     let chunks = args
         .chunks
@@ -127,6 +128,24 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
     let listener =
         TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
     let holder = Holder::start(engine, listener, held, config)?;
+    // Registered before the address is printed: a parent that reads it knows the directory
+    // offers this holder.
+    let registration = match &args.directory.directory {
+        None => None,
+        Some(url) => {
+            let dir = kvroute_kvstore::directory::open(
+                url,
+                Duration::from_secs(args.directory.directory_ttl),
+            )?;
+            let (mut record, chunks) = holder.directory_records(args.replica);
+            record.started_unix_ms = started_unix_ms;
+            let registration = dir
+                .register(record, chunks)
+                .with_context(|| format!("registering in {}", dir.describe()))?;
+            tracing::info!(directory = %dir.describe(), "registered");
+            Some((dir, registration))
+        }
+    };
     println!(
         "{}",
         serde_json::json!({ "listen": holder.addr().to_string() })
@@ -142,6 +161,12 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
             let signal = set.wait().context("waiting for a stop signal")?;
             tracing::info!(%signal, "stopping");
         }
+    }
+    // Out of the directory first, so no requester picks a holder about to go.
+    if let Some((dir, registration)) = registration
+        && let Err(e) = registration.revoke()
+    {
+        tracing::warn!(directory = %dir.describe(), %e, "leaving the directory");
     }
     // Dropped, not killed: the engine closes its endpoints (shm unlinks its region).
     drop(holder);
@@ -179,9 +204,22 @@ pub(super) fn spawn_holders(
             let chunks: Vec<u32> = (0..args.replicas)
                 .map(|r| ((h + n - r) % n) as u32)
                 .collect();
-            spawn_holder(spec, provider, &chunks, &[])
+            spawn_holder(spec, provider, &chunks, &directory_flags(&args.directory))
         })
         .collect()
+}
+
+/// The holder flags that register it in `dir`'s directory, if one is named.
+pub(crate) fn directory_flags(dir: &crate::args::DirectoryArgs) -> Vec<String> {
+    match &dir.directory {
+        None => Vec::new(),
+        Some(url) => vec![
+            "--directory".to_owned(),
+            url.clone(),
+            "--directory-ttl".to_owned(),
+            dir.directory_ttl.to_string(),
+        ],
+    }
 }
 
 /// Starts one `kvroute holder` process serving `chunks` of `spec`, with `extra` arguments,

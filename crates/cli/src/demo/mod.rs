@@ -19,6 +19,7 @@
 
 use std::fmt;
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use kvroute_costmodel::Primitive;
@@ -28,15 +29,17 @@ use serde::Serialize;
 use crate::args::{DemoArgs, RequesterArgs};
 use crate::calibrate::CalibrationSummary;
 
+mod follow;
 mod holders;
 mod steps;
 
+pub use follow::DirectoryReport;
 pub(crate) use holders::{
     HolderProcess, fabric_engine, fabric_engine_with, holder, provider_for, spawn_holder,
     v2_lite_corpus,
 };
 use holders::{corpus, corpus_of, spawn_holders};
-use steps::decode_steps;
+use steps::{Discovery, decode_steps};
 
 /// DeepSeek-V2-Lite's softmax scale (kernels' `deepseek_softmax_scale(192, 40, 0.707)`).
 pub(crate) const SCALE: f32 = 0.1147;
@@ -149,6 +152,9 @@ pub struct DemoReport {
     pub checks: Vec<Check>,
     /// Whether every check passed.
     pub passed: bool,
+    /// With a directory: what it held, what changed, and how each holder was used.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub directory: Option<DirectoryReport>,
 }
 
 impl fmt::Display for DemoReport {
@@ -246,6 +252,9 @@ impl fmt::Display for DemoReport {
         for e in &self.failures {
             writeln!(f, "failure: {e}")?;
         }
+        if let Some(d) = &self.directory {
+            write!(f, "{d}")?;
+        }
         writeln!(
             f,
             "checks (max abs of o against single-instance attention over the whole document):"
@@ -315,7 +324,15 @@ pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
     let mut procs = spawn_holders(args, &spec, &provider)?;
     let addrs: Vec<SocketAddr> = procs.iter().map(|p| p.addr).collect();
     let steps = (&args.run, args.seed);
-    let report = decode_steps("demo", &spec, &provider, &addrs, steps, &mut |step| {
+    let discovery = match &args.directory.directory {
+        None => Discovery::Addrs(&addrs),
+        Some(url) => Discovery::Directory {
+            url,
+            ttl: Duration::from_secs(args.directory.directory_ttl),
+            wait: Duration::from_millis(args.run.timeout_ms.max(10_000)),
+        },
+    };
+    let report = decode_steps("demo", &spec, &provider, discovery, steps, &mut |step| {
         if args.kill_holder_at_step != Some(step) {
             return Ok(None);
         }
@@ -365,10 +382,21 @@ fn holder_addrs(args: &RequesterArgs) -> Result<Vec<SocketAddr>> {
 /// `kvroute requester`.
 pub(crate) fn requester(args: &RequesterArgs) -> Result<DemoReport> {
     let spec = corpus_of(&args.corpus)?;
-    let addrs = holder_addrs(args)?;
     let provider = provider_for(&args.provider)?;
     let steps = (&args.run, args.seed);
-    decode_steps("requester", &spec, &provider, &addrs, steps, &mut |_| {
+    let addrs;
+    let discovery = match &args.directory.directory {
+        Some(url) => Discovery::Directory {
+            url,
+            ttl: Duration::from_secs(args.directory.directory_ttl),
+            wait: Duration::from_millis(args.wait_ms),
+        },
+        None => {
+            addrs = holder_addrs(args)?;
+            Discovery::Addrs(&addrs)
+        }
+    };
+    decode_steps("requester", &spec, &provider, discovery, steps, &mut |_| {
         Ok(None)
     })
 }

@@ -19,6 +19,9 @@ use kvroute_transport::ProviderChoice;
 
 use super::{BF16_TOL, Check, Decided, DemoReport, F32_TOL, HEADS, SCALE, TOPK, Timing, check};
 use crate::args::{PrimitiveArg, StepArgs};
+use kvroute_sched::selector::HolderState;
+
+use super::follow::Follower;
 use crate::calibrate::{Calibrated, CalibrationSummary, calibrate, corpus_model};
 
 /// The requester's own prompt before the document: fetched chunks are re-homed past it.
@@ -33,10 +36,31 @@ fn forced(arg: PrimitiveArg) -> Primitive {
     }
 }
 
+/// How the requester finds its holders.
+pub(super) enum Discovery<'a> {
+    /// These control addresses, connected at start.
+    Addrs(&'a [SocketAddr]),
+    /// A directory, followed for the whole run.
+    Directory {
+        /// `etcd://...`.
+        url: &'a str,
+        /// The lease TTL the directory is opened with.
+        ttl: Duration,
+        /// How long a step waits for a chunk with no live holder.
+        wait: Duration,
+    },
+}
+
+/// The most holders a requester following a directory connects to over a run (each reserves
+/// a link of staging and reply region).
+const MAX_DIRECTORY_HOLDERS: usize = 16;
+
 /// What the steps share: the requester, the corpus and its full copy (the reference), the
 /// cost model, and the report being filled.
 struct Run<'a> {
     req: Requester,
+    /// The directory followed, if holders are found in one.
+    follower: Option<Follower>,
     spec: &'a CorpusSpec,
     blocks: Vec<Vec<u16>>,
     rope: Rope,
@@ -54,7 +78,7 @@ pub(super) fn decode_steps(
     command: &str,
     spec: &CorpusSpec,
     provider: &ProviderChoice,
-    holders: &[SocketAddr],
+    discovery: Discovery<'_>,
     (plan, seed): (&StepArgs, u64),
     before_step: &mut dyn FnMut(u32) -> Result<Option<String>>,
 ) -> Result<DemoReport> {
@@ -68,7 +92,19 @@ pub(super) fn decode_steps(
         spin: Duration::from_millis(1),
         max_holders: 0,
     };
-    let mut req = Requester::connect(engine, holders, config)?;
+    let (mut req, follower) = match discovery {
+        Discovery::Addrs(holders) => (Requester::connect(engine, holders, config)?, None),
+        Discovery::Directory { url, ttl, wait } => {
+            let mut follower = Follower::open(url, ttl, wait)?;
+            let config = RequesterConfig {
+                max_holders: MAX_DIRECTORY_HOLDERS,
+                ..config
+            };
+            let mut req = Requester::connect(engine, &[], config)?;
+            follower.await_chunks(&mut req, spec.chunks, 0)?;
+            (req, Some(follower))
+        }
+    };
     let rope = spec.rope()?;
     let doc_tokens = spec.tokens() as i64;
     let probe_rows = queries(2048, doc_tokens, &rope, 99);
@@ -81,6 +117,7 @@ pub(super) fn decode_steps(
     let summary = CalibrationSummary::of(&cal)?;
     let mut run = Run {
         req,
+        follower,
         spec,
         // The full copy the references are computed from.
         blocks: (0..spec.chunks)
@@ -92,7 +129,7 @@ pub(super) fn decode_steps(
         report: DemoReport {
             command: command.to_owned(),
             provider: provider_name,
-            holders: holders.len(),
+            holders: 0,
             chunks: spec.chunks,
             chunk_tokens: spec.chunk_tokens,
             layers: spec.layers,
@@ -108,23 +145,66 @@ pub(super) fn decode_steps(
             failures: Vec::new(),
             checks: Vec::new(),
             passed: false,
+            directory: None,
         },
         cal,
     };
     let mq = plan.batch as usize * HEADS;
     for step in 0..plan.steps {
+        if step > 0 && plan.pause_ms > 0 {
+            let pause = Duration::from_millis(plan.pause_ms);
+            match run.follower.as_mut() {
+                Some(f) => f.pause(&mut run.req, pause, step),
+                None => std::thread::sleep(pause),
+            }
+        }
         if let Some(what) = before_step(step)? {
             run.report.failures.push(what);
         }
+        run.follow(step)?;
         run.dense_step(step, mq, seed)?;
     }
+    run.follow(plan.steps)?;
     run.sparse_step(plan.steps, seed)?;
+    run.report.holders = run.req.holders();
+    run.report.directory = run.follower.take().map(|f| f.report);
     let report = run.report;
     let passed = report.checks.iter().all(|c| c.passed) && !report.checks.is_empty();
     Ok(DemoReport { passed, ..report })
 }
 
 impl Run<'_> {
+    /// With a directory: applies its newest view, waits for every chunk to have a live
+    /// holder, and keeps the selector's holders in step with the requester's.
+    fn follow(&mut self, step: u32) -> Result<()> {
+        let Some(follower) = self.follower.as_mut() else {
+            return Ok(());
+        };
+        follower.apply(&mut self.req, step);
+        follower.await_chunks(&mut self.req, self.spec.chunks, step)?;
+        for h in 0..self.req.holders() {
+            let alive = self.req.is_alive(h);
+            if h >= self.cal.selector.holders().len() {
+                let state = HolderState {
+                    alive,
+                    ..HolderState::new(8)
+                };
+                self.cal.selector.add_holder(state);
+            } else {
+                self.cal.selector.set_alive(h, alive)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Notes which holder now serves `chunk` (after a route or fetch of it), for the
+    /// directory's report.
+    fn served(&mut self, chunk: ChunkId) {
+        if let (Some(f), Ok(h)) = (self.follower.as_mut(), self.req.holder_for(chunk)) {
+            f.served(h);
+        }
+    }
+
     /// The selector's choice for `request` against the holders of `chunk` (or the forced
     /// one), with the selector's priced options; logged once per distinct input: a decision
     /// equal to one already logged only adds its step. The holders' load, liveness and kernel
@@ -136,6 +216,9 @@ impl Run<'_> {
         (chunk, chunks): (ChunkId, Vec<u32>),
     ) -> Result<(Primitive, kvroute_costmodel::Decision)> {
         for (h, why) in self.cal.poll_holders(&mut self.req)? {
+            if let Some(f) = self.follower.as_mut() {
+                f.dead(h, &format!("stopped answering: {why}"));
+            }
             let addr = self
                 .req
                 .holder_addr(h)
@@ -253,6 +336,7 @@ impl Run<'_> {
                 self.cal
                     .selector
                     .observe_pull(bytes, chunk.transfer_us, now);
+                self.served(ChunkId(c));
                 fetched.push((c, chunk, spliced));
             }
         }
@@ -290,6 +374,7 @@ impl Run<'_> {
                         .observe_route(mq as u32, us - merged.kernel_us, now);
                 }
                 parts.extend(self.note_fallbacks(merged));
+                self.served(call.chunk);
             }
             // The reference attends each chunk as its primitive does: routed and local ones at
             // their stored positions, fetched ones spliced to the requester's.

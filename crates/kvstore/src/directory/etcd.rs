@@ -180,7 +180,9 @@ impl EtcdDirectory {
             .map_err(|e| unavailable(format!("starting the client's runtime: {e}")))?;
         let options = ConnectOptions::new()
             .with_connect_timeout(config.timeout)
-            .with_keep_alive(Duration::from_secs(1), config.timeout)
+            // HTTP/2 pings find a dead connection without traffic; etcd closes a connection
+            // that pings more often than every 5 s (its --grpc-keepalive-min-time).
+            .with_keep_alive(Duration::from_secs(10), config.timeout)
             .with_keep_alive_while_idle(true);
         let mut clients = Vec::with_capacity(endpoints.len());
         for e in endpoints {

@@ -85,8 +85,11 @@ pub struct HolderRecord {
     pub control: SocketAddr,
     /// Its transfer-engine address (what its chunks' entries name as their holder).
     pub engine: NetAddr,
-    /// When it started, milliseconds since the Unix epoch (for discovery latency).
+    /// When its process started, milliseconds since the Unix epoch.
     pub started_unix_ms: u64,
+    /// When it began serving (its chunks ready, its listener open), milliseconds since the
+    /// Unix epoch: where discovery latency is measured from.
+    pub serving_unix_ms: u64,
 }
 
 /// One chunk a holder serves, as it registers it.
@@ -103,17 +106,16 @@ pub struct ChunkRecord {
 }
 
 impl HolderRecord {
-    /// A record of schema [`SCHEMA`] started now, with `control` as its id.
+    /// A record of schema [`SCHEMA`] serving (and started) now, with `control` as its id.
     pub fn new(control: SocketAddr, engine: NetAddr) -> Self {
-        let started_unix_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
+        let now = unix_ms();
         Self {
             schema: SCHEMA,
             id: control.to_string(),
             control,
             engine,
-            started_unix_ms,
+            started_unix_ms: now,
+            serving_unix_ms: now,
         }
     }
 
@@ -130,6 +132,13 @@ impl HolderRecord {
             .validate()
             .map_err(|e| format!("engine address: {e}"))
     }
+}
+
+/// Milliseconds since the Unix epoch now (0 if the clock is before it).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// A holder id fits in a key: 1 to [`MAX_ID_BYTES`] bytes, no `/`, no control characters.

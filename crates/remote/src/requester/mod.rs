@@ -77,7 +77,17 @@ struct Link {
     reply_imm: u32,
     fetch_imm: u32,
     seq: u64,
+    /// The session works (no failed write or missed reply, control connection up).
     alive: bool,
+    /// Offered by the directory followed (always, without one).
+    listed: bool,
+}
+
+impl Link {
+    /// Routes and fetches may go to it.
+    fn usable(&self) -> bool {
+        self.alive && self.listed
+    }
 }
 
 /// The requester's byte conversions since it connected: the part of a route round trip that
@@ -98,6 +108,8 @@ pub struct DirectorySync {
     pub added: Vec<(usize, SocketAddr)>,
     /// Holders no longer registered, now unused: (index, control address).
     pub dropped: Vec<(usize, SocketAddr)>,
+    /// Holders registered again while their session still works, used again.
+    pub relisted: Vec<(usize, SocketAddr)>,
     /// Registered holders that could not be used, and why.
     pub failed: Vec<(SocketAddr, String)>,
 }
@@ -270,6 +282,7 @@ impl Requester {
             fetch_imm,
             seq: 0,
             alive: true,
+            listed: true,
         });
         Ok(i)
     }
@@ -303,7 +316,7 @@ impl Requester {
 
     /// Holders still considered alive.
     pub fn live_holders(&self) -> usize {
-        self.links.iter().filter(|l| l.alive).count()
+        self.links.iter().filter(|l| l.usable()).count()
     }
 
     /// A holder's counters, over its control connection.
@@ -469,7 +482,7 @@ impl Requester {
             .filter_map(|e| {
                 self.links
                     .iter()
-                    .position(|l| l.alive && l.welcome.holder == e.holder)
+                    .position(|l| l.usable() && l.welcome.holder == e.holder)
             })
             .collect()
     }
@@ -495,31 +508,38 @@ impl Requester {
         Ok(())
     }
 
-    /// Whether holder `holder` is still used.
+    /// Whether holder `holder` is used: its session works and (under a directory) it is
+    /// registered.
     pub fn is_alive(&self, holder: usize) -> bool {
-        self.links.get(holder).is_some_and(|l| l.alive)
+        self.links.get(holder).is_some_and(Link::usable)
     }
 
     /// Brings the holders in use in line with a directory's view: opens a session with
-    /// every registered holder not yet connected ([`Requester::add_holder`]) and stops using
-    /// every live one no longer registered (its lease expired or it left:
-    /// [`Requester::mark_dead`]). A holder is the pair (control address, engine address), so
-    /// a holder restarted on the same port is a new one. A registered holder whose session
-    /// fails, or whose welcome names another engine address than its record, is reported and
-    /// not used.
+    /// every registered holder not yet connected ([`Requester::add_holder`]), stops choosing
+    /// every one no longer registered (its lease expired or it left), and chooses again one
+    /// that registers again while its session still works (the directory lost its data and
+    /// the holder wrote its registration anew). A holder is the pair (control address, engine
+    /// address), so a holder restarted on the same port is a new one. A registered holder
+    /// whose session fails, or whose welcome names another engine address than its record,
+    /// is reported and not used.
     pub fn sync_with(&mut self, view: &DirectoryView) -> DirectorySync {
         let mut out = DirectorySync::default();
-        for (h, l) in self.links.iter().enumerate() {
+        for (h, l) in self.links.iter_mut().enumerate() {
             let registered = view
                 .holders
                 .values()
                 .any(|r| r.record.control == l.addr && r.record.engine == l.welcome.holder);
-            if l.alive && !registered {
-                out.dropped.push((h, l.addr));
+            if l.listed && !registered {
+                l.listed = false;
+                if l.alive {
+                    out.dropped.push((h, l.addr));
+                }
+            } else if !l.listed && registered {
+                l.listed = true;
+                if l.alive {
+                    out.relisted.push((h, l.addr));
+                }
             }
-        }
-        for &(h, _) in &out.dropped {
-            self.kill(h);
         }
         for r in view.holders.values() {
             let known = self
@@ -556,7 +576,7 @@ impl Requester {
             .find_map(|e| {
                 self.links
                     .iter()
-                    .position(|l| l.alive && l.welcome.holder == e.holder)
+                    .position(|l| l.usable() && l.welcome.holder == e.holder)
             })
             .ok_or(RouteError::NoHolder(chunk))
     }
