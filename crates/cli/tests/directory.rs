@@ -1,0 +1,294 @@
+//! Holders and a requester that find each other in a real etcd (skipped, and counted as
+//! skipped, where no etcd binary is installed; `cargo xtask deps` installs one): holder
+//! processes register, a requester discovers them and routes, a fourth holder joins
+//! mid-run, a holder is SIGKILLed and its lease expires, etcd restarts, and every output
+//! stays checked.
+
+#![allow(clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvroute_testkit::etcd::{EtcdCluster, etcd_available};
+
+/// The lease TTL the holders register with, seconds.
+const TTL: u64 = 3;
+/// A run longer than this is hung.
+const HANG: Duration = Duration::from_secs(240);
+const CORPUS: [&str; 4] = ["--tokens", "256", "--doc-chunks", "3"];
+
+struct HolderProc {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for HolderProc {
+    fn drop(&mut self) {
+        // Its stdin closes with it: a clean stop.
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `kvroute holder` of `chunks`, registered in `url`; returns once it printed its
+/// address (it registers before printing).
+fn holder(url: &str, chunks: &str, replica: u32) -> HolderProc {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["holder", "--provider", "shm", "--lifeline", "stdin"])
+        .args(CORPUS)
+        .args(["--chunks", chunks, "--directory", url])
+        .args(["--directory-ttl", &TTL.to_string()])
+        .args(["--replica", &replica.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("starting a holder");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("piped stdout"))
+        .read_line(&mut line)
+        .expect("reading the holder's address");
+    let v: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("holder said {line:?}: {e}"));
+    let addr = v["listen"].as_str().expect("an address").to_owned();
+    HolderProc { child, addr }
+}
+
+/// Text a child writes to stderr, collected as it comes.
+fn collect(mut r: impl Read + Send + 'static) -> Arc<Mutex<String>> {
+    let text = Arc::new(Mutex::new(String::new()));
+    let out = text.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = r.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            out.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+    text
+}
+
+/// Waits until `text` contains every one of `needles`; panics after `limit`.
+fn wait_for(text: &Mutex<String>, needles: &[&str], limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        {
+            let t = text.lock().unwrap_or_else(|p| p.into_inner());
+            if needles.iter().all(|n| t.contains(n)) {
+                return started.elapsed();
+            }
+            assert!(
+                started.elapsed() < limit,
+                "{needles:?} not seen within {limit:?}:\n{t}"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A raw put through etcd's JSON gateway (`/v3/kv/put`, keys and values base64): contents no
+/// kvroute process would write.
+fn gateway_put(endpoint: &str, key: &str, value: &[u8]) {
+    let body = format!(
+        "{{\"key\":\"{}\",\"value\":\"{}\"}}",
+        base64(key.as_bytes()),
+        base64(value)
+    );
+    let mut s = TcpStream::connect(endpoint).expect("connecting to etcd");
+    write!(
+        s,
+        "POST /v3/kv/put HTTP/1.0\r\nHost: {endpoint}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("writing the put");
+    let mut reply = String::new();
+    let _ = s.read_to_string(&mut reply);
+    assert!(reply.contains("200 OK"), "etcd refused the put: {reply}");
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for c in bytes.chunks(3) {
+        let n = (u32::from(c[0]) << 16)
+            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*c.get(2).unwrap_or(&0));
+        for i in 0..4 {
+            if i <= c.len() {
+                out.push(A[(n >> (18 - 6 * i)) as usize & 63] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+fn list(url: &str) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["--json", "directory", "list", "--directory", url])
+        .output()
+        .expect("running kvroute directory list");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("directory list --json")
+}
+
+#[test]
+fn holders_join_die_and_etcd_restarts_under_a_running_requester() {
+    if !etcd_available() {
+        kvroute_testkit::skip!("no etcd binary (cargo xtask deps installs etcd-server)");
+        return;
+    }
+    let mut etcd = EtcdCluster::start(1).expect("starting etcd");
+    let url = etcd.url();
+    let endpoint = etcd.endpoints()[0].clone();
+    // Contents no holder wrote: skipped by every reader, named in the listing.
+    gateway_put(&endpoint, "/kvroute/v1/holders/garbage", b"{not json");
+    gateway_put(
+        &endpoint,
+        "/kvroute/v1/holders/10.0.0.1:1",
+        b"{\"schema\":99}",
+    );
+
+    let mut h: Vec<HolderProc> = (0..3).map(|c| holder(&url, &c.to_string(), 0)).collect();
+    let listed = list(&url);
+    assert_eq!(
+        listed["holders"].as_object().map(|o| o.len()),
+        Some(3),
+        "{listed}"
+    );
+    assert_eq!(
+        listed["skipped"].as_array().map(Vec::len),
+        Some(2),
+        "{listed}"
+    );
+    for holder in listed["holders"]
+        .as_object()
+        .into_iter()
+        .flat_map(|o| o.values())
+    {
+        let ttl = holder["ttl_left_ms"].as_u64().unwrap_or(0);
+        assert!((1..=TTL * 1000).contains(&ttl), "{holder}");
+    }
+
+    let mut req = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["--json", "requester", "--provider", "shm"])
+        .args(CORPUS)
+        .args(["--directory", &url, "--directory-ttl", &TTL.to_string()])
+        .args(["--steps", "60", "--pause-ms", "400", "--force", "route"])
+        .env("RUST_LOG", "kvroute_cli=info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting the requester");
+    let stdout = {
+        let mut r = req.stdout.take().expect("piped stdout");
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = r.read_to_string(&mut text);
+            text
+        })
+    };
+    let log = collect(req.stderr.take().expect("piped stderr"));
+    wait_for(&log, &["selector calibrated"], Duration::from_secs(120));
+
+    // A fourth holder joins with a second copy of chunk 1.
+    let h3 = holder(&url, "1", 1);
+    wait_for(
+        &log,
+        &[&format!("({}) joined", h3.addr)],
+        Duration::from_secs(30),
+    );
+
+    // The first copy of chunk 1 dies without a word: its lease runs out within the TTL.
+    let mut victim = h.remove(1);
+    let victim_addr = victim.addr.clone();
+    let killed = Instant::now();
+    victim.child.kill().expect("killing holder 1");
+    let _ = victim.child.wait();
+    let _ = kvroute_transport::fabric::remove_shm_regions_of_dead_process(victim.child.id());
+    let gone = format!("({victim_addr}): registration gone");
+    wait_for(&log, &[&gone], Duration::from_secs(TTL + 10));
+    let expired_after = killed.elapsed();
+    assert!(
+        expired_after <= Duration::from_secs(TTL + 2),
+        "the dead holder stayed registered {expired_after:?}"
+    );
+
+    // etcd restarts (same data): the requester keeps its last view meanwhile and says so.
+    etcd.kill(0);
+    wait_for(&log, &["directory unreachable"], Duration::from_secs(15));
+    std::thread::sleep(Duration::from_millis(500));
+    etcd.restart(0).expect("restarting etcd");
+    wait_for(
+        &log,
+        &["directory reachable again"],
+        Duration::from_secs(30),
+    );
+
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = req.try_wait().expect("waiting for the requester") {
+            break status;
+        }
+        assert!(started.elapsed() < HANG, "the requester hung");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let text = stdout.join().unwrap_or_default();
+    let log = log.lock().map(|t| t.clone()).unwrap_or_default();
+    assert!(status.success(), "requester failed:\n{text}\n{log}");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("the report");
+    assert_eq!(json["passed"], true, "{text}");
+    let checks = json["checks"].as_array().map_or(0, Vec::len);
+    assert_eq!(checks, 61 * 3, "every step checked: {text}");
+
+    // Every holder was used; the dead one stopped being used, the late one took its chunk.
+    let dir = &json["directory"];
+    let holders = dir["holders"].as_array().cloned().unwrap_or_default();
+    assert_eq!(holders.len(), 4, "{dir}");
+    let by_addr = |a: &str| {
+        holders
+            .iter()
+            .find(|u| u["addr"] == a)
+            .cloned()
+            .unwrap_or_else(|| panic!("{a} not in {dir}"))
+    };
+    let late = by_addr(&h3.addr);
+    assert!(late["served"].as_u64().unwrap_or(0) > 0, "{late}");
+    let dead = by_addr(&victim_addr);
+    assert!(!dead["dropped"].is_null(), "{dead}");
+    assert!(!dead["unregistered_unix_ms"].is_null(), "{dead}");
+    assert_eq!(dir["skipped"].as_array().map(Vec::len), Some(2), "{dir}");
+    for other in &h {
+        let used = by_addr(&other.addr);
+        assert!(used["dropped"].is_null(), "{used}");
+        assert!(used["served"].as_u64().unwrap_or(0) > 0, "{used}");
+    }
+    // The holders kept their registrations through the restart.
+    let after = list(&url);
+    assert_eq!(
+        after["holders"].as_object().map(|o| o.len()),
+        Some(3),
+        "{after}"
+    );
+    drop((h, victim, h3));
+}
