@@ -43,6 +43,14 @@ pub(crate) const SYSTEM_PACKAGES: &[SystemPackage] = &[
         needed_for: "the read baseline of `kvroute store bench` (beside dd, on the same files)",
     },
     SystemPackage {
+        apt: "protobuf-compiler",
+        needed_for: "protoc, which builds the etcd client's gRPC messages (kvroute-kvstore's etcd feature)",
+    },
+    SystemPackage {
+        apt: "etcd-server",
+        needed_for: "the etcd the directory's integration tests start (cargo xtask etcd)",
+    },
+    SystemPackage {
         apt: "fonts-dejavu-core",
         needed_for: "the text of `kvroute sweep`'s PNG plots (plotters draws with a TrueType font)",
     },

@@ -11,13 +11,14 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 /// Every target in `fuzz/Cargo.toml`.
-pub(crate) const TARGETS: [&str; 6] = [
+pub(crate) const TARGETS: [&str; 7] = [
     "wire_request",
     "wire_reply",
     "control_json",
     "npy",
     "trace_line",
     "block_header",
+    "directory_entry",
 ];
 
 /// What cargo-fuzz passes to instrument for libFuzzer (`-Zsanitizer` aside, which needs a

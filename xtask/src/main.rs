@@ -48,6 +48,10 @@ commands:
                   holders over shm and tcp under requesters that come, go, misbehave, are killed
                   or stopped, for N minutes (default 1): exact routes, no hang, flat holders,
                   clean /dev/shm
+  etcd [--members N] [-- COMMAND...]
+                  a throwaway etcd cluster of N members (default 1) on free loopback ports: runs
+                  COMMAND with KVROUTE_ETCD=etcd://... set and stops etcd after; without a
+                  command, prints the address and serves until stdin closes
   bindgen         regenerate the libfabric bindings (installs libfabric-dev, libclang-dev as root)";
 
 fn main() -> ExitCode {
@@ -104,6 +108,10 @@ fn run(args: &[String]) -> Result<()> {
             &with_rest(&["bench", "--workspace", "--locked", "--"], rest),
             &[],
         ),
+        "etcd" => {
+            deps::run(false)?;
+            etcd(rest)
+        }
         "bindgen" => bindgen::run(&workspace_root()),
         "bindgen-generate" => bindgen::generate(&workspace_root()),
         "help" | "-h" | "--help" => {
@@ -112,6 +120,44 @@ fn run(args: &[String]) -> Result<()> {
         }
         other => bail!("unknown command `{other}`\n\n{USAGE}"),
     }
+}
+
+/// `cargo xtask etcd`.
+fn etcd(args: &[String]) -> Result<()> {
+    let (ours, command) = match args.iter().position(|a| a == "--") {
+        Some(i) => (&args[..i], &args[i + 1..]),
+        None => (args, &[][..]),
+    };
+    let members = match ours {
+        [] => 1,
+        [flag, n] if flag == "--members" => n
+            .parse()
+            .with_context(|| format!("--members {n:?} is not a number"))?,
+        other => bail!("etcd: unexpected arguments {other:?}\n\n{USAGE}"),
+    };
+    let cluster = kvroute_testkit::etcd::EtcdCluster::start(members)
+        .context("starting etcd (cargo xtask deps installs etcd-server)")?;
+    let url = cluster.url();
+    println!(
+        "xtask etcd: {members} member(s) at {url} (data in {})",
+        cluster.dir().display()
+    );
+    let Some((program, rest)) = command.split_first() else {
+        println!("xtask etcd: serving until stdin closes");
+        let mut sink = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink)?;
+        return Ok(());
+    };
+    let status = Command::new(program)
+        .args(rest)
+        .env("KVROUTE_ETCD", &url)
+        .status()
+        .with_context(|| format!("running {program}"))?;
+    drop(cluster);
+    if !status.success() {
+        bail!("{program} failed: {status}");
+    }
+    Ok(())
 }
 
 fn with_rest<'a>(base: &[&'a str], rest: &'a [String]) -> Vec<&'a str> {

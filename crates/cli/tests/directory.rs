@@ -292,3 +292,43 @@ fn holders_join_die_and_etcd_restarts_under_a_running_requester() {
     );
     drop((h, victim, h3));
 }
+
+#[test]
+fn the_demo_finds_its_holders_in_etcd() {
+    if !etcd_available() {
+        kvroute_testkit::skip!("no etcd binary (cargo xtask deps installs etcd-server)");
+        return;
+    }
+    let etcd = EtcdCluster::start(1).expect("starting etcd");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["--json", "demo", "--provider", "shm", "--tokens", "256"])
+        .args(["--holders", "2", "--steps", "1", "--directory", &etcd.url()])
+        .output()
+        .expect("running the demo");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_str(&text).expect("the report");
+    assert_eq!(json["passed"], true, "{text}");
+    let holders = json["directory"]["holders"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(holders.len(), 2, "{text}");
+    assert!(
+        holders
+            .iter()
+            .all(|h| h["served"].as_u64().unwrap_or(0) > 0),
+        "{text}"
+    );
+    // The demo's holders left the directory when it stopped them.
+    let after = list(&etcd.url());
+    assert_eq!(
+        after["holders"].as_object().map(|o| o.len()),
+        Some(0),
+        "{after}"
+    );
+}
