@@ -120,6 +120,14 @@ impl ChunkRegistry {
         removed
     }
 
+    /// Reorders the holders of `id` by `rank` (lowest first; equal ranks keep their order):
+    /// the order routes and fetches prefer them in.
+    pub fn reorder(&mut self, id: ChunkId, rank: impl Fn(&ChunkEntry) -> usize) {
+        if let Some(replicas) = self.chunks.get_mut(&id) {
+            replicas.sort_by_key(|e| rank(e));
+        }
+    }
+
     /// The registered chunk ids, ascending.
     pub fn ids(&self) -> impl Iterator<Item = ChunkId> + '_ {
         self.chunks.keys().copied()
@@ -183,6 +191,8 @@ mod tests {
             reg.register(entry(1, 3, 65)),
             Err(StoreError::InvalidEntry { .. })
         ));
+        reg.reorder(ChunkId(1), |e| usize::from(e.holder != addr(2)));
+        assert_eq!(reg.holders(ChunkId(1))?[0].holder, addr(2));
         assert_eq!(reg.remove_holder(&addr(2)), 2);
         assert_eq!(reg.holders(ChunkId(1))?.len(), 1);
         assert_eq!(reg.holders(ChunkId(2)), Err(StoreError::UnknownChunk(2)));

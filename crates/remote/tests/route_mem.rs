@@ -302,7 +302,20 @@ fn a_requester_follows_the_directory_holders_register_in() -> Result<()> {
             .iter()
             .all(Result::is_ok)
     );
+    // c joins as the first copy of chunk 2, b becomes the second: c is preferred at once.
+    let c = holder(&fabric, &[2], 8)?;
     drop(reg_b);
+    let (rb, cb) = b.directory_records(1);
+    let _reg_b = dir.register(rb, cb)?;
+    let (rc, cc) = c.directory_records(0);
+    let _reg_c = dir.register(rc, cc)?;
+    let view = watch
+        .current()
+        .map(|s| s.view)
+        .ok_or_else(|| anyhow::anyhow!("no view"))?;
+    assert_eq!(req.sync_with(&view).added, [(2, c.addr())]);
+    assert_eq!(req.live_replicas(ChunkId(2)), [2, 1]);
+    assert_eq!(req.holder_for(ChunkId(3))?, 1);
     Ok(())
 }
 

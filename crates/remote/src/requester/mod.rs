@@ -521,7 +521,8 @@ impl Requester {
     /// the holder wrote its registration anew). A holder is the pair (control address, engine
     /// address), so a holder restarted on the same port is a new one. A registered holder
     /// whose session fails, or whose welcome names another engine address than its record,
-    /// is reported and not used.
+    /// is reported and not used. Each chunk's replicas are then preferred in the view's
+    /// order (ascending replica number).
     pub fn sync_with(&mut self, view: &DirectoryView) -> DirectorySync {
         let mut out = DirectorySync::default();
         for (h, l) in self.links.iter_mut().enumerate() {
@@ -561,6 +562,18 @@ impl Requester {
                 Ok(h) => out.added.push((h, r.record.control)),
                 Err(e) => out.failed.push((r.record.control, e.to_string())),
             }
+        }
+        // Replicas in the directory's order (ascending replica number), copies it does not
+        // offer last.
+        let ids: Vec<ChunkId> = self.registry.ids().collect();
+        for id in ids {
+            let offered = view.registry.holders(id).unwrap_or_default();
+            self.registry.reorder(id, |e| {
+                offered
+                    .iter()
+                    .position(|o| o.holder == e.holder)
+                    .unwrap_or(usize::MAX)
+            });
         }
         out
     }
