@@ -131,6 +131,12 @@ fn holders_register_watchers_see_them_and_revoke_removes_them() -> Result<()> {
     assert!(gone.is_some_and(|s| s.view.holders.contains_key(&b.id)));
     drop(rb);
     assert!(dir.view()?.holders.is_empty());
+    // Revoked at once, whatever its keeper was doing: nothing registers again behind it.
+    for _ in 0..5 {
+        dir.register(a.clone(), vec![chunk(0, &a, 0)])?.revoke()?;
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(dir.view()?.holders.is_empty());
     Ok(())
 }
 

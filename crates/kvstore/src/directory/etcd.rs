@@ -365,6 +365,7 @@ async fn keep(
             .unwrap_or(0);
         match renew(&members, lease, config, &status, &mut stop).await {
             Renewal::Stopped => return,
+            Renewal::Gone if *stop.borrow() => return,
             Renewal::Gone => {
                 note(&status, false, Some("the lease expired".to_owned()));
                 tracing::warn!(lease, "directory lease gone: registering again");
@@ -395,6 +396,10 @@ struct EtcdRegistration {
     members: Members,
     status: Arc<Mutex<RegistrationStatus>>,
     stop: signal::Sender<bool>,
+    /// The keeper, waited for before the lease is revoked: a keeper still running could
+    /// take the revoked lease for an expired one and register again.
+    keeper: Option<tokio::task::JoinHandle<()>>,
+    timeout: Duration,
     revoked: bool,
 }
 
@@ -410,6 +415,17 @@ impl EtcdRegistration {
     fn end(&mut self) -> Result<(), DirectoryError> {
         self.revoked = true;
         let _ = self.stop.send(true);
+        if let Some(keeper) = self.keeper.take() {
+            // It stops at its next pause, or after the request in flight (each within the
+            // request timeout, the re-registration's grant and puts within a few).
+            let limit = self.timeout * 4;
+            let finished = self
+                .runtime
+                .block_on(async { tokio::time::timeout(limit, keeper).await });
+            if finished.is_err() {
+                tracing::warn!("directory keeper still running after {limit:?}; revoking anyway");
+            }
+        }
         let Some(lease) = self.status().lease else {
             return Ok(());
         };
@@ -556,7 +572,7 @@ impl Directory for EtcdDirectory {
             last_error: None,
         }));
         let (stop, stopped) = signal::channel(false);
-        self.runtime.spawn(keep(
+        let keeper = self.runtime.spawn(keep(
             self.members.clone(),
             kvs,
             self.config,
@@ -568,6 +584,8 @@ impl Directory for EtcdDirectory {
             members: self.members.clone(),
             status,
             stop,
+            keeper: Some(keeper),
+            timeout: self.config.timeout,
             revoked: false,
         }))
     }
