@@ -39,6 +39,12 @@ pub struct HolderUse {
     pub started_unix_ms: u64,
     /// When it began serving, Unix ms.
     pub serving_unix_ms: u64,
+    /// When the directory's watch published the view through which this requester found it
+    /// (the newest when the requester looked), Unix ms.
+    pub delivered_unix_ms: u64,
+    /// When this requester applied that view, Unix ms (views are applied between decode
+    /// steps).
+    pub seen_unix_ms: u64,
     /// When this requester had a session with it, Unix ms.
     pub connected_unix_ms: u64,
     /// When it first served this requester a route or a fetch, Unix ms.
@@ -178,10 +184,16 @@ impl Follower {
             }
             (None, false) => {}
         }
-        self.sync(req, &state.view, step)
+        self.sync(req, &state.view, state.published_unix_ms, step)
     }
 
-    fn sync(&mut self, req: &mut Requester, view: &DirectoryView, step: u32) -> bool {
+    fn sync(
+        &mut self,
+        req: &mut Requester,
+        view: &DirectoryView,
+        delivered: u64,
+        step: u32,
+    ) -> bool {
         if view.skipped != self.report.skipped {
             for s in view
                 .skipped
@@ -192,6 +204,7 @@ impl Follower {
             }
             self.report.skipped.clone_from(&view.skipped);
         }
+        let seen = unix_ms();
         let sync = req.sync_with(view);
         let now = unix_ms();
         let mut gone = Vec::new();
@@ -235,6 +248,8 @@ impl Follower {
                 chunks: chunks.clone(),
                 started_unix_ms: started,
                 serving_unix_ms: serving,
+                delivered_unix_ms: delivered,
+                seen_unix_ms: seen,
                 connected_unix_ms: now,
                 first_served_unix_ms: None,
                 served: 0,
@@ -244,7 +259,9 @@ impl Follower {
             self.event(
                 step,
                 format!(
-                    "holder {h} ({addr}) joined with chunks {chunks:?}: session open {} ms after it began serving",
+                    "holder {h} ({addr}) joined with chunks {chunks:?}: in a view {} ms, applied {} ms, session open {} ms after it began serving",
+                    delivered as i64 - serving as i64,
+                    seen as i64 - serving as i64,
                     now as i64 - serving as i64
                 ),
             );

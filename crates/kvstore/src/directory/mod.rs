@@ -6,7 +6,7 @@
 //!
 //! - [`InProcessDirectory`] (the default, no server): holders and requesters in one process
 //!   share it; a registration lives until its handle is revoked or dropped.
-//! - [`etcd::EtcdDirectory`] (the `etcd` feature): a real etcd cluster. A holder's keys hang
+//! - `etcd::EtcdDirectory` (the `etcd` feature): a real etcd cluster. A holder's keys hang
 //!   on a lease it keeps alive; a holder that dies stops renewing it and etcd deletes its keys
 //!   when the lease's TTL runs out, which every watching requester sees as a deletion.
 //!
@@ -367,6 +367,8 @@ pub struct WatchState {
     pub view: Arc<DirectoryView>,
     /// Set while the watch has lost the directory: why. The view is then the last one seen.
     pub stale: Option<String>,
+    /// When the follower published the view (it had just read it), Unix ms.
+    pub published_unix_ms: u64,
 }
 
 /// A view kept current by a background follower; one slot, so a slow reader sees the newest
@@ -398,6 +400,7 @@ impl WatchSlot {
             generation,
             view: Arc::new(view),
             stale: None,
+            published_unix_ms: unix_ms(),
         });
         self.changed.notify_all();
     }
