@@ -563,6 +563,11 @@ impl Run<'_> {
                 check(&mut checks, name, &got, &wholes[i], F32_TOL);
             }
             self.req.release_gathered(gathered)?;
+            for (c, idx) in per_chunk.iter().enumerate() {
+                if !idx.is_empty() {
+                    self.served(ChunkId(c as u32));
+                }
+            }
         } else {
             for (i, layer) in self.layers.into_iter().enumerate() {
                 let calls: Vec<Call<'_>> = per_chunk
@@ -590,6 +595,9 @@ impl Run<'_> {
                     (priced.route.total_us, us),
                 );
                 let parts = self.note_fallbacks(merged);
+                for call in &calls {
+                    self.served(call.chunk);
+                }
                 let merged = merge(&parts.iter().collect::<Vec<_>>())?;
                 let name = format!(
                     "sparse top-{sel_k} over {} holders, layer {layer}, through the wire",
