@@ -14,25 +14,42 @@ use crate::partial::{Partial, WirePartial};
 /// Merges `parts` (all with the same number of rows) into one. Every part is validated first
 /// (they may come from peers); nothing is merged if one is malformed.
 pub fn merge(parts: &[&Partial]) -> Result<Partial, KernelError> {
-    let mq = check_parts(parts)?;
+    let mq = check_parts_but_o(parts)?;
     let mut out = Partial::empty(mq);
-    vectorised(
+    let non_finite = vectorised(
         #[inline(always)]
         || merge_rows(parts, &mut out),
     );
-    Ok(out)
+    match non_finite {
+        Some(row) => Err(KernelError::InvalidPartial {
+            row,
+            why: "o must be finite",
+        }),
+        None => Ok(out),
+    }
 }
 
-/// [`merge`]'s rows (the same code on every instruction set: the f64 sums vectorise).
+/// [`merge`]'s rows (the same code on every instruction set: the f64 sums vectorise); the
+/// first row whose merged `o` is not finite, if any. The parts' `o` values are checked
+/// here, on the merged row, instead of in a pass of their own over every part before: a
+/// merged value is a convex combination of the contributing parts' values, so it is finite
+/// exactly when theirs are (an infinity or NaN in a contributing part makes the sum NaN or
+/// infinite whatever its weight, even a weight that underflowed to 0). Parts that do not
+/// contribute (`l = 0`) were checked to hold zeros.
 #[inline(always)]
-fn merge_rows(parts: &[&Partial], out: &mut Partial) {
+fn merge_rows(parts: &[&Partial], out: &mut Partial) -> Option<usize> {
     for r in 0..out.rows() {
         // `o` is normalised, so a part's values weigh `l` times its share.
         let rows = parts.iter().map(|p| (p.m[r], p.l[r], p.o_row(r), p.l[r]));
-        let (m, l) = combine_row(rows, &mut out.o[r * D_LATENT..(r + 1) * D_LATENT]);
+        let o = &mut out.o[r * D_LATENT..(r + 1) * D_LATENT];
+        let (m, l) = combine_row(rows, o);
+        if !crate::partial::all_finite_in(o) {
+            return Some(r);
+        }
         out.m[r] = m;
         out.l[r] = l;
     }
+    None
 }
 
 /// [`merge`] of partials in their wire encoding, read where they landed (a requester's reply
@@ -124,6 +141,15 @@ pub(crate) fn check_parts(parts: &[&Partial]) -> Result<usize, KernelError> {
     let mq = same_rows(parts.iter().map(|p| p.rows()))?;
     for p in parts {
         p.validate()?;
+    }
+    Ok(mq)
+}
+
+/// [`check_parts`] but for the finiteness of `o`, which [`merge`] checks on the merged rows.
+fn check_parts_but_o(parts: &[&Partial]) -> Result<usize, KernelError> {
+    let mq = same_rows(parts.iter().map(|p| p.rows()))?;
+    for p in parts {
+        p.validate_rows(false)?;
     }
     Ok(mq)
 }

@@ -59,7 +59,7 @@ impl Partial {
     }
 
     /// [`Partial::validate`]; `check_o: false` skips the finiteness of `o` (checked already).
-    fn validate_rows(&self, check_o: bool) -> Result<(), KernelError> {
+    pub(crate) fn validate_rows(&self, check_o: bool) -> Result<(), KernelError> {
         let mq = self.m.len();
         check_len("partial l", mq, self.l.len())?;
         check_len("partial o", mq * D_LATENT, self.o.len())?;
@@ -401,7 +401,7 @@ fn all_finite(values: &[f32]) -> bool {
 }
 
 #[inline(always)]
-fn all_finite_in(values: &[f32]) -> bool {
+pub(crate) fn all_finite_in(values: &[f32]) -> bool {
     let mut worst = 0i32;
     for &x in values {
         // Non-negative as i32 after the mask; >= 0x7f80_0000 is infinity or NaN.

@@ -7,7 +7,7 @@
 mod common;
 
 use common::{Rng, SCALE};
-use kvroute_kernels::layout::{D_QK, PAGE_TOKENS, PARTIAL_ROW_BYTES};
+use kvroute_kernels::layout::{D_LATENT, D_QK, PAGE_TOKENS, PARTIAL_ROW_BYTES};
 use kvroute_kernels::{
     Backend, Cache, KernelError, Partial, Queries, Rope, RopeLayout, Selection, SpliceJob, merge,
     partial_dense, partial_sparse, queries_from_wire,
@@ -147,6 +147,26 @@ fn malformed_partials_and_wire_bytes_are_refused() {
         Err(KernelError::InvalidPartial { .. })
     ));
     assert!(matches!(merge(&[]), Err(KernelError::Empty(_))));
+    // A non-finite value in a contributing part is refused naming its row, even where the
+    // part's weight underflows to 0 next to a much larger maximum.
+    let mut big = Partial::empty(3);
+    big.m.fill(0.0);
+    big.l.fill(1.0);
+    let mut tiny = big.clone();
+    tiny.m.fill(-1e30);
+    tiny.o[D_LATENT + 5] = f32::NAN;
+    assert!(matches!(
+        merge(&[&big, &tiny]),
+        Err(KernelError::InvalidPartial { row: 1, .. })
+    ));
+    tiny.o[D_LATENT + 5] = 0.0;
+    tiny.o[2 * D_LATENT] = f32::INFINITY;
+    assert!(matches!(
+        merge(&[&tiny, &big]),
+        Err(KernelError::InvalidPartial { row: 2, .. })
+    ));
+    tiny.o[2 * D_LATENT] = 0.0;
+    assert!(merge(&[&big, &tiny]).is_ok());
     let (a, b) = (Partial::empty(1), Partial::empty(2));
     assert!(matches!(
         merge(&[&a, &b]),
