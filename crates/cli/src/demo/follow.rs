@@ -158,14 +158,13 @@ impl Follower {
         });
     }
 
-    /// Applies the newest view to `req` if it changed since the last one applied; returns
-    /// whether holders were added or dropped.
-    pub(super) fn apply(&mut self, req: &mut Requester, step: u32) -> bool {
+    /// Applies the newest view to `req` if it changed since the last one applied.
+    pub(super) fn apply(&mut self, req: &mut Requester, step: u32) {
         let Some(state) = self.watch.current() else {
-            return false;
+            return;
         };
         if state.generation == self.applied {
-            return false;
+            return;
         }
         self.applied = state.generation;
         match (&state.stale, self.stale) {
@@ -175,9 +174,9 @@ impl Follower {
                     step,
                     format!("directory unreachable ({why}): keeping the last view"),
                 );
-                return false;
+                return;
             }
-            (Some(_), true) => return false,
+            (Some(_), true) => return,
             (None, true) => {
                 self.stale = false;
                 self.event(step, "directory reachable again".to_owned());
@@ -187,13 +186,7 @@ impl Follower {
         self.sync(req, &state.view, state.published_unix_ms, step)
     }
 
-    fn sync(
-        &mut self,
-        req: &mut Requester,
-        view: &DirectoryView,
-        delivered: u64,
-        step: u32,
-    ) -> bool {
+    fn sync(&mut self, req: &mut Requester, view: &DirectoryView, delivered: u64, step: u32) {
         if view.skipped != self.report.skipped {
             for s in view
                 .skipped
@@ -279,7 +272,6 @@ impl Follower {
         for (addr, why) in &sync.failed {
             self.event(step, format!("registered holder {addr} not used: {why}"));
         }
-        !(sync.added.is_empty() && sync.dropped.is_empty() && sync.relisted.is_empty())
     }
 
     /// Notes that holder `h` served a route or a fetch.

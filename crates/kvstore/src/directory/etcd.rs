@@ -66,7 +66,6 @@ impl EtcdConfig {
 pub struct EtcdDirectory {
     runtime: Arc<Runtime>,
     members: Members,
-    endpoints: String,
     config: EtcdConfig,
 }
 
@@ -118,6 +117,12 @@ fn answered(e: &etcd_client::Error) -> bool {
 }
 
 impl Members {
+    /// `HOST:PORT,...` of every member.
+    fn endpoints(&self) -> String {
+        let names: Vec<&str> = self.clients.iter().map(|(e, _)| e.as_str()).collect();
+        names.join(",")
+    }
+
     /// `f` on the preferred member, then on each other one until one answers in time.
     async fn call<T, Fut>(&self, mut f: impl FnMut(Client) -> Fut) -> Result<T, Failure>
     where
@@ -146,7 +151,7 @@ impl Members {
 impl std::fmt::Debug for EtcdDirectory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EtcdDirectory")
-            .field("endpoints", &self.endpoints)
+            .field("endpoints", &self.members.endpoints())
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
@@ -202,7 +207,6 @@ impl EtcdDirectory {
                 preferred: Arc::new(AtomicUsize::new(0)),
                 timeout: config.timeout,
             },
-            endpoints: endpoints.join(","),
             config,
         };
         // One read says whether anything answers.
@@ -220,7 +224,7 @@ impl EtcdDirectory {
 
     fn unavailable(&self, why: String) -> DirectoryError {
         DirectoryError::Unavailable {
-            endpoints: self.endpoints.clone(),
+            endpoints: self.members.endpoints(),
             why,
         }
     }
@@ -436,15 +440,10 @@ impl EtcdRegistration {
             )
             .map(|_| ())
             .map_err(|why| DirectoryError::Unavailable {
-                endpoints: endpoints_of(&self.members),
+                endpoints: self.members.endpoints(),
                 why: format!("revoking lease {lease}: {why}"),
             })
     }
-}
-
-fn endpoints_of(members: &Members) -> String {
-    let names: Vec<&str> = members.clients.iter().map(|(e, _)| e.as_str()).collect();
-    names.join(",")
 }
 
 impl Registration for EtcdRegistration {
@@ -637,6 +636,6 @@ impl Directory for EtcdDirectory {
     }
 
     fn describe(&self) -> String {
-        format!("etcd at {}", self.endpoints)
+        format!("etcd at {}", self.members.endpoints())
     }
 }

@@ -223,7 +223,7 @@ impl DirectoryView {
     /// schema's or another application's.
     pub fn from_entries<'a>(entries: impl IntoIterator<Item = (&'a [u8], &'a [u8], i64)>) -> Self {
         let mut view = Self::default();
-        let mut chunks: Vec<(ChunkRecord, i64)> = Vec::new();
+        let mut chunks: Vec<ChunkRecord> = Vec::new();
         for (key, value, lease) in entries {
             if !key.starts_with(PREFIX.as_bytes()) {
                 continue;
@@ -272,15 +272,15 @@ impl DirectoryView {
                     Ok(c) if c.holder != id || c.entry.id != chunk => view
                         .skipped
                         .push(skip("record disagrees with its key".to_owned())),
-                    Ok(c) => chunks.push((c, lease)),
+                    Ok(c) => chunks.push(c),
                 },
             }
         }
         // Lowest replica first: a conflicting claim loses to the copy offered first.
-        chunks.sort_by(|(a, _), (b, _)| {
+        chunks.sort_by(|a, b| {
             (a.entry.id, a.replica, &a.holder).cmp(&(b.entry.id, b.replica, &b.holder))
         });
-        for (c, _) in chunks {
+        for c in chunks {
             let name = chunk_key(c.entry.id, &c.holder);
             let Some(holder) = view.holders.get_mut(&c.holder) else {
                 view.skipped

@@ -12,6 +12,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvroute_kvstore::directory::HolderRecord;
 use kvroute_kvstore::{ChunkEntry, ChunkId, ChunkRegistry, DirectoryView, PAGE_BYTES, PagedPool};
 use kvroute_transport::{
     Access, CancellationToken, DoneFlag, OnDone, RegisteredBuffer, TransferEngine, TransferShape,
@@ -87,6 +88,12 @@ impl Link {
     /// Routes and fetches may go to it.
     fn usable(&self) -> bool {
         self.alive && self.listed
+    }
+
+    /// Whether it is the session with the holder `record` describes (same control and
+    /// engine address).
+    fn serves(&self, record: &HolderRecord) -> bool {
+        self.addr == record.control && self.welcome.holder == record.engine
     }
 }
 
@@ -526,10 +533,7 @@ impl Requester {
     pub fn sync_with(&mut self, view: &DirectoryView) -> DirectorySync {
         let mut out = DirectorySync::default();
         for (h, l) in self.links.iter_mut().enumerate() {
-            let registered = view
-                .holders
-                .values()
-                .any(|r| r.record.control == l.addr && r.record.engine == l.welcome.holder);
+            let registered = view.holders.values().any(|r| l.serves(&r.record));
             if l.listed && !registered {
                 l.listed = false;
                 if l.alive {
@@ -543,11 +547,7 @@ impl Requester {
             }
         }
         for r in view.holders.values() {
-            let known = self
-                .links
-                .iter()
-                .any(|l| l.addr == r.record.control && l.welcome.holder == r.record.engine);
-            if known {
+            if self.links.iter().any(|l| l.serves(&r.record)) {
                 continue;
             }
             match self.add_holder(r.record.control) {
