@@ -324,6 +324,10 @@ fn a_requester_process_runs_against_holder_processes_from_a_peer_file() {
                 "512",
             ])
             .args(["--doc-chunks", "2", "--steps", "1"])
+            // What is tested is the peer file and the checks through the wire: forced, the
+            // dense chunks go to their holders even where a loaded machine (this file's tests
+            // run at once) makes the calibrated selector keep them local, and check nothing.
+            .args(["--force", "route"])
             .args(args)
             .output()
             .expect("running kvroute requester")
