@@ -2,6 +2,8 @@
 //! GQA, matches the single-rank layer step after step, through staged appends that start with
 //! empty shards; a rank that vanishes mid-run fails its peers' step with the ranks named.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::time::{Duration, Instant};
 
 use kvroute_helix::{
@@ -75,9 +77,9 @@ fn check_layout(cfg: HelixConfig, steps: usize) {
 
 fn layouts(n: usize) -> Vec<Layout> {
     let mut out = Vec::new();
-    for kvp in [1, 2, 4, 8].into_iter().filter(|k| n % k == 0) {
+    for kvp in [1, 2, 4, 8].into_iter().filter(|k| n.is_multiple_of(*k)) {
         let tpa = n / kvp;
-        for ep in [1, 2, 4, 8].into_iter().filter(|e| n % e == 0) {
+        for ep in [1, 2, 4, 8].into_iter().filter(|e| n.is_multiple_of(*e)) {
             out.push(Layout::new(kvp, tpa, n / ep, ep).unwrap());
         }
     }
