@@ -47,6 +47,10 @@ pub(crate) const SYSTEM_PACKAGES: &[SystemPackage] = &[
         needed_for: "protoc, which builds the etcd client's gRPC messages (kvroute-kvstore's etcd feature)",
     },
     SystemPackage {
+        apt: "libprotobuf-dev",
+        needed_for: "the well-known .proto files (google/protobuf/descriptor.proto) the etcd client's protos import; only recommended by protobuf-compiler, so not installed with it here",
+    },
+    SystemPackage {
         apt: "etcd-server",
         needed_for: "the etcd the directory's integration tests start (cargo xtask etcd)",
     },
