@@ -64,6 +64,113 @@ pub enum Command {
     /// same run.
     #[command(subcommand)]
     Simulate(SimulateCommand),
+    /// Helix parallelism: one decode layer over N ranks (KV-parallel attention, an all-to-all
+    /// of partials over the transfer engine, TP/EP FFN), every output checked.
+    #[command(subcommand)]
+    Helix(HelixCommand),
+}
+
+/// `kvroute helix ...`.
+#[derive(Debug, Subcommand)]
+pub enum HelixCommand {
+    /// Start the ranks (threads over `mem`, processes over libfabric), run decode steps, check
+    /// each rank's output against a single-rank computation of the layer, and report the
+    /// phases and the communication HOP-B leaves exposed.
+    Run(HelixRunArgs),
+    /// One rank process of `helix run` (started by it).
+    #[command(hide = true)]
+    Rank(HelixRankArgs),
+}
+
+/// Attention of the layer `helix run` builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum HelixModel {
+    /// DeepSeek-V3's MLA layer, scaled down (16 heads, hidden 1024).
+    Mla,
+    /// Llama-3.1-405B's GQA layer, scaled down (16 query, 8 KV heads of 64, hidden 1024).
+    Gqa,
+}
+
+/// HOP-B on or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OnOff {
+    /// Overlap each request's all-to-all with the next request's attention.
+    On,
+    /// All attention first, then all communication.
+    Off,
+}
+
+/// `kvroute helix run`.
+#[derive(Debug, Clone, Args)]
+pub struct HelixRunArgs {
+    /// N, the ranks.
+    #[arg(long, default_value_t = 4)]
+    pub ranks: usize,
+    /// KV-parallel width (default N / TPA).
+    #[arg(long)]
+    pub kvp: Option<usize>,
+    /// Tensor-parallel width in attention (at most the KV heads; 1 for MLA).
+    #[arg(long, default_value_t = 1)]
+    pub tpa: usize,
+    /// Tensor-parallel width of the FFN (default N / EP).
+    #[arg(long)]
+    pub tpf: Option<usize>,
+    /// Expert-parallel width of the FFN (needs --moe above 1).
+    #[arg(long, default_value_t = 1)]
+    pub ep: usize,
+    /// Requests decoded together.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Context tokens per request before the first step.
+    #[arg(long, default_value_t = 4096)]
+    pub ctx: u64,
+    /// Decode steps.
+    #[arg(long, default_value_t = 6)]
+    pub steps: usize,
+    /// Tokens appended to one KV shard before the next (staged round-robin).
+    #[arg(long, default_value_t = 16)]
+    pub stage: usize,
+    /// The layer's attention.
+    #[arg(long, value_enum, default_value_t = HelixModel::Mla)]
+    pub model: HelixModel,
+    /// A MoE FFN (DeepSeek-V3's, scaled: 16 experts of 256, 2 per token) instead of a dense one.
+    #[arg(long)]
+    pub moe: bool,
+    /// HOP-B for every step; without it steps alternate off and on, both reported.
+    #[arg(long, value_enum)]
+    pub hopb: Option<OnOff>,
+    /// `mem` (ranks as threads), or a libfabric provider (`shm`, `tcp`: ranks as processes).
+    #[arg(long, default_value = "mem")]
+    pub provider: String,
+    /// Seed of weights, tokens and queries.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// How long a rank waits for its peers before failing the step, ms.
+    #[arg(long, default_value_t = 10_000)]
+    pub timeout_ms: u64,
+    /// Where rank processes meet (a new directory; default: a fresh one under the temp dir).
+    #[arg(long)]
+    pub dir: Option<std::path::PathBuf>,
+}
+
+/// `kvroute helix rank`.
+#[derive(Debug, Clone, Args)]
+pub struct HelixRankArgs {
+    /// This rank.
+    #[arg(long)]
+    pub rank: usize,
+    /// The layer and workload, as JSON (`HelixConfig`).
+    #[arg(long)]
+    pub config: String,
+    /// One character per step: `1` with HOP-B, `0` without.
+    #[arg(long)]
+    pub schedule: String,
+    /// libfabric provider.
+    #[arg(long)]
+    pub provider: String,
+    /// The rendezvous directory.
+    #[arg(long)]
+    pub dir: std::path::PathBuf,
 }
 
 /// `kvroute directory ...`.

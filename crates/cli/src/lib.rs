@@ -9,7 +9,8 @@
 //! processes, fitted and plotted), `trace replay` (a request trace through the prefix cache),
 //! `store write | verify | bench` (the storage tier) and `simulate dualpath | prfaas` (the
 //! cluster schedulers in the discrete-event simulator), `verify-predicate` (the calibrated
-//! route / fetch selector's predictions against live measurements).
+//! route / fetch selector's predictions against live measurements), `helix run` (Helix
+//! parallelism's decode layer over N ranks, checked against one rank).
 
 #![forbid(unsafe_code)]
 
@@ -21,6 +22,7 @@ mod bench_kvpath;
 mod calibrate;
 pub mod demo;
 mod directory;
+mod helix;
 mod kernel;
 
 mod plan;
@@ -36,8 +38,8 @@ mod verify;
 use anyhow::Result;
 pub use args::Cli;
 use args::{
-    BenchCommand, Command, DirectoryCommand, KernelCommand, PlanCommand, SimulateCommand,
-    StoreCommand, TraceCommand,
+    BenchCommand, Command, DirectoryCommand, HelixCommand, KernelCommand, PlanCommand,
+    SimulateCommand, StoreCommand, TraceCommand,
 };
 pub use bench::{Target, TransportBenchReport};
 pub use bench_fabric::{Compared, FabricBenchReport, PagedRow};
@@ -45,6 +47,7 @@ pub use bench_kernels::KernelsBenchReport;
 pub use bench_kvpath::KvPathReport;
 pub use calibrate::CalibrationSummary;
 pub use directory::Listing;
+pub use helix::HelixRunReport;
 pub use kernel::{GpuReport, KernelReport};
 pub use plan::{HelixReport, PrfaasReport};
 pub use predict::PredictReport;
@@ -110,6 +113,19 @@ pub fn run(cli: &Cli) -> Result<String> {
         }
         Command::Bench(BenchCommand::FabricPeer(args)) => {
             bench_fabric::peer(args)?;
+            Ok(String::new())
+        }
+        Command::Helix(HelixCommand::Run(args)) => {
+            let report = helix::run(args)?;
+            let text = render(cli.json, &report)?;
+            if !report.passed {
+                print!("{text}");
+                anyhow::bail!("helix run: a rank failed or a check failed");
+            }
+            Ok(text)
+        }
+        Command::Helix(HelixCommand::Rank(args)) => {
+            helix::rank(args)?;
             Ok(String::new())
         }
     }

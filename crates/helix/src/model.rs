@@ -264,12 +264,19 @@ pub fn init_scale(fan_in: usize) -> f32 {
     1.0 / (fan_in as f32).sqrt()
 }
 
-/// `out[b] += x[b] w` for `x: [B, k]`, `w: [k, n]`, `out: [B, n]`.
+/// `out[b] += x[b] w` for `x: [B, k]`, `w: [k, n]`, `out: [B, n]`. Decode is weight-bound
+/// (`B` is small): the loop reads each row of `w` once for every request, so `w` streams
+/// from memory once per call instead of once per request.
 pub fn matmul_acc(x: &[f32], w: &[f32], k: usize, n: usize, out: &mut [f32]) {
     debug_assert_eq!(w.len(), k * n);
-    for (xr, or) in x.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
-        for (xi, wr) in xr.iter().zip(w.chunks_exact(n)) {
-            for (o, wv) in or.iter_mut().zip(wr) {
+    let rows = x.len() / k.max(1);
+    for (i, wr) in w.chunks_exact(n).enumerate() {
+        for b in 0..rows {
+            let xi = x[b * k + i];
+            if xi == 0.0 {
+                continue;
+            }
+            for (o, wv) in out[b * n..(b + 1) * n].iter_mut().zip(wr) {
                 *o += xi * wv;
             }
         }

@@ -30,7 +30,7 @@ use crate::args::{DemoArgs, RequesterArgs};
 use crate::calibrate::CalibrationSummary;
 
 mod follow;
-mod holders;
+pub(crate) mod holders;
 mod steps;
 
 pub use follow::DirectoryReport;
