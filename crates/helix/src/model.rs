@@ -44,6 +44,16 @@ pub enum Ffn {
     },
 }
 
+impl Ffn {
+    /// DeepSeek-V3's MoE scaled to this machine: 256 experts of 2048 with 8 per token -> 16
+    /// experts of 256 with 2 per token.
+    pub const DEEPSEEK_V3_SCALED: Self = Self::Moe {
+        experts: 16,
+        top_k: 2,
+        dim: 256,
+    };
+}
+
 /// One decode layer's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Shape {
@@ -74,11 +84,7 @@ impl Shape {
             q_heads: 16,
             hidden: 1024,
             ffn: if moe {
-                Ffn::Moe {
-                    experts: 16,
-                    top_k: 2,
-                    dim: 256,
-                }
+                Ffn::DEEPSEEK_V3_SCALED
             } else {
                 Ffn::Dense { dim: 2048 }
             },
@@ -98,11 +104,7 @@ impl Shape {
             q_heads: 16,
             hidden: 1024,
             ffn: if moe {
-                Ffn::Moe {
-                    experts: 16,
-                    top_k: 2,
-                    dim: 256,
-                }
+                Ffn::DEEPSEEK_V3_SCALED
             } else {
                 Ffn::Dense { dim: 3328 }
             },
