@@ -11,7 +11,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 /// Every target in `fuzz/Cargo.toml`.
-pub(crate) const TARGETS: [&str; 7] = [
+pub(crate) const TARGETS: [&str; 8] = [
     "wire_request",
     "wire_reply",
     "control_json",
@@ -19,6 +19,7 @@ pub(crate) const TARGETS: [&str; 7] = [
     "trace_line",
     "block_header",
     "directory_entry",
+    "verbs_handshake",
 ];
 
 /// What cargo-fuzz passes to instrument for libFuzzer (`-Zsanitizer` aside, which needs a

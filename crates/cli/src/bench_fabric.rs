@@ -331,6 +331,7 @@ pub(crate) fn peer(args: &FabricPeerArgs) -> Result<()> {
 
 /// `kvroute bench fabric`.
 pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
+    crate::demo::holders::refuse_verbs(&args.provider)?;
     let choice: ProviderChoice = args.provider.parse()?;
     let provider = choice
         .prov_name()

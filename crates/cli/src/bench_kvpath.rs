@@ -118,6 +118,7 @@ fn median(v: &[f64]) -> f64 {
 }
 
 fn provider_and_node(provider: &str) -> Result<(String, Option<&'static str>)> {
+    crate::demo::holders::refuse_verbs(provider)?;
     let choice: ProviderChoice = provider.parse()?;
     let name = choice
         .prov_name()

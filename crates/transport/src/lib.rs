@@ -59,6 +59,7 @@ pub mod recv_pool;
 pub mod request;
 mod sync;
 pub mod transfer_state;
+pub mod verbs;
 mod watcher;
 
 pub use addr::{DomainAddr, MAX_NICS, NetAddr};
@@ -76,4 +77,5 @@ pub use mr::{Access, Device, MrDesc, MrHandle, RemoteKey};
 pub use on_done::{DoneCounter, DoneFlag, OnDone, Outcome, TransferFuture, block_on};
 pub use plan::TransferShape;
 pub use request::{Pages, ScatterDst};
+pub use verbs::{VerbsConfig, VerbsDomain};
 pub use watcher::WatchedWord;

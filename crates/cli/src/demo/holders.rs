@@ -15,7 +15,24 @@ use nix::sys::signal::{SigSet, Signal};
 
 use crate::args::{CorpusArgs, DemoArgs, HolderArgs, Lifeline, ProgressArg};
 
+/// `verbs` names kvroute's verbs domain (ConnectX and other RDMA NICs), not libfabric's
+/// provider of that name: open it, which here fails naming what is missing (the library, a
+/// device, or the hardware data path not yet built).
+pub(crate) fn refuse_verbs(name: &str) -> Result<()> {
+    if name != "verbs" {
+        return Ok(());
+    }
+    match TransferEngine::verbs(&kvroute_transport::VerbsConfig::default()) {
+        Ok(engine) => {
+            engine.shutdown();
+            anyhow::bail!("verbs: this command does not drive the verbs domain yet")
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 pub(crate) fn provider_for(name: &str) -> Result<ProviderChoice> {
+    refuse_verbs(name)?;
     if name != "auto" {
         return Ok(name.parse()?);
     }
@@ -37,6 +54,7 @@ pub(crate) fn fabric_engine_with(
     provider: &ProviderChoice,
     progress: ProgressArg,
 ) -> Result<(TransferEngine, String)> {
+    refuse_verbs(&provider.to_string())?;
     let engine_config = EngineConfig {
         progress: match progress {
             ProgressArg::Thread => Progress::Thread,

@@ -401,6 +401,41 @@ impl TransferEngine {
             .build()
     }
 
+    /// An engine with one host group of `nics` NICs, each a verbs domain on a device of the
+    /// in-process [`crate::verbs::fake::FakeFabric`] (what the verbs domain is tested on).
+    pub fn verbs_fake(
+        fabric: &crate::verbs::fake::FakeFabric,
+        nics: usize,
+        faults: crate::verbs::fake::FakeFaults,
+        verbs: &crate::verbs::VerbsConfig,
+        config: EngineConfig,
+    ) -> Result<Self, TransportError> {
+        let domains = (0..nics)
+            .map(|i| {
+                let device = fabric.device_with(crate::verbs::fake::FakeFaults {
+                    seed: faults.seed.wrapping_add(i as u64),
+                    ..faults
+                });
+                crate::verbs::VerbsDomain::new(device, verbs.clone())
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::builder()
+            .config(config)
+            .group(Device::Host, domains)
+            .build()
+    }
+
+    /// An engine on this machine's RDMA NICs through verbs: an error naming what is missing
+    /// where there is no `libibverbs` or no device (and, today, where there is one: the
+    /// hardware data path is not built; see [`crate::verbs::sys::probe`]).
+    pub fn verbs(verbs: &crate::verbs::VerbsConfig) -> Result<Self, TransportError> {
+        verbs.validate()?;
+        crate::verbs::sys::probe(verbs.device.as_deref())?;
+        Err(TransportError::ProviderUnavailable(
+            "verbs: no hardware provider".to_owned(),
+        ))
+    }
+
     /// Stops the engine: workers fail what is in flight or still queued with
     /// [`TransferError::Shutdown`], waiting expectations are failed, the watcher and callback
     /// threads end. Later calls fail with [`TransportError::Shutdown`]. Every transfer whose
