@@ -209,6 +209,8 @@ fn report(
     let mut errors = Vec::new();
     for (rank, result) in results.iter().enumerate() {
         match result {
+            // The library's errors name their rank already.
+            Err(e) if e.starts_with(&format!("rank {rank}:")) => errors.push(e.clone()),
             Err(e) => errors.push(format!("rank {rank}: {e}")),
             Ok(reports) => {
                 if reports.len() != steps {

@@ -27,7 +27,7 @@ pub enum HelixError {
     },
     /// Peers did not deliver their part of a round in time (dead, hung or partitioned).
     #[error(
-        "rank {rank}: round {round} ({what}) incomplete after {waited:?}: nothing from ranks {missing:?}"
+        "rank {rank}: round {round} ({what}) incomplete after {waited:?}: nothing from ranks {missing:?}, writes to ranks {unacknowledged:?} not completed"
     )]
     Timeout {
         /// The rank reporting.
@@ -40,6 +40,8 @@ pub enum HelixError {
         waited: Duration,
         /// Ranks whose contribution never arrived.
         missing: Vec<usize>,
+        /// Ranks this rank's writes to never completed (a dead peer's NIC may not answer).
+        unacknowledged: Vec<usize>,
     },
     /// The exchange's bookkeeping saw an event it cannot account for.
     #[error("exchange bookkeeping: {0}")]

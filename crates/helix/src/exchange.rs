@@ -321,6 +321,7 @@ impl Exchange {
                         what: what.to_owned(),
                         waited: started.elapsed(),
                         missing: status.missing,
+                        unacknowledged: status.unacknowledged,
                     });
                 }
             }

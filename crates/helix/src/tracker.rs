@@ -107,6 +107,8 @@ pub struct RoundStatus {
     pub failed: Option<(usize, String)>,
     /// Sources still missing, in rank order.
     pub missing: Vec<usize>,
+    /// Destinations whose write has not completed, in rank order.
+    pub unacknowledged: Vec<usize>,
 }
 
 /// The open rounds of one rank.
@@ -204,6 +206,7 @@ impl Tracker {
             complete: r.arrived == r.expect_from && r.sent == r.sends_to,
             failed: r.failed.clone(),
             missing: ranks_of(r.expect_from & !r.arrived),
+            unacknowledged: ranks_of(r.sends_to & !r.sent),
         })
     }
 
@@ -331,10 +334,14 @@ mod tests {
                 let is_held_round = held.as_ref().is_some_and(|h| matches!(h,
                     Event::Arrived { round: hr, .. } | Event::Sent { round: hr, .. } if *hr == round));
                 prop_assert_eq!(s.complete, !is_held_round);
-                if let Some(Event::Arrived { round: hr, source }) = &held
-                    && *hr == round
-                {
-                    prop_assert_eq!(&s.missing, &vec![*source]);
+                match &held {
+                    Some(Event::Arrived { round: hr, source }) if *hr == round => {
+                        prop_assert_eq!(&s.missing, &vec![*source]);
+                    }
+                    Some(Event::Sent { round: hr, dest, .. }) if *hr == round => {
+                        prop_assert_eq!(&s.unacknowledged, &vec![*dest]);
+                    }
+                    _ => prop_assert!(s.missing.is_empty() && s.unacknowledged.is_empty()),
                 }
             }
         }
