@@ -16,23 +16,33 @@ use nix::sys::signal::{SigSet, Signal};
 use crate::args::{CorpusArgs, DemoArgs, HolderArgs, Lifeline, ProgressArg};
 
 /// `verbs` names kvroute's verbs domain (ConnectX and other RDMA NICs), not libfabric's
-/// provider of that name: open it, which here fails naming what is missing (the library, a
-/// device, or the hardware data path not yet built).
+/// provider of that name. Commands that cannot drive it yet (the libfabric benchmarks) call
+/// this: where the domain cannot open it names what is missing, where it can it says so.
 pub(crate) fn refuse_verbs(name: &str) -> Result<()> {
     if name != "verbs" {
         return Ok(());
     }
-    match TransferEngine::verbs(&kvroute_transport::VerbsConfig::default()) {
-        Ok(engine) => {
-            engine.shutdown();
-            anyhow::bail!("verbs: this command does not drive the verbs domain yet")
-        }
-        Err(e) => Err(e.into()),
+    let engine = TransferEngine::verbs(
+        &kvroute_transport::VerbsConfig::default(),
+        EngineConfig::default(),
+    )?;
+    engine.shutdown();
+    anyhow::bail!(
+        "verbs: this command measures libfabric providers; for verbs, use perftest's ib_write_bw and ib_write_lat (docs/fabric.md)"
+    )
+}
+
+/// Where the verbs domain cannot open, the error naming what is missing (checked before a
+/// command starts processes that would each fail alike).
+fn check_verbs(name: &str) -> Result<()> {
+    if name == "verbs" {
+        kvroute_transport::verbs::sys::probe(None)?;
     }
+    Ok(())
 }
 
 pub(crate) fn provider_for(name: &str) -> Result<ProviderChoice> {
-    refuse_verbs(name)?;
+    check_verbs(name)?;
     if name != "auto" {
         return Ok(name.parse()?);
     }
@@ -54,7 +64,6 @@ pub(crate) fn fabric_engine_with(
     provider: &ProviderChoice,
     progress: ProgressArg,
 ) -> Result<(TransferEngine, String)> {
-    refuse_verbs(&provider.to_string())?;
     let engine_config = EngineConfig {
         progress: match progress {
             ProgressArg::Thread => Progress::Thread,
@@ -72,6 +81,11 @@ pub(crate) fn fabric_engine_with(
         op_timeout: Duration::from_secs(3),
         ..FabricConfig::default()
     };
+    if provider.to_string() == "verbs" {
+        let engine =
+            TransferEngine::verbs(&kvroute_transport::VerbsConfig::default(), engine_config)?;
+        return Ok((engine, "verbs".to_owned()));
+    }
     let (engine, report) = TransferEngine::fabric(&config, engine_config)?;
     Ok((engine, report.provider))
 }

@@ -425,15 +425,20 @@ impl TransferEngine {
             .build()
     }
 
-    /// An engine on this machine's RDMA NICs through verbs: an error naming what is missing
-    /// where there is no `libibverbs` or no device (and, today, where there is one: the
-    /// hardware data path is not built; see [`crate::verbs::sys::probe`]).
-    pub fn verbs(verbs: &crate::verbs::VerbsConfig) -> Result<Self, TransportError> {
+    /// An engine with one host group on this machine's RDMA NIC through verbs
+    /// ([`crate::verbs::HwVerbs`]); an error naming what is missing where there is no
+    /// `libibverbs` or no device.
+    pub fn verbs(
+        verbs: &crate::verbs::VerbsConfig,
+        config: EngineConfig,
+    ) -> Result<Self, TransportError> {
         verbs.validate()?;
-        crate::verbs::sys::probe(verbs.device.as_deref())?;
-        Err(TransportError::ProviderUnavailable(
-            "verbs: no hardware provider".to_owned(),
-        ))
+        let device = crate::verbs::HwVerbs::open(verbs)?;
+        let domain = crate::verbs::VerbsDomain::new(device, verbs.clone())?;
+        Self::builder()
+            .config(config)
+            .group(Device::Host, vec![domain])
+            .build()
     }
 
     /// Stops the engine: workers fail what is in flight or still queued with

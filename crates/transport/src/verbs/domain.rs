@@ -1104,6 +1104,6 @@ impl<V: Verbs> Domain for VerbsDomain<V> {
     }
 
     fn may_park(&self) -> bool {
-        true
+        self.verbs.may_park()
     }
 }

@@ -12,18 +12,20 @@
 //!   transitions, rkeys, bounds and access, receive-not-ready, a dead peer's retry-exceeded),
 //!   and can delay, reorder and fail work requests from a seed. The transport's shared domain
 //!   suite runs over it.
-//! - [`sys`]: `libibverbs.so.1` loaded at run time (nothing is linked, no RDMA headers are
-//!   needed to build). Today it probes for the library and the devices and reports what is
-//!   missing; the hardware data path is not written, and nothing of this module has run on an
-//!   RDMA NIC (docs/fabric.md).
+//! - [`HwVerbs`]: a real device through `libibverbs.so.1` loaded at run time (nothing is
+//!   linked, no RDMA headers are needed to build; [`sys`] says what is missing where it cannot
+//!   open). Its struct layouts are checked against rdma-core's `verbs.h`; nothing of this
+//!   module has run on an RDMA NIC (docs/fabric.md).
 
 mod domain;
 pub mod fake;
+mod hw;
 pub mod sys;
 
 use std::time::Duration;
 
 pub use domain::{Handshake, VerbsAddr, VerbsDomain};
+pub use hw::HwVerbs;
 
 use crate::error::TransportError;
 
@@ -310,6 +312,12 @@ pub trait Verbs: Send + 'static {
     /// When queued work is next due (a device that delays deliveries).
     fn next_deadline(&self) -> Option<std::time::Instant> {
         None
+    }
+
+    /// Whether the worker may park and rely on [`Verbs::set_notify`]'s waker; a device
+    /// without a completion channel must be polled.
+    fn may_park(&self) -> bool {
+        true
     }
 }
 

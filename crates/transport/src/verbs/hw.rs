@@ -1,0 +1,1108 @@
+//! [`HwVerbs`]: the [`Verbs`] calls on a real RDMA device, through `libibverbs.so.1` loaded at
+//! run time. **Not run on hardware**: the struct layouts below are checked against rdma-core's
+//! `verbs.h` by `layout.c` (sizes and offsets, recorded in the tests of this module), and on a
+//! machine without a device it fails at [`HwVerbs::open`] with what is missing.
+//!
+//! `ibv_post_send`, `ibv_post_recv`, `ibv_post_srq_recv` and `ibv_poll_cq` are inline in
+//! `verbs.h`: they call through the context's `ops` table, read here at the offsets `layout.c`
+//! prints. Everything else is an exported function. There is no completion channel: the
+//! engine's worker polls the completion queue ([`Verbs::may_park`] is false).
+
+use std::collections::HashMap;
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ptr::{NonNull, null_mut};
+use std::sync::Arc;
+
+use super::{
+    MrAccess, PortAddr, QpAttr, QpKind, QpState, RecvWr, SendOp, SendWr, Verbs, VerbsConfig,
+    VerbsError, Wc, WcOpcode, WcStatus,
+};
+use crate::error::TransportError;
+
+// ----- verbs.h, the parts used (layouts checked by `layout.c`) -----
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct IbvSge {
+    addr: u64,
+    length: u32,
+    lkey: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Rdma {
+    remote_addr: u64,
+    rkey: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Ud {
+    ah: *mut c_void,
+    remote_qpn: u32,
+    remote_qkey: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+union WrUnion {
+    rdma: Rdma,
+    ud: Ud,
+    atomic: [u64; 4],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct IbvSendWr {
+    wr_id: u64,
+    next: *mut IbvSendWr,
+    sg_list: *mut IbvSge,
+    num_sge: c_int,
+    opcode: u32,
+    send_flags: u32,
+    imm_data: u32,
+    wr: WrUnion,
+    qp_type: u32,
+    tail: [u64; 6],
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IbvRecvWr {
+    wr_id: u64,
+    next: *mut IbvRecvWr,
+    sg_list: *mut IbvSge,
+    num_sge: c_int,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct IbvWc {
+    wr_id: u64,
+    status: u32,
+    opcode: u32,
+    vendor_err: u32,
+    byte_len: u32,
+    imm_data: u32,
+    qp_num: u32,
+    src_qp: u32,
+    wc_flags: u32,
+    pkey_index: u16,
+    slid: u16,
+    sl: u8,
+    dlid_path_bits: u8,
+}
+
+/// `union ibv_gid`: 16 bytes, 8-aligned (its other member is two `__be64`).
+#[repr(C, align(8))]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct IbvGid([u8; 16]);
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct IbvGlobalRoute {
+    dgid: IbvGid,
+    flow_label: u32,
+    sgid_index: u8,
+    hop_limit: u8,
+    traffic_class: u8,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct IbvAhAttr {
+    grh: IbvGlobalRoute,
+    dlid: u16,
+    sl: u8,
+    src_path_bits: u8,
+    static_rate: u8,
+    is_global: u8,
+    port_num: u8,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct IbvQpCap {
+    max_send_wr: u32,
+    max_recv_wr: u32,
+    max_send_sge: u32,
+    max_recv_sge: u32,
+    max_inline_data: u32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IbvQpInitAttr {
+    qp_context: *mut c_void,
+    send_cq: *mut c_void,
+    recv_cq: *mut c_void,
+    srq: *mut c_void,
+    cap: IbvQpCap,
+    qp_type: u32,
+    sq_sig_all: c_int,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IbvSrqInitAttr {
+    srq_context: *mut c_void,
+    max_wr: u32,
+    max_sge: u32,
+    srq_limit: u32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct IbvPortAttr {
+    state: u32,
+    max_mtu: u32,
+    active_mtu: u32,
+    gid_tbl_len: c_int,
+    port_cap_flags: u32,
+    max_msg_sz: u32,
+    bad_pkey_cntr: u32,
+    qkey_viol_cntr: u32,
+    pkey_tbl_len: u16,
+    lid: u16,
+    sm_lid: u16,
+    lmc: u8,
+    max_vl_num: u8,
+    sm_sl: u8,
+    subnet_timeout: u8,
+    init_type_reply: u8,
+    active_width: u8,
+    active_speed: u8,
+    phys_state: u8,
+    link_layer: u8,
+    flags: u8,
+    port_cap_flags2: u16,
+    active_speed_ex: u32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct IbvQpAttr {
+    qp_state: u32,
+    cur_qp_state: u32,
+    path_mtu: u32,
+    path_mig_state: u32,
+    qkey: u32,
+    rq_psn: u32,
+    sq_psn: u32,
+    dest_qp_num: u32,
+    qp_access_flags: u32,
+    cap: IbvQpCap,
+    ah_attr: IbvAhAttr,
+    alt_ah_attr: IbvAhAttr,
+    pkey_index: u16,
+    alt_pkey_index: u16,
+    en_sqd_async_notify: u8,
+    sq_draining: u8,
+    max_rd_atomic: u8,
+    max_dest_rd_atomic: u8,
+    min_rnr_timer: u8,
+    port_num: u8,
+    timeout: u8,
+    retry_cnt: u8,
+    rnr_retry: u8,
+    alt_port_num: u8,
+    alt_timeout: u8,
+    rate_limit: u32,
+}
+
+/// Offsets `layout.c` prints for the context's inline-call table and the objects' fields.
+mod off {
+    pub(super) const CTX_POLL_CQ: usize = 96;
+    pub(super) const CTX_POST_SRQ_RECV: usize = 168;
+    pub(super) const CTX_POST_SEND: usize = 208;
+    pub(super) const CTX_POST_RECV: usize = 216;
+    pub(super) const QP_NUM: usize = 52;
+    pub(super) const MR_LKEY: usize = 36;
+    pub(super) const MR_RKEY: usize = 40;
+}
+
+/// Enum values from `verbs.h` (printed by `layout.c`).
+mod val {
+    pub(super) const QPT_RC: u32 = 2;
+    pub(super) const QPT_UD: u32 = 4;
+    pub(super) const WR_RDMA_WRITE: u32 = 0;
+    pub(super) const WR_RDMA_WRITE_WITH_IMM: u32 = 1;
+    pub(super) const WR_SEND: u32 = 2;
+    pub(super) const SEND_SIGNALED: u32 = 2;
+    pub(super) const ACCESS_LOCAL_WRITE: u32 = 1;
+    pub(super) const ACCESS_REMOTE_WRITE: u32 = 2;
+    pub(super) const ACCESS_RELAXED_ORDERING: u32 = 1 << 20;
+    pub(super) const WC_WITH_IMM: u32 = 2;
+    pub(super) const QP_STATE: c_int = 1;
+    pub(super) const QP_ACCESS_FLAGS: c_int = 8;
+    pub(super) const QP_PKEY_INDEX: c_int = 16;
+    pub(super) const QP_PORT: c_int = 32;
+    pub(super) const QP_QKEY: c_int = 64;
+    pub(super) const QP_AV: c_int = 128;
+    pub(super) const QP_PATH_MTU: c_int = 256;
+    pub(super) const QP_TIMEOUT: c_int = 512;
+    pub(super) const QP_RETRY_CNT: c_int = 1024;
+    pub(super) const QP_RNR_RETRY: c_int = 2048;
+    pub(super) const QP_RQ_PSN: c_int = 4096;
+    pub(super) const QP_MAX_QP_RD_ATOMIC: c_int = 8192;
+    pub(super) const QP_MIN_RNR_TIMER: c_int = 32768;
+    pub(super) const QP_SQ_PSN: c_int = 65536;
+    pub(super) const QP_MAX_DEST_RD_ATOMIC: c_int = 131_072;
+    pub(super) const QP_DEST_QPN: c_int = 1_048_576;
+    use std::ffi::c_int;
+}
+
+type PostSend = unsafe extern "C" fn(*mut c_void, *mut IbvSendWr, *mut *mut IbvSendWr) -> c_int;
+type PostRecv = unsafe extern "C" fn(*mut c_void, *mut IbvRecvWr, *mut *mut IbvRecvWr) -> c_int;
+type PollCq = unsafe extern "C" fn(*mut c_void, c_int, *mut IbvWc) -> c_int;
+
+/// The exported functions used, resolved once.
+struct Lib {
+    _lib: libloading::Library,
+    get_device_list: unsafe extern "C" fn(*mut c_int) -> *mut *mut c_void,
+    free_device_list: unsafe extern "C" fn(*mut *mut c_void),
+    get_device_name: unsafe extern "C" fn(*mut c_void) -> *const c_char,
+    open_device: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
+    close_device: unsafe extern "C" fn(*mut c_void) -> c_int,
+    alloc_pd: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
+    dealloc_pd: unsafe extern "C" fn(*mut c_void) -> c_int,
+    reg_mr_iova2: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, u64, u32) -> *mut c_void,
+    reg_dmabuf_mr:
+        Option<unsafe extern "C" fn(*mut c_void, u64, usize, u64, c_int, c_int) -> *mut c_void>,
+    dereg_mr: unsafe extern "C" fn(*mut c_void) -> c_int,
+    create_cq:
+        unsafe extern "C" fn(*mut c_void, c_int, *mut c_void, *mut c_void, c_int) -> *mut c_void,
+    destroy_cq: unsafe extern "C" fn(*mut c_void) -> c_int,
+    create_srq: unsafe extern "C" fn(*mut c_void, *mut IbvSrqInitAttr) -> *mut c_void,
+    destroy_srq: unsafe extern "C" fn(*mut c_void) -> c_int,
+    create_qp: unsafe extern "C" fn(*mut c_void, *mut IbvQpInitAttr) -> *mut c_void,
+    modify_qp: unsafe extern "C" fn(*mut c_void, *mut IbvQpAttr, c_int) -> c_int,
+    destroy_qp: unsafe extern "C" fn(*mut c_void) -> c_int,
+    create_ah: unsafe extern "C" fn(*mut c_void, *mut IbvAhAttr) -> *mut c_void,
+    destroy_ah: unsafe extern "C" fn(*mut c_void) -> c_int,
+    query_port: unsafe extern "C" fn(*mut c_void, u8, *mut IbvPortAttr) -> c_int,
+    query_gid: unsafe extern "C" fn(*mut c_void, u8, c_int, *mut IbvGid) -> c_int,
+}
+
+fn unavailable(what: String) -> TransportError {
+    TransportError::ProviderUnavailable(format!("verbs: {what}"))
+}
+
+impl Lib {
+    fn load() -> Result<Self, TransportError> {
+        // SAFETY: loading rdma-core's libibverbs runs its initialisers, which only read the
+        // system's provider configuration.
+        let lib = unsafe { libloading::Library::new(super::sys::LIBRARY) }.map_err(|e| {
+            unavailable(format!(
+                "{} cannot be loaded ({e}); install rdma-core's libibverbs1",
+                super::sys::LIBRARY
+            ))
+        })?;
+        macro_rules! sym {
+            ($name:literal) => {
+                // SAFETY: the symbol's type is its declaration in verbs.h.
+                *unsafe { lib.get(concat!($name, "\0").as_bytes()) }
+                    .map_err(|_| unavailable(format!("{} lacks {}", super::sys::LIBRARY, $name)))?
+            };
+        }
+        Ok(Self {
+            get_device_list: sym!("ibv_get_device_list"),
+            free_device_list: sym!("ibv_free_device_list"),
+            get_device_name: sym!("ibv_get_device_name"),
+            open_device: sym!("ibv_open_device"),
+            close_device: sym!("ibv_close_device"),
+            alloc_pd: sym!("ibv_alloc_pd"),
+            dealloc_pd: sym!("ibv_dealloc_pd"),
+            reg_mr_iova2: sym!("ibv_reg_mr_iova2"),
+            // SAFETY: as `sym!`; absent before rdma-core 34, then dma-buf is unavailable.
+            reg_dmabuf_mr: unsafe { lib.get(b"ibv_reg_dmabuf_mr\0") }.ok().map(|s| *s),
+            dereg_mr: sym!("ibv_dereg_mr"),
+            create_cq: sym!("ibv_create_cq"),
+            destroy_cq: sym!("ibv_destroy_cq"),
+            create_srq: sym!("ibv_create_srq"),
+            destroy_srq: sym!("ibv_destroy_srq"),
+            create_qp: sym!("ibv_create_qp"),
+            modify_qp: sym!("ibv_modify_qp"),
+            destroy_qp: sym!("ibv_destroy_qp"),
+            create_ah: sym!("ibv_create_ah"),
+            destroy_ah: sym!("ibv_destroy_ah"),
+            query_port: sym!("ibv_query_port"),
+            query_gid: sym!("ibv_query_gid"),
+            _lib: lib,
+        })
+    }
+}
+
+fn os_err(what: &str) -> VerbsError {
+    VerbsError::Invalid(format!("{what}: {}", std::io::Error::last_os_error()))
+}
+
+/// Reads the `T` at `offset` bytes into the object at `base`.
+///
+/// # Safety
+/// `base` must point to a live object with a `T` at `offset` (the layout `layout.c` checks).
+unsafe fn field<T: Copy>(base: NonNull<c_void>, offset: usize) -> T {
+    // SAFETY: the caller's contract.
+    unsafe {
+        base.as_ptr()
+            .cast::<u8>()
+            .add(offset)
+            .cast::<T>()
+            .read_unaligned()
+    }
+}
+
+/// One opened port of an RDMA device, with one protection domain and one completion queue.
+pub struct HwVerbs {
+    lib: Arc<Lib>,
+    ctx: NonNull<c_void>,
+    pd: NonNull<c_void>,
+    cq: NonNull<c_void>,
+    port: PortAddr,
+    gid_index: u8,
+    mrs: HashMap<u32, NonNull<c_void>>,
+    qps: HashMap<u32, NonNull<c_void>>,
+    srqs: HashMap<u32, NonNull<c_void>>,
+    next_srq: u32,
+    ahs: HashMap<([u8; 16], u16), NonNull<c_void>>,
+    doorbells: u64,
+    wcs: Vec<IbvWc>,
+    sges: Vec<IbvSge>,
+    send_wrs: Vec<IbvSendWr>,
+    recv_wrs: Vec<IbvRecvWr>,
+}
+
+impl std::fmt::Debug for HwVerbs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HwVerbs")
+            .field("port", &self.port)
+            .finish_non_exhaustive()
+    }
+}
+
+// SAFETY: the verbs objects are used by the one worker thread that owns the domain; rdma-core
+// allows a context, PD, CQ and QPs to be used from any thread.
+unsafe impl Send for HwVerbs {}
+
+impl HwVerbs {
+    /// Opens `config`'s device (the first one if unnamed) and port: context, protection
+    /// domain, completion queue, port attributes and GID.
+    pub fn open(config: &VerbsConfig) -> Result<Self, TransportError> {
+        let lib = Arc::new(Lib::load()?);
+        let mut count: c_int = 0;
+        // SAFETY: a valid out-pointer; the list is freed below.
+        let list = unsafe { (lib.get_device_list)(&mut count) };
+        if list.is_null() {
+            return Err(unavailable(format!(
+                "no RDMA device: ibv_get_device_list failed ({}; no NIC, or no RDMA stack in the kernel)",
+                std::io::Error::last_os_error()
+            )));
+        }
+        let mut found = Vec::new();
+        let mut chosen = None;
+        for i in 0..usize::try_from(count).unwrap_or(0) {
+            // SAFETY: `list` holds `count` devices, valid until it is freed.
+            let dev = unsafe { *list.add(i) };
+            // SAFETY: a device of the list; its name is NUL-terminated and owned by it.
+            let name = unsafe { CStr::from_ptr((lib.get_device_name)(dev)) }
+                .to_string_lossy()
+                .into_owned();
+            if chosen.is_none() && config.device.as_deref().is_none_or(|want| want == name) {
+                chosen = Some((dev, name.clone()));
+            }
+            found.push(name);
+        }
+        let ctx = chosen.map(|(dev, _)| {
+            // SAFETY: a device of the list, opened before the list is freed.
+            unsafe { (lib.open_device)(dev) }
+        });
+        // SAFETY: the list `get_device_list` returned, freed once; opened contexts stay valid.
+        unsafe { (lib.free_device_list)(list) };
+        let ctx = match ctx {
+            None if found.is_empty() => return Err(unavailable("no RDMA device".to_owned())),
+            None => {
+                return Err(unavailable(format!(
+                    "no RDMA device named {:?} (found: {found:?})",
+                    config.device
+                )));
+            }
+            Some(ctx) => NonNull::new(ctx).ok_or_else(|| {
+                unavailable(format!(
+                    "ibv_open_device failed: {}",
+                    std::io::Error::last_os_error()
+                ))
+            })?,
+        };
+        // From here on, `Drop` releases what was made.
+        let mut this = Self {
+            lib: lib.clone(),
+            ctx,
+            pd: NonNull::dangling(),
+            cq: NonNull::dangling(),
+            port: PortAddr {
+                gid: [0; 16],
+                lid: 0,
+                port: config.port,
+            },
+            gid_index: config.gid_index,
+            mrs: HashMap::new(),
+            qps: HashMap::new(),
+            srqs: HashMap::new(),
+            next_srq: 0,
+            ahs: HashMap::new(),
+            doorbells: 0,
+            wcs: Vec::new(),
+            sges: Vec::new(),
+            send_wrs: Vec::new(),
+            recv_wrs: Vec::new(),
+        };
+        // SAFETY: an open context.
+        this.pd = NonNull::new(unsafe { (lib.alloc_pd)(ctx.as_ptr()) })
+            .ok_or_else(|| unavailable("ibv_alloc_pd failed".to_owned()))?;
+        let depth = (config.sq_depth.saturating_mul(64)).max(4096) as c_int;
+        // SAFETY: an open context; no completion channel.
+        this.cq = NonNull::new(unsafe {
+            (lib.create_cq)(ctx.as_ptr(), depth, null_mut(), null_mut(), 0)
+        })
+        .ok_or_else(|| unavailable("ibv_create_cq failed".to_owned()))?;
+        let mut attr = IbvPortAttr::default();
+        // SAFETY: an open context and a port attribute struct of verbs.h's size.
+        if unsafe { (lib.query_port)(ctx.as_ptr(), config.port, &mut attr) } != 0 {
+            return Err(unavailable(format!(
+                "ibv_query_port of port {} failed",
+                config.port
+            )));
+        }
+        let mut gid = IbvGid::default();
+        // SAFETY: an open context and a `union ibv_gid`.
+        if unsafe {
+            (lib.query_gid)(
+                ctx.as_ptr(),
+                config.port,
+                c_int::from(config.gid_index),
+                &mut gid,
+            )
+        } != 0
+        {
+            return Err(unavailable(format!(
+                "ibv_query_gid of index {} failed",
+                config.gid_index
+            )));
+        }
+        this.port = PortAddr {
+            gid: gid.0,
+            lid: attr.lid,
+            port: config.port,
+        };
+        Ok(this)
+    }
+
+    /// Registers `len` bytes at `offset` of the dma-buf `fd` (GPU memory exported by CUDA's
+    /// `cuMemGetHandleForAddressRange`), addressed by peers as `iova`: `(lkey, rkey)`.
+    ///
+    /// # Safety
+    /// The dma-buf must stay valid until the region is deregistered.
+    pub unsafe fn reg_dmabuf_mr(
+        &mut self,
+        offset: u64,
+        len: u64,
+        iova: u64,
+        fd: i32,
+        access: MrAccess,
+    ) -> Result<(u32, u32), VerbsError> {
+        let reg = self.lib.reg_dmabuf_mr.ok_or_else(|| {
+            VerbsError::Invalid(
+                "this libibverbs has no ibv_reg_dmabuf_mr (rdma-core 34 or later)".to_owned(),
+            )
+        })?;
+        let len = usize::try_from(len).map_err(|_| VerbsError::Invalid("length".to_owned()))?;
+        // SAFETY: the caller's contract on `fd`; an allocated PD.
+        let mr = unsafe {
+            reg(
+                self.pd.as_ptr(),
+                offset,
+                len,
+                iova,
+                fd,
+                access_flags(access) as c_int,
+            )
+        };
+        self.keep_mr(mr)
+    }
+
+    fn keep_mr(&mut self, mr: *mut c_void) -> Result<(u32, u32), VerbsError> {
+        let mr = NonNull::new(mr).ok_or_else(|| os_err("registering memory"))?;
+        // SAFETY: a live `ibv_mr` (offsets from `layout.c`).
+        let (lkey, rkey) = unsafe {
+            (
+                field::<u32>(mr, off::MR_LKEY),
+                field::<u32>(mr, off::MR_RKEY),
+            )
+        };
+        self.mrs.insert(lkey, mr);
+        Ok((lkey, rkey))
+    }
+
+    fn op<T: Copy>(&self, offset: usize) -> T {
+        // SAFETY: an open context; the ops table's entry at `offset` (layout.c).
+        unsafe { field::<T>(self.ctx, offset) }
+    }
+
+    fn ah(&mut self, dest: PortAddr) -> Result<*mut c_void, VerbsError> {
+        if let Some(ah) = self.ahs.get(&(dest.gid, dest.lid)) {
+            return Ok(ah.as_ptr());
+        }
+        let mut attr = IbvAhAttr {
+            dlid: dest.lid,
+            port_num: self.port.port,
+            is_global: u8::from(dest.gid != [0; 16]),
+            ..IbvAhAttr::default()
+        };
+        attr.grh.dgid = IbvGid(dest.gid);
+        attr.grh.sgid_index = self.gid_index;
+        attr.grh.hop_limit = 64;
+        // SAFETY: an allocated PD and a filled attribute.
+        let ah = NonNull::new(unsafe { (self.lib.create_ah)(self.pd.as_ptr(), &mut attr) })
+            .ok_or_else(|| os_err("ibv_create_ah"))?;
+        self.ahs.insert((dest.gid, dest.lid), ah);
+        Ok(ah.as_ptr())
+    }
+}
+
+fn access_flags(access: MrAccess) -> u32 {
+    let mut flags = val::ACCESS_LOCAL_WRITE;
+    if access.remote_write {
+        flags |= val::ACCESS_REMOTE_WRITE;
+    }
+    if access.relaxed_ordering {
+        flags |= val::ACCESS_RELAXED_ORDERING;
+    }
+    flags
+}
+
+fn mtu_code(mtu: u32) -> u32 {
+    match mtu {
+        256 => 1,
+        512 => 2,
+        1024 => 3,
+        2048 => 4,
+        _ => 5,
+    }
+}
+
+fn state_code(state: QpState) -> u32 {
+    match state {
+        QpState::Reset => 0,
+        QpState::Init => 1,
+        QpState::Rtr => 2,
+        QpState::Rts => 3,
+        QpState::Error => 6,
+    }
+}
+
+fn status_of(code: u32) -> WcStatus {
+    match code {
+        0 => WcStatus::Success,
+        1 => WcStatus::LocalLength,
+        4 => WcStatus::LocalProtection,
+        5 => WcStatus::Flushed,
+        9 => WcStatus::RemoteInvalidRequest,
+        10 => WcStatus::RemoteAccess,
+        12 => WcStatus::RetryExceeded,
+        13 => WcStatus::RnrRetryExceeded,
+        other => WcStatus::Other(other),
+    }
+}
+
+fn post_err(rc: c_int, what: &'static str) -> VerbsError {
+    if rc == libc::ENOMEM {
+        VerbsError::Full(what)
+    } else {
+        VerbsError::Invalid(format!("{what}: {}", std::io::Error::from_raw_os_error(rc)))
+    }
+}
+
+impl Verbs for HwVerbs {
+    fn port_addr(&self) -> PortAddr {
+        self.port
+    }
+
+    unsafe fn reg_mr(
+        &mut self,
+        addr: u64,
+        len: u64,
+        access: MrAccess,
+    ) -> Result<(u32, u32), VerbsError> {
+        let len = usize::try_from(len).map_err(|_| VerbsError::Invalid("length".to_owned()))?;
+        // SAFETY: the caller's contract on the range; an allocated PD.
+        let mr = unsafe {
+            (self.lib.reg_mr_iova2)(
+                self.pd.as_ptr(),
+                addr as *mut c_void,
+                len,
+                addr,
+                access_flags(access),
+            )
+        };
+        self.keep_mr(mr)
+    }
+
+    fn dereg_mr(&mut self, lkey: u32) -> Result<(), VerbsError> {
+        let mr = self
+            .mrs
+            .remove(&lkey)
+            .ok_or_else(|| VerbsError::Invalid(format!("no region with key {lkey}")))?;
+        // SAFETY: a region registered here, deregistered once.
+        match unsafe { (self.lib.dereg_mr)(mr.as_ptr()) } {
+            0 => Ok(()),
+            rc => Err(post_err(rc, "ibv_dereg_mr")),
+        }
+    }
+
+    fn create_srq(&mut self, depth: u32) -> Result<u32, VerbsError> {
+        let mut attr = IbvSrqInitAttr {
+            srq_context: null_mut(),
+            max_wr: depth,
+            max_sge: 1,
+            srq_limit: 0,
+        };
+        // SAFETY: an allocated PD and a filled attribute.
+        let srq = NonNull::new(unsafe { (self.lib.create_srq)(self.pd.as_ptr(), &mut attr) })
+            .ok_or_else(|| os_err("ibv_create_srq"))?;
+        self.next_srq += 1;
+        self.srqs.insert(self.next_srq, srq);
+        Ok(self.next_srq)
+    }
+
+    fn create_qp(
+        &mut self,
+        kind: QpKind,
+        srq: Option<u32>,
+        sq_depth: u32,
+    ) -> Result<u32, VerbsError> {
+        let srq = match srq {
+            Some(id) => self
+                .srqs
+                .get(&id)
+                .ok_or_else(|| VerbsError::Invalid(format!("no shared receive queue {id}")))?
+                .as_ptr(),
+            None => null_mut(),
+        };
+        let mut attr = IbvQpInitAttr {
+            qp_context: null_mut(),
+            send_cq: self.cq.as_ptr(),
+            recv_cq: self.cq.as_ptr(),
+            srq,
+            cap: IbvQpCap {
+                max_send_wr: sq_depth,
+                max_recv_wr: if srq.is_null() { 128 } else { 0 },
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            qp_type: match kind {
+                QpKind::Rc => val::QPT_RC,
+                QpKind::Ud => val::QPT_UD,
+            },
+            sq_sig_all: 0,
+        };
+        // SAFETY: an allocated PD, the CQ and SRQ made here, a filled attribute.
+        let qp = NonNull::new(unsafe { (self.lib.create_qp)(self.pd.as_ptr(), &mut attr) })
+            .ok_or_else(|| os_err("ibv_create_qp"))?;
+        // SAFETY: a live `ibv_qp`.
+        let qpn = unsafe { field::<u32>(qp, off::QP_NUM) };
+        self.qps.insert(qpn, qp);
+        Ok(qpn)
+    }
+
+    fn modify_qp(&mut self, qpn: u32, attr: &QpAttr) -> Result<(), VerbsError> {
+        let qp = *self
+            .qps
+            .get(&qpn)
+            .ok_or_else(|| VerbsError::Invalid(format!("no queue pair {qpn}")))?;
+        let mut a = IbvQpAttr {
+            qp_state: state_code(attr.state),
+            ..IbvQpAttr::default()
+        };
+        let mut mask = val::QP_STATE;
+        let ud = attr.dest.is_none() && attr.dest_qp_num == 0;
+        match attr.state {
+            QpState::Init => {
+                a.port_num = attr.port;
+                a.pkey_index = 0;
+                mask |= val::QP_PORT | val::QP_PKEY_INDEX;
+                if ud {
+                    a.qkey = attr.qkey;
+                    mask |= val::QP_QKEY;
+                } else {
+                    a.qp_access_flags = if attr.remote_write {
+                        val::ACCESS_REMOTE_WRITE
+                    } else {
+                        0
+                    };
+                    mask |= val::QP_ACCESS_FLAGS;
+                }
+            }
+            QpState::Rtr if !ud => {
+                let dest = attr
+                    .dest
+                    .ok_or_else(|| VerbsError::Invalid("RTR needs the remote port".to_owned()))?;
+                a.path_mtu = mtu_code(attr.mtu);
+                a.dest_qp_num = attr.dest_qp_num;
+                a.rq_psn = attr.rq_psn;
+                a.max_dest_rd_atomic = 16;
+                a.min_rnr_timer = attr.min_rnr_timer;
+                a.ah_attr.dlid = dest.lid;
+                a.ah_attr.port_num = self.port.port;
+                if dest.gid != [0; 16] {
+                    a.ah_attr.is_global = 1;
+                    a.ah_attr.grh.dgid = IbvGid(dest.gid);
+                    a.ah_attr.grh.sgid_index = attr.sgid_index;
+                    a.ah_attr.grh.hop_limit = 64;
+                    a.ah_attr.grh.traffic_class = attr.traffic_class;
+                }
+                mask |= val::QP_AV
+                    | val::QP_PATH_MTU
+                    | val::QP_DEST_QPN
+                    | val::QP_RQ_PSN
+                    | val::QP_MAX_DEST_RD_ATOMIC
+                    | val::QP_MIN_RNR_TIMER;
+            }
+            QpState::Rts => {
+                a.sq_psn = attr.sq_psn;
+                mask |= val::QP_SQ_PSN;
+                if !ud {
+                    a.timeout = attr.timeout;
+                    a.retry_cnt = attr.retry_cnt;
+                    a.rnr_retry = attr.rnr_retry;
+                    a.max_rd_atomic = 16;
+                    mask |= val::QP_TIMEOUT
+                        | val::QP_RETRY_CNT
+                        | val::QP_RNR_RETRY
+                        | val::QP_MAX_QP_RD_ATOMIC;
+                }
+            }
+            QpState::Rtr | QpState::Reset | QpState::Error => {}
+        }
+        // SAFETY: a live QP and a filled attribute with its mask.
+        match unsafe { (self.lib.modify_qp)(qp.as_ptr(), &mut a, mask) } {
+            0 => Ok(()),
+            rc => Err(post_err(rc, "ibv_modify_qp")),
+        }
+    }
+
+    fn destroy_qp(&mut self, qpn: u32) -> Result<(), VerbsError> {
+        let qp = self
+            .qps
+            .remove(&qpn)
+            .ok_or_else(|| VerbsError::Invalid(format!("no queue pair {qpn}")))?;
+        // SAFETY: a QP created here, destroyed once.
+        match unsafe { (self.lib.destroy_qp)(qp.as_ptr()) } {
+            0 => Ok(()),
+            rc => Err(post_err(rc, "ibv_destroy_qp")),
+        }
+    }
+
+    unsafe fn post_send(&mut self, qpn: u32, wrs: &[SendWr]) -> Result<(), VerbsError> {
+        let qp = *self
+            .qps
+            .get(&qpn)
+            .ok_or_else(|| VerbsError::Invalid(format!("no queue pair {qpn}")))?;
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        self.sges.clear();
+        self.sges.extend(wrs.iter().map(|w| IbvSge {
+            addr: w.sge.addr,
+            length: w.sge.len,
+            lkey: w.sge.lkey,
+        }));
+        let mut chain = Vec::with_capacity(wrs.len());
+        for w in wrs {
+            let (opcode, imm, union) = match w.op {
+                SendOp::Write {
+                    remote_addr,
+                    rkey,
+                    imm,
+                } => (
+                    if imm.is_some() {
+                        val::WR_RDMA_WRITE_WITH_IMM
+                    } else {
+                        val::WR_RDMA_WRITE
+                    },
+                    imm.unwrap_or(0).to_be(),
+                    WrUnion {
+                        rdma: Rdma { remote_addr, rkey },
+                    },
+                ),
+                SendOp::Send => (val::WR_SEND, 0, WrUnion { atomic: [0; 4] }),
+                SendOp::UdSend {
+                    dest,
+                    remote_qpn,
+                    qkey,
+                } => (
+                    val::WR_SEND,
+                    0,
+                    WrUnion {
+                        ud: Ud {
+                            ah: self.ah(dest)?,
+                            remote_qpn,
+                            remote_qkey: qkey,
+                        },
+                    },
+                ),
+            };
+            chain.push(IbvSendWr {
+                wr_id: w.wr_id,
+                next: null_mut(),
+                sg_list: null_mut(),
+                num_sge: 1,
+                opcode,
+                send_flags: if w.signaled { val::SEND_SIGNALED } else { 0 },
+                imm_data: imm,
+                wr: union,
+                qp_type: 0,
+                tail: [0; 6],
+            });
+        }
+        self.send_wrs = chain;
+        let base = self.send_wrs.as_mut_ptr();
+        for i in 0..wrs.len() {
+            // SAFETY: indices in bounds of both vectors, which are not resized below.
+            unsafe {
+                let wr = base.add(i);
+                (*wr).sg_list = self.sges.as_mut_ptr().add(i);
+                (*wr).next = if i + 1 < wrs.len() {
+                    base.add(i + 1)
+                } else {
+                    null_mut()
+                };
+            }
+        }
+        let post: PostSend = self.op(off::CTX_POST_SEND);
+        let mut bad = null_mut();
+        self.doorbells += 1;
+        // SAFETY: a live QP and a well-formed chain; the SGEs' bytes are the caller's contract.
+        match unsafe { post(qp.as_ptr(), base, &mut bad) } {
+            0 => Ok(()),
+            rc => Err(post_err(rc, "the send queue")),
+        }
+    }
+
+    unsafe fn post_srq_recv(&mut self, srq: u32, wrs: &[RecvWr]) -> Result<(), VerbsError> {
+        let srq = *self
+            .srqs
+            .get(&srq)
+            .ok_or_else(|| VerbsError::Invalid(format!("no shared receive queue {srq}")))?;
+        let post: PostRecv = self.op(off::CTX_POST_SRQ_RECV);
+        // SAFETY: forwarded to `post_recv_chain`, whose contract the caller meets.
+        unsafe { self.post_recv_chain(srq, wrs, post) }
+    }
+
+    unsafe fn post_recv(&mut self, qpn: u32, wrs: &[RecvWr]) -> Result<(), VerbsError> {
+        let qp = *self
+            .qps
+            .get(&qpn)
+            .ok_or_else(|| VerbsError::Invalid(format!("no queue pair {qpn}")))?;
+        let post: PostRecv = self.op(off::CTX_POST_RECV);
+        // SAFETY: as above.
+        unsafe { self.post_recv_chain(qp, wrs, post) }
+    }
+
+    fn poll_cq(&mut self, out: &mut Vec<Wc>, max: usize) -> usize {
+        let n = max.min(256);
+        if n == 0 {
+            return 0;
+        }
+        self.wcs.resize(n, IbvWc::default());
+        let poll: PollCq = self.op(off::CTX_POLL_CQ);
+        // SAFETY: the CQ made here and room for `n` completions.
+        let got = unsafe { poll(self.cq.as_ptr(), n as c_int, self.wcs.as_mut_ptr()) };
+        let got = usize::try_from(got).unwrap_or(0);
+        out.extend(self.wcs[..got].iter().map(|w| Wc {
+            wr_id: w.wr_id,
+            status: status_of(w.status),
+            opcode: match w.opcode {
+                0 => WcOpcode::Send,
+                1 => WcOpcode::RdmaWrite,
+                129 => WcOpcode::RecvRdmaWithImm,
+                _ => WcOpcode::Recv,
+            },
+            byte_len: w.byte_len,
+            imm: (w.wc_flags & val::WC_WITH_IMM != 0).then(|| u32::from_be(w.imm_data)),
+            qp_num: w.qp_num,
+            src_qp: w.src_qp,
+        }));
+        got
+    }
+
+    fn doorbells(&self) -> u64 {
+        self.doorbells
+    }
+
+    fn set_notify(&mut self, _notify: Arc<dyn crate::domain::Notify>) {}
+
+    fn may_park(&self) -> bool {
+        false
+    }
+}
+
+impl HwVerbs {
+    /// Posts `wrs` as one chain through `post` on `target` (a QP or an SRQ).
+    ///
+    /// # Safety
+    /// As [`Verbs::post_recv`].
+    unsafe fn post_recv_chain(
+        &mut self,
+        target: NonNull<c_void>,
+        wrs: &[RecvWr],
+        post: PostRecv,
+    ) -> Result<(), VerbsError> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        self.sges.clear();
+        self.sges.extend(wrs.iter().map(|w| IbvSge {
+            addr: w.sge.addr,
+            length: w.sge.len,
+            lkey: w.sge.lkey,
+        }));
+        self.recv_wrs.clear();
+        self.recv_wrs.extend(wrs.iter().map(|w| IbvRecvWr {
+            wr_id: w.wr_id,
+            next: null_mut(),
+            sg_list: null_mut(),
+            num_sge: c_int::from(w.sge.len > 0),
+        }));
+        let base = self.recv_wrs.as_mut_ptr();
+        for i in 0..wrs.len() {
+            // SAFETY: indices in bounds of both vectors, not resized below.
+            unsafe {
+                let wr = base.add(i);
+                (*wr).sg_list = self.sges.as_mut_ptr().add(i);
+                (*wr).next = if i + 1 < wrs.len() {
+                    base.add(i + 1)
+                } else {
+                    null_mut()
+                };
+            }
+        }
+        let mut bad = null_mut();
+        self.doorbells += 1;
+        // SAFETY: a live QP or SRQ and a well-formed chain; buffers are the caller's contract.
+        match unsafe { post(target.as_ptr(), base, &mut bad) } {
+            0 => Ok(()),
+            rc => Err(post_err(rc, "the receive queue")),
+        }
+    }
+}
+
+impl Drop for HwVerbs {
+    fn drop(&mut self) {
+        let lib = self.lib.clone();
+        // SAFETY: every object was created here and is destroyed once, children first.
+        unsafe {
+            for (_, qp) in self.qps.drain() {
+                (lib.destroy_qp)(qp.as_ptr());
+            }
+            for (_, ah) in self.ahs.drain() {
+                (lib.destroy_ah)(ah.as_ptr());
+            }
+            for (_, srq) in self.srqs.drain() {
+                (lib.destroy_srq)(srq.as_ptr());
+            }
+            for (_, mr) in self.mrs.drain() {
+                (lib.dereg_mr)(mr.as_ptr());
+            }
+            if self.cq != NonNull::dangling() {
+                (lib.destroy_cq)(self.cq.as_ptr());
+            }
+            if self.pd != NonNull::dangling() {
+                (lib.dealloc_pd)(self.pd.as_ptr());
+            }
+            (lib.close_device)(self.ctx.as_ptr());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::{offset_of, size_of};
+
+    /// Sizes and offsets printed by `layout.c` against rdma-core's verbs.h (x86-64 Linux):
+    /// the Rust mirrors must match them exactly.
+    #[test]
+    fn layouts_match_verbs_h() {
+        assert_eq!(size_of::<IbvSge>(), 16);
+        assert_eq!(size_of::<IbvSendWr>(), 128);
+        assert_eq!(offset_of!(IbvSendWr, next), 8);
+        assert_eq!(offset_of!(IbvSendWr, sg_list), 16);
+        assert_eq!(offset_of!(IbvSendWr, num_sge), 24);
+        assert_eq!(offset_of!(IbvSendWr, opcode), 28);
+        assert_eq!(offset_of!(IbvSendWr, send_flags), 32);
+        assert_eq!(offset_of!(IbvSendWr, imm_data), 36);
+        assert_eq!(offset_of!(IbvSendWr, wr), 40);
+        assert_eq!(offset_of!(Rdma, rkey), 8);
+        assert_eq!(offset_of!(Ud, remote_qpn), 8);
+        assert_eq!(offset_of!(Ud, remote_qkey), 12);
+        assert_eq!(size_of::<IbvRecvWr>(), 32);
+        assert_eq!(offset_of!(IbvRecvWr, num_sge), 24);
+        assert_eq!(size_of::<IbvWc>(), 48);
+        assert_eq!(offset_of!(IbvWc, status), 8);
+        assert_eq!(offset_of!(IbvWc, opcode), 12);
+        assert_eq!(offset_of!(IbvWc, byte_len), 20);
+        assert_eq!(offset_of!(IbvWc, imm_data), 24);
+        assert_eq!(offset_of!(IbvWc, qp_num), 28);
+        assert_eq!(offset_of!(IbvWc, src_qp), 32);
+        assert_eq!(offset_of!(IbvWc, wc_flags), 36);
+        assert_eq!(size_of::<IbvGlobalRoute>(), 24);
+        assert_eq!(std::mem::align_of::<IbvQpAttr>(), 8);
+        assert_eq!(size_of::<IbvAhAttr>(), 32);
+        assert_eq!(offset_of!(IbvAhAttr, dlid), 24);
+        assert_eq!(offset_of!(IbvAhAttr, is_global), 29);
+        assert_eq!(offset_of!(IbvAhAttr, port_num), 30);
+        assert_eq!(size_of::<IbvQpInitAttr>(), 64);
+        assert_eq!(offset_of!(IbvQpInitAttr, cap), 32);
+        assert_eq!(offset_of!(IbvQpInitAttr, qp_type), 52);
+        assert_eq!(size_of::<IbvSrqInitAttr>(), 24);
+        assert_eq!(size_of::<IbvPortAttr>(), 56);
+        assert_eq!(offset_of!(IbvPortAttr, active_mtu), 8);
+        assert_eq!(offset_of!(IbvPortAttr, lid), 34);
+        assert_eq!(offset_of!(IbvPortAttr, link_layer), 46);
+        assert_eq!(size_of::<IbvQpAttr>(), 144);
+        assert_eq!(offset_of!(IbvQpAttr, qkey), 16);
+        assert_eq!(offset_of!(IbvQpAttr, rq_psn), 20);
+        assert_eq!(offset_of!(IbvQpAttr, sq_psn), 24);
+        assert_eq!(offset_of!(IbvQpAttr, dest_qp_num), 28);
+        assert_eq!(offset_of!(IbvQpAttr, qp_access_flags), 32);
+        assert_eq!(offset_of!(IbvQpAttr, cap), 36);
+        assert_eq!(offset_of!(IbvQpAttr, ah_attr), 56);
+        assert_eq!(offset_of!(IbvQpAttr, alt_ah_attr), 88);
+        assert_eq!(offset_of!(IbvQpAttr, pkey_index), 120);
+        assert_eq!(offset_of!(IbvQpAttr, max_rd_atomic), 126);
+        assert_eq!(offset_of!(IbvQpAttr, max_dest_rd_atomic), 127);
+        assert_eq!(offset_of!(IbvQpAttr, min_rnr_timer), 128);
+        assert_eq!(offset_of!(IbvQpAttr, port_num), 129);
+        assert_eq!(offset_of!(IbvQpAttr, timeout), 130);
+        assert_eq!(offset_of!(IbvQpAttr, retry_cnt), 131);
+        assert_eq!(offset_of!(IbvQpAttr, rnr_retry), 132);
+        assert_eq!(offset_of!(IbvQpAttr, rate_limit), 136);
+    }
+
+    #[test]
+    fn opening_without_a_device_names_what_is_missing() {
+        match HwVerbs::open(&VerbsConfig::default()) {
+            Err(TransportError::ProviderUnavailable(why)) => {
+                assert!(
+                    why.contains("libibverbs") || why.contains("no RDMA device"),
+                    "{why}"
+                );
+            }
+            // A machine with an RDMA NIC opens it.
+            Ok(v) => assert_eq!(v.port_addr().port, 1),
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+}
