@@ -368,3 +368,63 @@ fn without_an_rdma_device_the_verbs_engine_names_what_is_missing() {
         Err(TransportError::InvalidArgument(_))
     ));
 }
+
+/// Device memory through the dma-buf path: an engine whose second group serves "CUDA device
+/// 0" (host memory standing in, exported by the fake) registers it with `reg_dmabuf_mr`, and
+/// a peer's write lands in it; a device the engine has no group for is refused.
+#[test]
+fn device_memory_registers_as_a_dma_buf_and_takes_writes() {
+    use kvroute_transport::Device;
+    let fabric = FakeFabric::new();
+    let config = VerbsConfig::default();
+    let gpu = TransferEngine::builder()
+        .group(
+            Device::Host,
+            vec![VerbsDomain::new(fabric.device(), config.clone()).unwrap()],
+        )
+        .group(
+            Device::Cuda { ordinal: 0 },
+            vec![
+                VerbsDomain::with_dmabuf(
+                    fabric.device(),
+                    config.clone(),
+                    Box::new(fabric.dmabuf_exporter(0)),
+                )
+                .unwrap(),
+            ],
+        )
+        .build()
+        .unwrap();
+    let peer = make_on(&fabric, FakeFaults::NONE)(1);
+    // "Device memory": an allocation the test owns, unaligned inside its pages.
+    let mut device_mem = vec![0u8; 3 * 4096];
+    let (ptr, len) = (device_mem.as_mut_ptr().wrapping_add(100), 8192);
+    // SAFETY: `device_mem` outlives the registration (deregistered below).
+    let (handle, desc) = unsafe { gpu.reg_mr(ptr, len, Device::Cuda { ordinal: 0 }) }.unwrap();
+    let src = peer.alloc_mr(len).unwrap();
+    src.write_at(0, &pattern(len, 5)).unwrap();
+    let (done, fut) = OnDone::future();
+    peer.submit_single_write(len as u64, Some(3), (src.handle(), 0), (&desc, 0), done)
+        .unwrap();
+    assert_eq!(block_on(fut), Ok(()));
+    assert_eq!(device_mem[100..100 + len], pattern(len, 5)[..]);
+    gpu.dereg_mr(&handle).unwrap();
+    // SAFETY: as above.
+    let refused = unsafe { gpu.reg_mr(ptr, len, Device::Cuda { ordinal: 1 }) };
+    assert!(
+        matches!(refused, Err(TransportError::UnsupportedDevice(_))),
+        "{refused:?}"
+    );
+    drop(device_mem);
+}
+
+/// Without an NVIDIA driver the CUDA exporter says so (the path runs where a GPU is).
+#[cfg(feature = "cuda")]
+#[test]
+fn the_cuda_exporter_names_a_missing_driver() {
+    match kvroute_transport::verbs::cuda::CudaDmaBuf::new(0) {
+        Err(TransportError::ProviderUnavailable(why)) => assert!(why.contains("cuda"), "{why}"),
+        Ok(_) => {} // a machine with a GPU and dma-buf support
+        Err(other) => panic!("{other:?}"),
+    }
+}

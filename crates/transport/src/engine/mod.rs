@@ -441,6 +441,33 @@ impl TransferEngine {
             .build()
     }
 
+    /// [`TransferEngine::verbs`] with one more group per CUDA device of `gpus`, each on its
+    /// own context of the same NIC, registering that device's memory as dma-bufs
+    /// ([`crate::verbs::cuda::CudaDmaBuf`]; GPUDirect RDMA without `nvidia-peermem`).
+    #[cfg(feature = "cuda")]
+    pub fn verbs_with_gpus(
+        verbs: &crate::verbs::VerbsConfig,
+        gpus: &[u32],
+        config: EngineConfig,
+    ) -> Result<Self, TransportError> {
+        verbs.validate()?;
+        let host =
+            crate::verbs::VerbsDomain::new(crate::verbs::HwVerbs::open(verbs)?, verbs.clone())?;
+        let mut builder = Self::builder()
+            .config(config)
+            .group(Device::Host, vec![host]);
+        for &ordinal in gpus {
+            let exporter = crate::verbs::cuda::CudaDmaBuf::new(ordinal)?;
+            let domain = crate::verbs::VerbsDomain::with_dmabuf(
+                crate::verbs::HwVerbs::open(verbs)?,
+                verbs.clone(),
+                Box::new(exporter),
+            )?;
+            builder = builder.group(Device::Cuda { ordinal }, vec![domain]);
+        }
+        builder.build()
+    }
+
     /// Stops the engine: workers fail what is in flight or still queued with
     /// [`TransferError::Shutdown`], waiting expectations are failed, the watcher and callback
     /// threads end. Later calls fail with [`TransportError::Shutdown`]. Every transfer whose

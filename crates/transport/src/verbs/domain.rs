@@ -193,6 +193,8 @@ struct Staging {
 /// The engine's domain over a verbs device `V`.
 pub struct VerbsDomain<V: Verbs> {
     verbs: V,
+    /// Device memory this domain registers through dma-bufs, if any.
+    dmabuf: Option<Box<dyn super::DmaBufExporter>>,
     config: VerbsConfig,
     me: VerbsAddr,
     ud_qpn: u32,
@@ -295,6 +297,7 @@ impl<V: Verbs> VerbsDomain<V> {
             ^ (u64::from(std::process::id()) << 40)
             ^ u64::from(ud_qpn);
         Ok(Self {
+            dmabuf: None,
             me: VerbsAddr {
                 port,
                 ud_qpn,
@@ -319,6 +322,18 @@ impl<V: Verbs> VerbsDomain<V> {
             staged: HashMap::new(),
             wcs: Vec::new(),
         })
+    }
+
+    /// The same, registering the memory of `exporter`'s device through dma-bufs (a NIC
+    /// serving a GPU's domain group).
+    pub fn with_dmabuf(
+        verbs: V,
+        config: VerbsConfig,
+        exporter: Box<dyn super::DmaBufExporter>,
+    ) -> Result<Self, TransportError> {
+        let mut domain = Self::new(verbs, config)?;
+        domain.dmabuf = Some(exporter);
+        Ok(domain)
     }
 
     /// The device underneath (tests inspect its queue pairs and doorbells).
@@ -791,7 +806,7 @@ impl<V: Verbs> Domain for VerbsDomain<V> {
     }
 
     fn supports(&self, device: Device) -> bool {
-        device == Device::Host
+        device == Device::Host || self.dmabuf.as_ref().is_some_and(|e| e.device() == device)
     }
 
     unsafe fn register(
@@ -801,13 +816,29 @@ impl<V: Verbs> Domain for VerbsDomain<V> {
         device: Device,
         access: Access,
     ) -> Result<Registration, TransportError> {
-        if device != Device::Host {
-            return Err(TransportError::UnsupportedDevice(device.to_string()));
-        }
         let access = MrAccess {
             remote_write: access == Access::RemoteWrite,
             relaxed_ordering: self.config.relaxed_ordering,
         };
+        if device != Device::Host {
+            let exporter = self
+                .dmabuf
+                .as_ref()
+                .filter(|e| e.device() == device)
+                .ok_or_else(|| TransportError::UnsupportedDevice(device.to_string()))?;
+            let (fd, offset) = exporter.export(addr, len)?;
+            // SAFETY: the caller's contract (the memory stays allocated until deregistered),
+            // which the dma-buf's pages inherit.
+            let keys = unsafe { self.verbs.reg_dmabuf_mr(fd, offset, len, addr, access) };
+            // The registration holds its own reference to the buffer.
+            exporter.release(fd);
+            let (lkey, rkey) = keys.map_err(verbs_err)?;
+            return Ok(Registration {
+                lkey: u64::from(lkey),
+                rkey: u64::from(rkey),
+                remote_addr: addr,
+            });
+        }
         // SAFETY: the caller's contract (valid until deregistered), forwarded.
         let (lkey, rkey) = unsafe { self.verbs.reg_mr(addr, len, access) }.map_err(verbs_err)?;
         Ok(Registration {

@@ -128,6 +128,9 @@ struct Delivery {
 #[derive(Default)]
 struct Switch {
     devices: HashMap<u16, Device>,
+    /// Exported "dma-bufs": descriptor -> (address, length) of the memory behind it.
+    dmabufs: HashMap<i32, (u64, u64)>,
+    next_fd: i32,
     next_lid: u16,
     next_qpn: u32,
     next_seq: u64,
@@ -197,8 +200,47 @@ impl FakeFabric {
         }
     }
 
+    /// A dma-buf exporter for "device" memory that is host memory standing in for it: what
+    /// the verbs domain's GPU registration path is tested with.
+    pub fn dmabuf_exporter(&self, ordinal: u32) -> FakeDmaBuf {
+        FakeDmaBuf {
+            fabric: self.clone(),
+            ordinal,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Switch> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Exports host memory as fake dma-bufs of CUDA device `ordinal` ([`FakeFabric::dmabuf_exporter`]).
+#[derive(Debug)]
+pub struct FakeDmaBuf {
+    fabric: FakeFabric,
+    ordinal: u32,
+}
+
+impl super::DmaBufExporter for FakeDmaBuf {
+    fn device(&self) -> crate::mr::Device {
+        crate::mr::Device::Cuda {
+            ordinal: self.ordinal,
+        }
+    }
+
+    fn export(&self, addr: u64, len: u64) -> Result<(i32, u64), crate::error::TransportError> {
+        // Page-granular, as CUDA's export is: the buffer covers whole pages around the range.
+        let start = addr & !4095;
+        let end = (addr + len).div_ceil(4096) * 4096;
+        let mut s = self.fabric.lock();
+        s.next_fd += 1;
+        let fd = 1000 + s.next_fd;
+        s.dmabufs.insert(fd, (start, end - start));
+        Ok((fd, addr - start))
+    }
+
+    fn release(&self, fd: i32) {
+        self.fabric.lock().dmabufs.remove(&fd);
     }
 }
 
@@ -541,6 +583,43 @@ impl Verbs for FakeVerbs {
                 key,
                 Mr {
                     addr,
+                    len,
+                    remote_write: access.remote_write,
+                },
+            );
+            Ok((key, key))
+        })
+    }
+
+    unsafe fn reg_dmabuf_mr(
+        &mut self,
+        fd: i32,
+        offset: u64,
+        len: u64,
+        iova: u64,
+        access: MrAccess,
+    ) -> Result<(u32, u32), VerbsError> {
+        self.with(|s, lid| {
+            let &(base, size) = s
+                .dmabufs
+                .get(&fd)
+                .ok_or_else(|| VerbsError::Invalid(format!("{fd} is not a dma-buf")))?;
+            if offset.checked_add(len).is_none_or(|end| end > size) || len == 0 {
+                return Err(VerbsError::Invalid("range outside the dma-buf".to_owned()));
+            }
+            // The fake's device memory is host memory: the iova must be where it lives.
+            if iova != base + offset {
+                return Err(VerbsError::Invalid(
+                    "iova is not the exported address".to_owned(),
+                ));
+            }
+            let dev = s.device(lid)?;
+            let key = dev.next_key;
+            dev.next_key = dev.next_key.wrapping_add(1).max(1);
+            dev.mrs.insert(
+                key,
+                Mr {
+                    addr: iova,
                     len,
                     remote_write: access.remote_write,
                 },

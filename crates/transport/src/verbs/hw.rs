@@ -498,39 +498,6 @@ impl HwVerbs {
         Ok(this)
     }
 
-    /// Registers `len` bytes at `offset` of the dma-buf `fd` (GPU memory exported by CUDA's
-    /// `cuMemGetHandleForAddressRange`), addressed by peers as `iova`: `(lkey, rkey)`.
-    ///
-    /// # Safety
-    /// The dma-buf must stay valid until the region is deregistered.
-    pub unsafe fn reg_dmabuf_mr(
-        &mut self,
-        offset: u64,
-        len: u64,
-        iova: u64,
-        fd: i32,
-        access: MrAccess,
-    ) -> Result<(u32, u32), VerbsError> {
-        let reg = self.lib.reg_dmabuf_mr.ok_or_else(|| {
-            VerbsError::Invalid(
-                "this libibverbs has no ibv_reg_dmabuf_mr (rdma-core 34 or later)".to_owned(),
-            )
-        })?;
-        let len = usize::try_from(len).map_err(|_| VerbsError::Invalid("length".to_owned()))?;
-        // SAFETY: the caller's contract on `fd`; an allocated PD.
-        let mr = unsafe {
-            reg(
-                self.pd.as_ptr(),
-                offset,
-                len,
-                iova,
-                fd,
-                access_flags(access) as c_int,
-            )
-        };
-        self.keep_mr(mr)
-    }
-
     fn keep_mr(&mut self, mr: *mut c_void) -> Result<(u32, u32), VerbsError> {
         let mr = NonNull::new(mr).ok_or_else(|| os_err("registering memory"))?;
         // SAFETY: a live `ibv_mr` (offsets from `layout.c`).
@@ -643,6 +610,34 @@ impl Verbs for HwVerbs {
                 len,
                 addr,
                 access_flags(access),
+            )
+        };
+        self.keep_mr(mr)
+    }
+
+    unsafe fn reg_dmabuf_mr(
+        &mut self,
+        fd: i32,
+        offset: u64,
+        len: u64,
+        iova: u64,
+        access: MrAccess,
+    ) -> Result<(u32, u32), VerbsError> {
+        let reg = self.lib.reg_dmabuf_mr.ok_or_else(|| {
+            VerbsError::Invalid(
+                "this libibverbs has no ibv_reg_dmabuf_mr (rdma-core 34 or later)".to_owned(),
+            )
+        })?;
+        let len = usize::try_from(len).map_err(|_| VerbsError::Invalid("length".to_owned()))?;
+        // SAFETY: the caller's contract on the dma-buf; an allocated PD.
+        let mr = unsafe {
+            reg(
+                self.pd.as_ptr(),
+                offset,
+                len,
+                iova,
+                fd,
+                access_flags(access) as c_int,
             )
         };
         self.keep_mr(mr)

@@ -17,6 +17,8 @@
 //!   open). Its struct layouts are checked against rdma-core's `verbs.h`; nothing of this
 //!   module has run on an RDMA NIC (docs/fabric.md).
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod domain;
 pub mod fake;
 mod hw;
@@ -271,6 +273,20 @@ pub trait Verbs: Send + 'static {
         len: u64,
         access: MrAccess,
     ) -> Result<(u32, u32), VerbsError>;
+    /// `ibv_reg_dmabuf_mr`: `len` bytes at `offset` of the dma-buf `fd` (device memory an
+    /// exporter such as CUDA handed out), addressed by peers as `iova`; returns
+    /// `(lkey, rkey)`.
+    ///
+    /// # Safety
+    /// The dma-buf's memory must stay allocated until [`Verbs::dereg_mr`] returns.
+    unsafe fn reg_dmabuf_mr(
+        &mut self,
+        fd: i32,
+        offset: u64,
+        len: u64,
+        iova: u64,
+        access: MrAccess,
+    ) -> Result<(u32, u32), VerbsError>;
     /// `ibv_dereg_mr`.
     fn dereg_mr(&mut self, lkey: u32) -> Result<(), VerbsError>;
     /// `ibv_create_srq`: a shared receive queue of `depth` work requests.
@@ -319,6 +335,18 @@ pub trait Verbs: Send + 'static {
     fn may_park(&self) -> bool {
         true
     }
+}
+
+/// Hands out device memory as a dma-buf the NIC can register (GPUDirect RDMA without the
+/// `nvidia-peermem` module): CUDA's `cuMemGetHandleForAddressRange`, or the fake's.
+pub trait DmaBufExporter: Send + 'static {
+    /// The device whose memory this exports.
+    fn device(&self) -> crate::mr::Device;
+    /// A dma-buf file descriptor covering `[addr, addr + len)` and the offset of `addr` in
+    /// it, to be given back with [`DmaBufExporter::release`] once registered.
+    fn export(&self, addr: u64, len: u64) -> Result<(i32, u64), TransportError>;
+    /// Gives back a descriptor [`DmaBufExporter::export`] returned (closes it).
+    fn release(&self, fd: i32);
 }
 
 /// Everything fabric-lib hard-codes, with its defaults.
