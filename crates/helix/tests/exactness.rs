@@ -194,7 +194,12 @@ fn a_rank_that_vanishes_fails_its_peers_step_with_the_rank_named() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert!(started.elapsed() < timeout * 4, "{:?}", started.elapsed());
+    // Start-up, two steps, then one timeout: seconds even on a loaded machine; a hang is not.
+    assert!(
+        started.elapsed() < timeout * 4 + Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
     for (rank, result) in results.iter().enumerate() {
         match (rank, result) {
             (2, Ok(2)) => {}
