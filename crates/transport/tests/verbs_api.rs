@@ -428,3 +428,41 @@ fn the_cuda_exporter_names_a_missing_driver() {
         Err(other) => panic!("{other:?}"),
     }
 }
+
+/// A send queue of 4 and 300 writes submitted before the pair is connected: what waits for
+/// the handshake, then for room in the queue, is all posted as completions free it.
+#[test]
+fn a_small_send_queue_drains_everything_that_waited() {
+    let fabric = FakeFabric::new();
+    let config = VerbsConfig {
+        sq_depth: 4,
+        ..VerbsConfig::default()
+    };
+    let make = |_| {
+        TransferEngine::verbs_fake(
+            &fabric,
+            1,
+            FakeFaults::NONE,
+            &config,
+            EngineConfig::default(),
+        )
+        .unwrap()
+    };
+    let (a, b) = (make(1), make(1));
+    let src = a.alloc_mr(300 * 64).unwrap();
+    src.write_at(0, &pattern(300 * 64, 9)).unwrap();
+    let dst = b.alloc_mr(300 * 64).unwrap();
+    let landed = b.imm_count(4, 300);
+    for i in 0..300u64 {
+        a.submit_single_write(
+            64,
+            Some(4),
+            (src.handle(), i * 64),
+            (dst.desc(), i * 64),
+            OnDone::nothing(),
+        )
+        .unwrap();
+    }
+    assert_eq!(block_on(landed), Ok(()));
+    assert_eq!(dst.to_vec(), pattern(300 * 64, 9));
+}

@@ -1094,6 +1094,20 @@ impl<V: Verbs> Domain for VerbsDomain<V> {
                 tracing::error!("verbs: reposting handshake receives failed: {e}");
             }
         }
+        // Work that waited for room in a send queue (completions above freed some).
+        let waiting: Vec<PeerId> = self
+            .peers
+            .iter()
+            .enumerate()
+            .filter_map(|(id, p)| {
+                p.as_ref()
+                    .filter(|p| p.state == PeerState::Ready && !p.queued.is_empty())
+                    .map(|_| id as PeerId)
+            })
+            .collect();
+        for peer in waiting {
+            self.flush_queued(peer);
+        }
         for peer in broken {
             match self.repair(peer) {
                 Ok(_) => {
