@@ -80,47 +80,55 @@ fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     sum.iter().sum()
 }
 
-/// `acc[r] += sum_j p[r][j] v_j` for `R` rows, 64 columns at a time in registers.
+/// Output columns (and tile columns of the scores) one register block covers: with 4 rows,
+/// 4 x 32 f32 accumulators are 16 ymm registers, AVX2's whole file (64 columns would need 32
+/// and spill every iteration). This generic tile is the AVX2 and baseline path; AVX-512 has
+/// its own kernels.
+const BLOCK_COLS: usize = 32;
+
+/// `acc[r] += sum_j p[r][j] v_j` for `R` rows, [`BLOCK_COLS`] columns at a time in registers.
 #[inline(always)]
 fn pv_block<const FMA: bool, const R: usize>(p: &[f32], n: usize, k: &[f32], acc: &mut [f32]) {
-    for c0 in (0..D_LATENT).step_by(64) {
-        let mut a = [[0f32; 64]; R];
+    for c0 in (0..D_LATENT).step_by(BLOCK_COLS) {
+        let mut a = [[0f32; BLOCK_COLS]; R];
         for (r, row) in a.iter_mut().enumerate() {
-            row.copy_from_slice(&acc[r * D_LATENT + c0..r * D_LATENT + c0 + 64]);
+            row.copy_from_slice(&acc[r * D_LATENT + c0..r * D_LATENT + c0 + BLOCK_COLS]);
         }
         for j in 0..n {
-            let v = &k[j * D_QK + c0..j * D_QK + c0 + 64];
+            let v = &k[j * D_QK + c0..j * D_QK + c0 + BLOCK_COLS];
             for (r, row) in a.iter_mut().enumerate() {
                 let w = p[r * TILE + j];
-                for c in 0..64 {
+                for c in 0..BLOCK_COLS {
                     row[c] = fmadd::<FMA>(w, v[c], row[c]);
                 }
             }
         }
         for (r, row) in a.iter().enumerate() {
-            acc[r * D_LATENT + c0..r * D_LATENT + c0 + 64].copy_from_slice(row);
+            acc[r * D_LATENT + c0..r * D_LATENT + c0 + BLOCK_COLS].copy_from_slice(row);
         }
     }
 }
 
 /// `s[r][j] = q_r . k_j` for `R` rows and all 64 tile columns, from the transposed tile `kt`
-/// (`[576][64]`): a broadcast of `q[r][d]` times 64 consecutive keys, so no horizontal sums;
-/// 4 rows x 64 columns of accumulators stay in registers (16 zmm with AVX-512). Columns past
-/// the tile's `n` hold stale keys and are never read.
+/// (`[576][64]`): a broadcast of `q[r][d]` times consecutive keys, so no horizontal sums; the
+/// columns go [`BLOCK_COLS`] at a time, so `R` x [`BLOCK_COLS`] accumulators stay in registers.
+/// Columns past the tile's `n` hold stale keys and are never read.
 #[inline(always)]
 fn scores_block<const FMA: bool, const R: usize>(q: &[f32], kt: &[f32], s: &mut [f32]) {
-    let mut acc = [[0f32; TILE]; R];
-    for d in 0..D_QK {
-        let kv = &kt[d * TILE..(d + 1) * TILE];
-        for (r, row) in acc.iter_mut().enumerate() {
-            let w = q[r * D_QK + d];
-            for j in 0..TILE {
-                row[j] = fmadd::<FMA>(w, kv[j], row[j]);
+    for j0 in (0..TILE).step_by(BLOCK_COLS) {
+        let mut acc = [[0f32; BLOCK_COLS]; R];
+        for d in 0..D_QK {
+            let kv = &kt[d * TILE + j0..d * TILE + j0 + BLOCK_COLS];
+            for (r, row) in acc.iter_mut().enumerate() {
+                let w = q[r * D_QK + d];
+                for j in 0..BLOCK_COLS {
+                    row[j] = fmadd::<FMA>(w, kv[j], row[j]);
+                }
             }
         }
-    }
-    for (r, row) in acc.iter().enumerate() {
-        s[r * TILE..(r + 1) * TILE].copy_from_slice(row);
+        for (r, row) in acc.iter().enumerate() {
+            s[r * TILE + j0..r * TILE + j0 + BLOCK_COLS].copy_from_slice(row);
+        }
     }
 }
 
