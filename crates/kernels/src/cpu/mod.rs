@@ -43,6 +43,12 @@ pub(crate) fn dense_range<const FMA: bool>(
     while t < t1 {
         let n = TILE.min(t1 - t);
         match cache.run(t, n) {
+            // A few query rows read the keys as bf16 in place.
+            Some(rows) if st.m.len() < tile::TRANSPOSE_ROWS => {
+                tile::tile_few_rows::<FMA>(q, rows, n, st, &mut scores);
+                t += n;
+                continue;
+            }
             Some(rows) => widen(rows, &mut k[..n * D_QK]),
             None => {
                 for j in 0..n {

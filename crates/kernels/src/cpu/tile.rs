@@ -4,8 +4,9 @@
 //! them for that wrapper's instruction set.
 //!
 //! A tile is up to 64 cache rows converted to f32 once and then used by every query row of the
-//! block: scores, the online-softmax update, and `acc += P V` with 4 rows x 64 columns of
-//! accumulators held in registers across the tile's tokens.
+//! block: scores, the online-softmax update, and `acc += P V` with 4 rows x 32 columns of
+//! accumulators held in registers across the tile's tokens. Blocks of fewer than 4 rows skip
+//! the conversion and read the bf16 rows directly ([`tile_few_rows`]).
 
 use crate::layout::{D_LATENT, D_QK};
 
@@ -134,7 +135,80 @@ fn scores_block<const FMA: bool, const R: usize>(q: &[f32], kt: &[f32], s: &mut 
 
 /// Row blocks at least this tall use the transposed-tile scores; below it the transpose costs
 /// more than the horizontal sums it saves.
-const TRANSPOSE_ROWS: usize = 4;
+pub(crate) const TRANSPOSE_ROWS: usize = 4;
+
+/// bf16 bits to f32, one value (exact: a shift); vectorises inside the loops below.
+#[inline(always)]
+fn bf(x: u16) -> f32 {
+    f32::from_bits(u32::from(x) << 16)
+}
+
+/// `q . k` with `k` in bf16, widened in registers as it is read.
+#[inline(always)]
+fn dot_bf16<const FMA: bool>(a: &[f32], b: &[u16]) -> f32 {
+    let mut acc = [[0f32; 16]; 2];
+    for (x, y) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
+        for h in 0..2 {
+            for i in 0..16 {
+                acc[h][i] = fmadd::<FMA>(x[h * 16 + i], bf(y[h * 16 + i]), acc[h][i]);
+            }
+        }
+    }
+    let mut sum = [0f32; 16];
+    for i in 0..16 {
+        sum[i] = acc[0][i] + acc[1][i];
+    }
+    sum.iter().sum()
+}
+
+/// One tile of `n` bf16 cache rows `kb` for a block of fewer than [`TRANSPOSE_ROWS`] query
+/// rows (decode's Mq = 1-3): the keys are read as bf16 and widened in registers by the scores
+/// and again by `P V`, instead of being written out as a 147 KB f32 tile that both then read
+/// back from L2: for so few rows the conversion is cheaper than the traffic.
+#[inline(always)]
+pub(crate) fn tile_few_rows<const FMA: bool>(
+    q: &[f32],
+    kb: &[u16],
+    n: usize,
+    st: &mut RowState,
+    scores: &mut [f32],
+) {
+    let rows = st.m.len();
+    for r in 0..rows {
+        let qr = &q[r * D_QK..(r + 1) * D_QK];
+        let s = &mut scores[r * TILE..r * TILE + n];
+        for (j, x) in s.iter_mut().enumerate() {
+            *x = dot_bf16::<FMA>(qr, &kb[j * D_QK..(j + 1) * D_QK]);
+        }
+        let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let m_new = st.m[r].max(tile_max);
+        if m_new == f32::NEG_INFINITY || m_new.is_nan() {
+            if m_new.is_nan() {
+                st.m[r] = f32::NAN;
+            }
+            s.fill(0.0);
+            continue;
+        }
+        let mut sum = 0f32;
+        for x in s.iter_mut() {
+            *x = (*x - m_new).exp();
+            sum += *x;
+        }
+        st.advance(r, m_new, sum);
+        let acc = &mut st.acc[r * D_LATENT..(r + 1) * D_LATENT];
+        for c0 in (0..D_LATENT).step_by(BLOCK_COLS) {
+            let mut a = [0f32; BLOCK_COLS];
+            a.copy_from_slice(&acc[c0..c0 + BLOCK_COLS]);
+            for (j, &w) in s.iter().enumerate() {
+                let v = &kb[j * D_QK + c0..j * D_QK + c0 + BLOCK_COLS];
+                for c in 0..BLOCK_COLS {
+                    a[c] = fmadd::<FMA>(w, bf(v[c]), a[c]);
+                }
+            }
+            acc[c0..c0 + BLOCK_COLS].copy_from_slice(&a);
+        }
+    }
+}
 
 /// One tile of `n` (1..=64) f32 cache rows `k` against the block's pre-scaled f32 query rows
 /// `q`, folded into `st`. `scores` is scratch of `rows * TILE`, `kt` of `576 * TILE`.
