@@ -64,13 +64,14 @@ pub(crate) fn widen(src: &[u16], dst: &mut [f32]) {
     }
 }
 
+/// `a . b`, each element of `b` converted by `f` as it is read (f32 as is, or bf16 widened).
 #[inline(always)]
-fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+fn dot<const FMA: bool, T: Copy>(a: &[f32], b: &[T], f: impl Fn(T) -> f32) -> f32 {
     let mut acc = [[0f32; 16]; 2];
     for (x, y) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
         for h in 0..2 {
             for i in 0..16 {
-                acc[h][i] = fmadd::<FMA>(x[h * 16 + i], y[h * 16 + i], acc[h][i]);
+                acc[h][i] = fmadd::<FMA>(x[h * 16 + i], f(y[h * 16 + i]), acc[h][i]);
             }
         }
     }
@@ -79,6 +80,29 @@ fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
         sum[i] = acc[0][i] + acc[1][i];
     }
     sum.iter().sum()
+}
+
+/// Row `r`'s online-softmax step over its tile scores `s`: `s` becomes `exp(s - m_new)` and the
+/// state is rescaled; `false` (and `s` zeroed) when the logits are not finite, which the
+/// state then carries (a NaN maximum) rather than hides.
+#[inline(always)]
+fn softmax_step(st: &mut RowState, r: usize, s: &mut [f32]) -> bool {
+    let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let m_new = st.m[r].max(tile_max);
+    if m_new == f32::NEG_INFINITY || m_new.is_nan() {
+        if m_new.is_nan() {
+            st.m[r] = f32::NAN;
+        }
+        s.fill(0.0);
+        return false;
+    }
+    let mut sum = 0f32;
+    for x in s.iter_mut() {
+        *x = (*x - m_new).exp();
+        sum += *x;
+    }
+    st.advance(r, m_new, sum);
+    true
 }
 
 /// Output columns (and tile columns of the scores) one register block covers: with 4 rows,
@@ -143,24 +167,6 @@ fn bf(x: u16) -> f32 {
     f32::from_bits(u32::from(x) << 16)
 }
 
-/// `q . k` with `k` in bf16, widened in registers as it is read.
-#[inline(always)]
-fn dot_bf16<const FMA: bool>(a: &[f32], b: &[u16]) -> f32 {
-    let mut acc = [[0f32; 16]; 2];
-    for (x, y) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
-        for h in 0..2 {
-            for i in 0..16 {
-                acc[h][i] = fmadd::<FMA>(x[h * 16 + i], bf(y[h * 16 + i]), acc[h][i]);
-            }
-        }
-    }
-    let mut sum = [0f32; 16];
-    for i in 0..16 {
-        sum[i] = acc[0][i] + acc[1][i];
-    }
-    sum.iter().sum()
-}
-
 /// One tile of `n` bf16 cache rows `kb` for a block of fewer than [`TRANSPOSE_ROWS`] query
 /// rows (decode's Mq = 1-3): the keys are read as bf16 and widened in registers by the scores
 /// and again by `P V`, instead of being written out as a 147 KB f32 tile that both then read
@@ -178,23 +184,11 @@ pub(crate) fn tile_few_rows<const FMA: bool>(
         let qr = &q[r * D_QK..(r + 1) * D_QK];
         let s = &mut scores[r * TILE..r * TILE + n];
         for (j, x) in s.iter_mut().enumerate() {
-            *x = dot_bf16::<FMA>(qr, &kb[j * D_QK..(j + 1) * D_QK]);
+            *x = dot::<FMA, u16>(qr, &kb[j * D_QK..(j + 1) * D_QK], bf);
         }
-        let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let m_new = st.m[r].max(tile_max);
-        if m_new == f32::NEG_INFINITY || m_new.is_nan() {
-            if m_new.is_nan() {
-                st.m[r] = f32::NAN;
-            }
-            s.fill(0.0);
+        if !softmax_step(st, r, s) {
             continue;
         }
-        let mut sum = 0f32;
-        for x in s.iter_mut() {
-            *x = (*x - m_new).exp();
-            sum += *x;
-        }
-        st.advance(r, m_new, sum);
         let acc = &mut st.acc[r * D_LATENT..(r + 1) * D_LATENT];
         for c0 in (0..D_LATENT).step_by(BLOCK_COLS) {
             let mut a = [0f32; BLOCK_COLS];
@@ -246,26 +240,10 @@ pub(crate) fn tile<const FMA: bool>(
         let s = &mut scores[r * TILE..r * TILE + n];
         if rows < TRANSPOSE_ROWS || r >= blocked {
             for (j, x) in s.iter_mut().enumerate() {
-                *x = dot::<FMA>(qr, &k[j * D_QK..(j + 1) * D_QK]);
+                *x = dot::<FMA, f32>(qr, &k[j * D_QK..(j + 1) * D_QK], |v| v);
             }
         }
-        let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let m_old = st.m[r];
-        let m_new = m_old.max(tile_max);
-        if m_new == f32::NEG_INFINITY || m_new.is_nan() {
-            // Non-finite logits (non-finite inputs): propagate rather than hide.
-            if m_new.is_nan() {
-                st.m[r] = f32::NAN;
-            }
-            s.fill(0.0);
-            continue;
-        }
-        let mut sum = 0f32;
-        for x in s.iter_mut() {
-            *x = (*x - m_new).exp();
-            sum += *x;
-        }
-        st.advance(r, m_new, sum);
+        softmax_step(st, r, s);
     }
     let mut r0 = 0;
     while r0 + 4 <= rows {
