@@ -3,8 +3,8 @@
 //! A partial is FlashAttention's sufficient statistic per query row (see kvroute-kernels'
 //! `Partial`): `o` normalised, `m` the largest scaled logit, `l` the softmax denominator
 //! relative to `m`; a shard with no tokens gives `(0, -inf, 0)`, the merge's identity. MLA
-//! runs kvroute-kernels' partial and merge; GQA (other widths) runs the same statistic and
-//! the same merge formula here.
+//! runs kvroute-kernels' partial; GQA (other widths) computes the same statistic here; both
+//! merge through kvroute-kernels' row merge.
 
 use kvroute_kernels::{Backend, Cache, Partial, Queries, bf16};
 
@@ -283,24 +283,20 @@ fn gqa_partial(
     p
 }
 
-/// The exact merge of `parts` (same rows, same width): kvroute-kernels' merge for MLA's
-/// 512-wide rows, the same formula (f64 sums, empty parts skipped) for other widths.
+/// The exact merge of `parts` (same rows, same width), every row through kvroute-kernels'
+/// [`kvroute_kernels::merge_row`] (its merge's formula, for any head width up to 512).
 pub fn merge(parts: &[Partials]) -> Result<Partials> {
     let dv = parts.first().map_or(MLA_V, |p| p.dv);
-    if dv == MLA_V {
-        let owned: Vec<Partial> = parts
-            .iter()
-            .map(|p| Partial {
-                o: p.o.clone(),
-                m: p.m.clone(),
-                l: p.l.clone(),
-            })
-            .collect();
-        let refs: Vec<&Partial> = owned.iter().collect();
-        return Ok(kvroute_kernels::merge(&refs)?.into());
-    }
     let rows = parts.first().map_or(0, Partials::rows);
     for p in parts {
+        if p.dv != dv {
+            return Err(crate::HelixError::Kernel(
+                kvroute_kernels::KernelError::InvalidPartial {
+                    row: 0,
+                    why: "partials of different widths",
+                },
+            ));
+        }
         p.validate(rows)?;
     }
     let mut out = Partials {
@@ -309,34 +305,19 @@ pub fn merge(parts: &[Partials]) -> Result<Partials> {
         m: vec![f32::NEG_INFINITY; rows],
         l: vec![0.0; rows],
     };
-    let mut acc = vec![0f64; dv];
     for r in 0..rows {
-        let live = parts.iter().filter(|p| p.l[r] > 0.0);
-        let Some(big) = live.clone().map(|p| p.m[r]).reduce(f32::max) else {
-            continue;
-        };
-        acc.fill(0.0);
-        let mut l = 0f64;
-        for p in live {
-            let w = f64::from(p.l[r]) * f64::from(p.m[r] - big).exp();
-            l += w;
-            for (a, v) in acc.iter_mut().zip(&p.o[r * dv..(r + 1) * dv]) {
-                *a += w * f64::from(*v);
-            }
+        let row = parts
+            .iter()
+            .map(|p| (p.m[r], p.l[r], &p.o[r * dv..(r + 1) * dv]));
+        (out.m[r], out.l[r]) = kvroute_kernels::merge_row(row, &mut out.o[r * dv..(r + 1) * dv])?;
+        if !out.o[r * dv..(r + 1) * dv].iter().all(|v| v.is_finite()) {
+            return Err(crate::HelixError::Kernel(
+                kvroute_kernels::KernelError::InvalidPartial {
+                    row: r,
+                    why: "o must be finite",
+                },
+            ));
         }
-        for (o, a) in out.o[r * dv..(r + 1) * dv].iter_mut().zip(&acc) {
-            *o = (a / l) as f32;
-        }
-        out.m[r] = big;
-        out.l[r] = l as f32;
-    }
-    if !out.o.iter().all(|v| v.is_finite()) {
-        return Err(crate::HelixError::Kernel(
-            kvroute_kernels::KernelError::InvalidPartial {
-                row: 0,
-                why: "o must be finite",
-            },
-        ));
     }
     Ok(out)
 }

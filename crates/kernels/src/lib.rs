@@ -51,7 +51,7 @@ pub mod workload;
 pub use cpu::Isa;
 pub use error::KernelError;
 pub use layout::{Cache, Queries, RopeLayout, Selection};
-pub use merge::{merge, merge_wire};
+pub use merge::{merge, merge_row, merge_wire};
 pub use partial::{Partial, WireOut, WirePartial, queries_from_wire, queries_to_wire};
 pub use rope::{Rope, Yarn};
 pub use splice::SpliceJob;

@@ -168,6 +168,25 @@ fn same_rows(rows: impl Iterator<Item = usize>) -> Result<usize, KernelError> {
     }
 }
 
+/// One row of [`merge`]'s formula for outputs of any width up to 512 (MLA's; narrower heads,
+/// such as GQA's, use the same statistic): `parts` are `(m, l, o_row)` with `o_row`
+/// normalised; writes the merged row into `o` and returns its `(m, l)`. Parts with `l = 0`
+/// are skipped; with none left the row is `(-inf, 0)` and `o` is untouched. The caller
+/// validates the parts ([`Partial::validate`]'s rules) and checks `o` is finite after.
+pub fn merge_row<'a>(
+    parts: impl Iterator<Item = (f32, f32, &'a [f32])> + Clone,
+    o: &mut [f32],
+) -> Result<(f32, f32), KernelError> {
+    if o.len() > D_LATENT || parts.clone().any(|(_, _, v)| v.len() != o.len()) {
+        return Err(KernelError::Parameter {
+            what: "merged row width",
+            value: o.len() as f64,
+            why: "at most 512, and every part's row as wide as the output",
+        });
+    }
+    Ok(combine_row(parts.map(|(m, l, v)| (m, l, v, l)), o))
+}
+
 #[inline(always)]
 pub(crate) fn combine_row<'a>(
     parts: impl Iterator<Item = (f32, f32, &'a [f32], f32)> + Clone,
