@@ -393,13 +393,8 @@ impl<V: Verbs> VerbsDomain<V> {
             return Err(TransportError::Domain(format!("verbs: no peer {peer}")));
         };
         let old = [p.send_qpn, p.write_qpn];
-        for qpn in old {
-            self.by_qpn.remove(&qpn);
-            let _ = self
-                .verbs
-                .modify_qp(qpn, &Self::base_attr(&self.config, QpState::Error));
-            let _ = self.verbs.destroy_qp(qpn);
-        }
+        // A pair that failed may refuse to be destroyed; it is forgotten either way.
+        let _ = self.destroy_pair(old);
         let (send_qpn, write_qpn) = self.new_qps()?;
         self.by_qpn.insert(send_qpn, peer);
         self.by_qpn.insert(write_qpn, peer);
@@ -416,6 +411,22 @@ impl<V: Verbs> VerbsDomain<V> {
             };
         }
         Ok((send_qpn, write_qpn))
+    }
+
+    /// Forgets and destroys a pair. What was in flight on it is flushed by the error state
+    /// first and reported by `poll` as unreachable (its queue pairs are no longer a peer's).
+    fn destroy_pair(&mut self, qpns: [u32; 2]) -> Result<(), TransportError> {
+        let mut result = Ok(());
+        for qpn in qpns {
+            self.by_qpn.remove(&qpn);
+            let _ = self
+                .verbs
+                .modify_qp(qpn, &Self::base_attr(&self.config, QpState::Error));
+            if let Err(e) = self.verbs.destroy_qp(qpn) {
+                result = Err(verbs_err(e));
+            }
+        }
+        result
     }
 
     /// Creates a peer's two queue pairs in INIT.
@@ -877,17 +888,7 @@ impl<V: Verbs> Domain for VerbsDomain<V> {
             return Ok(());
         };
         self.by_addr.remove(&p.addr);
-        for qpn in [p.send_qpn, p.write_qpn] {
-            self.by_qpn.remove(&qpn);
-            // In flight on the pair: flushed by the error state, reported by `poll` as
-            // unreachable (the completions' queue pair is no longer a peer's).
-            let mut err = Self::base_attr(&self.config, QpState::Error);
-            err.state = QpState::Error;
-            let _ = self.verbs.modify_qp(qpn, &err);
-            self.verbs.destroy_qp(qpn).map_err(verbs_err)?;
-        }
-        // What was posted and not completed will never complete on a destroyed pair.
-        Ok(())
+        self.destroy_pair([p.send_qpn, p.write_qpn])
     }
 
     fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, TransportError> {
@@ -970,6 +971,7 @@ impl<V: Verbs> Domain for VerbsDomain<V> {
         self.verbs.poll_cq(&mut wcs, max - n);
         let mut imm_reposts = Vec::new();
         let mut broken = Vec::new();
+        let mut freed: Vec<PeerId> = Vec::new();
         let mut handshakes = Vec::new();
         let mut hs_reposts = Vec::new();
         for wc in &wcs {
@@ -1031,6 +1033,12 @@ impl<V: Verbs> Domain for VerbsDomain<V> {
                         .and_then(Option::as_mut)
                     {
                         p.outstanding[which] = p.outstanding[which].saturating_sub(1);
+                        if !p.queued.is_empty()
+                            && let Some(id) = peer
+                            && !freed.contains(&id)
+                        {
+                            freed.push(id);
+                        }
                     }
                     let result = match peer {
                         Some(_) => Self::map_status(wc.status),
@@ -1094,19 +1102,17 @@ impl<V: Verbs> Domain for VerbsDomain<V> {
                 tracing::error!("verbs: reposting handshake receives failed: {e}");
             }
         }
-        // Work that waited for room in a send queue (completions above freed some).
-        let waiting: Vec<PeerId> = self
-            .peers
-            .iter()
-            .enumerate()
-            .filter_map(|(id, p)| {
-                p.as_ref()
-                    .filter(|p| p.state == PeerState::Ready && !p.queued.is_empty())
-                    .map(|_| id as PeerId)
-            })
-            .collect();
-        for peer in waiting {
-            self.flush_queued(peer);
+        // Work that waited for room in a send queue these completions freed (a pair still
+        // connecting is flushed when it is ready).
+        for peer in freed {
+            if self
+                .peers
+                .get(peer as usize)
+                .and_then(Option::as_ref)
+                .is_some_and(|p| p.state == PeerState::Ready)
+            {
+                self.flush_queued(peer);
+            }
         }
         for peer in broken {
             match self.repair(peer) {

@@ -334,6 +334,53 @@ impl Lib {
     }
 }
 
+/// Runs `f` on the devices `ibv_get_device_list` returns (pointer and name) while the list is
+/// alive, then frees it.
+fn with_devices<T>(
+    lib: &Lib,
+    f: impl FnOnce(&[(*mut c_void, String)]) -> T,
+) -> Result<T, TransportError> {
+    let mut count: c_int = 0;
+    // SAFETY: a valid out-pointer; the list is freed below.
+    let list = unsafe { (lib.get_device_list)(&mut count) };
+    if list.is_null() {
+        // ENOSYS where the kernel has no RDMA stack at all.
+        return Err(unavailable(format!(
+            "no RDMA device: ibv_get_device_list failed ({}; no NIC, or no RDMA stack in the kernel)",
+            std::io::Error::last_os_error()
+        )));
+    }
+    let devices: Vec<(*mut c_void, String)> = (0..usize::try_from(count).unwrap_or(0))
+        .map(|i| {
+            // SAFETY: `list` holds `count` devices, valid until it is freed.
+            let dev = unsafe { *list.add(i) };
+            // SAFETY: a device of the list; its name, if any, is NUL-terminated and owned by it.
+            let name = unsafe { (lib.get_device_name)(dev) };
+            let name = if name.is_null() {
+                String::new()
+            } else {
+                // SAFETY: as above.
+                unsafe { CStr::from_ptr(name) }
+                    .to_string_lossy()
+                    .into_owned()
+            };
+            (dev, name)
+        })
+        .collect();
+    let out = f(&devices);
+    // SAFETY: the list `get_device_list` returned, freed once.
+    unsafe { (lib.free_device_list)(list) };
+    Ok(out)
+}
+
+/// The RDMA devices `libibverbs` lists here, by name.
+pub(super) fn device_names() -> Result<Vec<String>, TransportError> {
+    let lib = Lib::load()?;
+    with_devices(&lib, |devices| {
+        devices.iter().map(|(_, n)| n.clone()).collect()
+    })
+}
+
 fn os_err(what: &str) -> VerbsError {
     VerbsError::Invalid(format!("{what}: {}", std::io::Error::last_os_error()))
 }
@@ -390,35 +437,18 @@ impl HwVerbs {
     /// domain, completion queue, port attributes and GID.
     pub fn open(config: &VerbsConfig) -> Result<Self, TransportError> {
         let lib = Arc::new(Lib::load()?);
-        let mut count: c_int = 0;
-        // SAFETY: a valid out-pointer; the list is freed below.
-        let list = unsafe { (lib.get_device_list)(&mut count) };
-        if list.is_null() {
-            return Err(unavailable(format!(
-                "no RDMA device: ibv_get_device_list failed ({}; no NIC, or no RDMA stack in the kernel)",
-                std::io::Error::last_os_error()
-            )));
-        }
-        let mut found = Vec::new();
-        let mut chosen = None;
-        for i in 0..usize::try_from(count).unwrap_or(0) {
-            // SAFETY: `list` holds `count` devices, valid until it is freed.
-            let dev = unsafe { *list.add(i) };
-            // SAFETY: a device of the list; its name is NUL-terminated and owned by it.
-            let name = unsafe { CStr::from_ptr((lib.get_device_name)(dev)) }
-                .to_string_lossy()
-                .into_owned();
-            if chosen.is_none() && config.device.as_deref().is_none_or(|want| want == name) {
-                chosen = Some((dev, name.clone()));
-            }
-            found.push(name);
-        }
-        let ctx = chosen.map(|(dev, _)| {
-            // SAFETY: a device of the list, opened before the list is freed.
-            unsafe { (lib.open_device)(dev) }
-        });
-        // SAFETY: the list `get_device_list` returned, freed once; opened contexts stay valid.
-        unsafe { (lib.free_device_list)(list) };
+        let (ctx, found) = with_devices(&lib, |devices| {
+            let chosen = devices
+                .iter()
+                .find(|(_, name)| config.device.as_deref().is_none_or(|want| want == name));
+            // SAFETY: a device of the live list, opened before the list is freed; opened
+            // contexts stay valid after.
+            let ctx = chosen.map(|&(dev, _)| unsafe { (lib.open_device)(dev) });
+            (
+                ctx,
+                devices.iter().map(|(_, n)| n.clone()).collect::<Vec<_>>(),
+            )
+        })?;
         let ctx = match ctx {
             None if found.is_empty() => return Err(unavailable("no RDMA device".to_owned())),
             None => {
@@ -535,6 +565,39 @@ impl HwVerbs {
         self.ahs.insert((dest.gid, dest.lid), ah);
         Ok(ah.as_ptr())
     }
+}
+
+impl From<super::Sge> for IbvSge {
+    fn from(s: super::Sge) -> Self {
+        Self {
+            addr: s.addr,
+            length: s.len,
+            lkey: s.lkey,
+        }
+    }
+}
+
+/// Chains `wrs` (each to the next, the last to null) with one SGE each from `sges`, through
+/// `set(wr, next, sge)`; returns the chain's head. Neither vector may be resized while the
+/// chain is posted.
+fn link<T>(
+    wrs: &mut [T],
+    sges: &mut [IbvSge],
+    set: impl Fn(&mut T, *mut T, *mut IbvSge),
+) -> *mut T {
+    let n = wrs.len().min(sges.len());
+    let (base, sge_base) = (wrs.as_mut_ptr(), sges.as_mut_ptr());
+    for i in 0..n {
+        let next = if i + 1 < n {
+            base.wrapping_add(i + 1)
+        } else {
+            null_mut()
+        };
+        // SAFETY: `i < n`, in bounds of both slices; every pointer comes from `base` and
+        // `sge_base`, so none is invalidated by another borrow.
+        unsafe { set(&mut *base.add(i), next, sge_base.add(i)) };
+    }
+    base
 }
 
 fn access_flags(access: MrAccess) -> u32 {
@@ -808,11 +871,7 @@ impl Verbs for HwVerbs {
             return Ok(());
         }
         self.sges.clear();
-        self.sges.extend(wrs.iter().map(|w| IbvSge {
-            addr: w.sge.addr,
-            length: w.sge.len,
-            lkey: w.sge.lkey,
-        }));
+        self.sges.extend(wrs.iter().map(|w| IbvSge::from(w.sge)));
         let mut chain = Vec::with_capacity(wrs.len());
         for w in wrs {
             let (opcode, imm, union) = match w.op {
@@ -862,19 +921,10 @@ impl Verbs for HwVerbs {
             });
         }
         self.send_wrs = chain;
-        let base = self.send_wrs.as_mut_ptr();
-        for i in 0..wrs.len() {
-            // SAFETY: indices in bounds of both vectors, which are not resized below.
-            unsafe {
-                let wr = base.add(i);
-                (*wr).sg_list = self.sges.as_mut_ptr().add(i);
-                (*wr).next = if i + 1 < wrs.len() {
-                    base.add(i + 1)
-                } else {
-                    null_mut()
-                };
-            }
-        }
+        let base = link(&mut self.send_wrs, &mut self.sges, |wr, next, sge| {
+            wr.next = next;
+            wr.sg_list = sge;
+        });
         let post: PostSend = self.op(off::CTX_POST_SEND);
         let mut bad = null_mut();
         self.doorbells += 1;
@@ -958,11 +1008,7 @@ impl HwVerbs {
             return Ok(());
         }
         self.sges.clear();
-        self.sges.extend(wrs.iter().map(|w| IbvSge {
-            addr: w.sge.addr,
-            length: w.sge.len,
-            lkey: w.sge.lkey,
-        }));
+        self.sges.extend(wrs.iter().map(|w| IbvSge::from(w.sge)));
         self.recv_wrs.clear();
         self.recv_wrs.extend(wrs.iter().map(|w| IbvRecvWr {
             wr_id: w.wr_id,
@@ -970,19 +1016,10 @@ impl HwVerbs {
             sg_list: null_mut(),
             num_sge: c_int::from(w.sge.len > 0),
         }));
-        let base = self.recv_wrs.as_mut_ptr();
-        for i in 0..wrs.len() {
-            // SAFETY: indices in bounds of both vectors, not resized below.
-            unsafe {
-                let wr = base.add(i);
-                (*wr).sg_list = self.sges.as_mut_ptr().add(i);
-                (*wr).next = if i + 1 < wrs.len() {
-                    base.add(i + 1)
-                } else {
-                    null_mut()
-                };
-            }
-        }
+        let base = link(&mut self.recv_wrs, &mut self.sges, |wr, next, sge| {
+            wr.next = next;
+            wr.sg_list = sge;
+        });
         let mut bad = null_mut();
         self.doorbells += 1;
         // SAFETY: a live QP or SRQ and a well-formed chain; buffers are the caller's contract.
