@@ -108,13 +108,14 @@ pub(crate) fn calibrate(
         max_gbps: 2.0 * memcpy_gbps,
         ..FabricBounds::default()
     };
-    let probe = probe_fabric(
-        req,
-        &ProbeConfig::default(),
-        probe_rows,
-        model.routed_row_bytes(),
-    )
-    .context("probing the fabric")?;
+    // A sweep whose line the selector would refuse is measured again.
+    let probe_config = ProbeConfig {
+        max_gbps: bounds.max_gbps,
+        max_fixed_us: bounds.max_fixed_us,
+        ..ProbeConfig::default()
+    };
+    let probe = probe_fabric(req, &probe_config, probe_rows, model.routed_row_bytes())
+        .context("probing the fabric")?;
     let mut base = CostParams::paper_defaults(model, probe.fabric);
     base.sources.fabric = Source::Measured;
     let estimators = (
@@ -170,7 +171,8 @@ pub struct CalibrationSummary {
     pub probe_us: f64,
     /// Fabric bandwidth, GB/s.
     pub bw_gbps: f64,
-    /// Whether the fabric is the estimator's fit (else the probe's bound).
+    /// Whether the fabric is the estimator's fit (else the probe's own constants, with the
+    /// estimator's refusal in `detail.fabric_rejected`).
     pub fabric_fitted: bool,
     /// Median absolute residual of the fabric fit, percent.
     pub fabric_residual_pct: Option<f64>,
@@ -234,7 +236,13 @@ impl std::fmt::Display for CalibrationSummary {
             if self.fabric_fitted {
                 format!("Theil-Sen over {} route samples", self.fabric_samples)
             } else {
-                "the probe's bound".to_owned()
+                format!(
+                    "the probe's constants; the estimator refused its line: {}",
+                    self.detail
+                        .fabric_rejected
+                        .as_deref()
+                        .unwrap_or("no line through the samples")
+                )
             },
             self.fabric_residual_pct
                 .map(|r| format!(", median residual {r:.0}%"))

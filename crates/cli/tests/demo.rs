@@ -131,7 +131,13 @@ fn demo_over_shm_routes_and_checks() {
         3,
         "{cal}"
     );
-    assert!(cal["detail"]["ages_ms"]["fabric"].is_u64(), "{cal}");
+    // The fit, or (a machine too loaded for a believable line in three sweeps) the
+    // estimator's refusal, said.
+    assert!(
+        cal["detail"]["ages_ms"]["fabric"].is_u64()
+            || (cal["fabric_fitted"] == false && cal["detail"]["fabric_rejected"].is_string()),
+        "{cal}"
+    );
 }
 
 #[test]

@@ -13,7 +13,7 @@ use crate::error::RemoteError;
 use crate::requester::{Call, Requester, Sparse};
 
 /// What to probe. [`Default`]: chunk 0's layer 0 at Mq 1, 16, 64, 256, 1024 and 2048, 20
-/// routes per point, up to 3 sweeps.
+/// routes per point, up to 3 sweeps, any bandwidth and fixed cost believed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProbeConfig {
     /// The chunk routed to (its first live holder answers).
@@ -25,8 +25,15 @@ pub struct ProbeConfig {
     pub mq: Vec<u32>,
     /// Routes per point, taken in alternating sweeps over the points.
     pub reps: usize,
-    /// Sweeps tried before giving up on a line with a positive slope and intercept.
+    /// Sweeps tried before giving up on a line with a positive slope and intercept inside
+    /// the bounds below.
     pub attempts: usize,
+    /// Fastest believable bandwidth, GB/s: a line above it is measured again. Over host
+    /// memory, a multiple of the machine's copy rate; a sweep slowed at its small points
+    /// (a loaded machine) flattens the line into an impossible bandwidth.
+    pub max_gbps: f64,
+    /// Largest believable fixed cost, microseconds: a line above it is measured again.
+    pub max_fixed_us: f64,
 }
 
 impl Default for ProbeConfig {
@@ -37,6 +44,8 @@ impl Default for ProbeConfig {
             mq: vec![1, 16, 64, 256, 1024, 2048],
             reps: 20,
             attempts: 3,
+            max_gbps: f64::INFINITY,
+            max_fixed_us: f64::INFINITY,
         }
     }
 }
@@ -65,8 +74,9 @@ pub struct ProbedFabric {
 /// queued behind their work only comes out slower, and the line is robust to that. The line
 /// `T_probe + Mq * row_bytes / BW` is a Theil-Sen fit through every sample
 /// ([`kvroute_costmodel::fit::theil_sen`]): a minority of stalled routes cannot move it. A
-/// sweep with no line of positive slope and intercept is measured again, up to `attempts`
-/// times, then bounded from the last sweep's medians ([`fabric_bound`]) and said so.
+/// sweep with no line of positive slope and intercept, or whose line is outside
+/// `config.max_gbps` / `config.max_fixed_us`, is measured again, up to `attempts` times, then
+/// bounded from the last sweep's medians ([`fabric_bound`]) and said so.
 pub fn probe_fabric(
     req: &mut Requester,
     config: &ProbeConfig,
@@ -78,6 +88,12 @@ pub fn probe_fabric(
         return Err(RemoteError::Config(
             "a probe needs positive Mq values and repetitions".into(),
         ));
+    }
+    if !(config.max_gbps > 0.0 && config.max_fixed_us > 0.0) {
+        return Err(RemoteError::Config(format!(
+            "a probe's bounds must be positive (max_gbps {}, max_fixed_us {})",
+            config.max_gbps, config.max_fixed_us
+        )));
     }
     if queries.len() < largest * D_QK {
         return Err(RemoteError::Config(format!(
@@ -113,7 +129,7 @@ pub fn probe_fabric(
             }
         }
         let points = medians(&config.mq, &samples);
-        match line_through(&samples, row_bytes) {
+        match line_through(&samples, row_bytes).and_then(|f| within(f, config)) {
             Ok(fabric) => {
                 return Ok(ProbedFabric {
                     points,
@@ -143,6 +159,23 @@ pub fn probe_fabric(
             config.attempts.max(1)
         )),
     })
+}
+
+/// `fabric` if `config` believes it.
+fn within(fabric: Fabric, config: &ProbeConfig) -> Result<Fabric, RemoteError> {
+    if fabric.bw_gbps > config.max_gbps {
+        return Err(RemoteError::Probe(format!(
+            "fitted {:.2} GB/s is above the believable {:.2} GB/s",
+            fabric.bw_gbps, config.max_gbps
+        )));
+    }
+    if fabric.probe_us > config.max_fixed_us {
+        return Err(RemoteError::Probe(format!(
+            "fitted fixed cost {:.1} us is above the believable {:.1} us",
+            fabric.probe_us, config.max_fixed_us
+        )));
+    }
+    Ok(fabric)
 }
 
 /// The median of each point's samples, in the order of `mq`.
@@ -316,6 +349,29 @@ mod tests {
         assert!(fabric_bound(&[], row_bytes).is_err());
         assert!(fabric_bound(&[(16, f64::NAN)], row_bytes).is_err());
         assert!(fabric_bound(&[(16, 0.0)], row_bytes).is_err());
+    }
+
+    #[test]
+    fn a_line_outside_the_believable_bounds_is_refused() {
+        let row_bytes = 2184;
+        // 10 us + bytes at 2 GB/s, exactly.
+        let samples: Vec<(u32, f64)> = [1u32, 16, 64, 256]
+            .iter()
+            .map(|&mq| (mq, 10.0 + f64::from(mq) * row_bytes as f64 / 2e3))
+            .collect();
+        let line = line_through(&samples, row_bytes).unwrap();
+        assert!((line.bw_gbps - 2.0).abs() < 1e-9 && (line.probe_us - 10.0).abs() < 1e-9);
+        let config = |max_gbps, max_fixed_us| ProbeConfig {
+            max_gbps,
+            max_fixed_us,
+            ..ProbeConfig::default()
+        };
+        assert_eq!(within(line, &ProbeConfig::default()).unwrap(), line);
+        assert_eq!(within(line, &config(2.5, 10.5)).unwrap(), line);
+        let fast = within(line, &config(1.5, 100.0)).unwrap_err().to_string();
+        assert!(fast.contains("above the believable 1.50 GB/s"), "{fast}");
+        let slow = within(line, &config(100.0, 9.5)).unwrap_err().to_string();
+        assert!(slow.contains("fixed cost 10.0 us is above"), "{slow}");
     }
 
     #[test]

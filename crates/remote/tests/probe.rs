@@ -173,3 +173,38 @@ fn a_holder_whose_counters_never_advance_does_not_stall_the_probe() -> Result<()
     assert!(probed.fabric.probe_us > 0.0, "{probed:?}");
     Ok(())
 }
+
+/// A probe that believes no bandwidth measures every attempt, then gives the last sweep's
+/// bound and says so (the unit tests check which lines are believed).
+#[test]
+fn a_probe_believing_no_line_measures_every_sweep_then_bounds() -> Result<()> {
+    let fabric = MemFabric::new();
+    let holder = holder(&fabric, 2)?;
+    let mut req = requester(&fabric, holder.addr())?;
+    let q = vec![0x3f80u16; 64 * D_QK];
+    let disbelieving = ProbeConfig {
+        max_gbps: 1e-9,
+        attempts: 2,
+        ..probe_config()
+    };
+    let started = Instant::now();
+    let bounded = probe_fabric(&mut req, &disbelieving, &q, ROW_BYTES)?;
+    let why = bounded.fallback.clone().unwrap_or_default();
+    assert!(why.contains("no fit in 2 probe sweeps"), "{bounded:?}");
+    assert_eq!(
+        bounded.samples.len(),
+        9,
+        "the last sweep's samples: {bounded:?}"
+    );
+    assert!(bounded.fabric.bw_gbps > 0.0, "{bounded:?}");
+    assert!(started.elapsed() < TIMEOUT, "two sweeps of nine routes");
+    for (max_gbps, max_fixed_us) in [(0.0, 1.0), (1.0, f64::NAN), (-1.0, 1.0)] {
+        let bad = ProbeConfig {
+            max_gbps,
+            max_fixed_us,
+            ..probe_config()
+        };
+        assert!(probe_fabric(&mut req, &bad, &q, ROW_BYTES).is_err());
+    }
+    Ok(())
+}
