@@ -31,6 +31,9 @@ const PAGES: &[u64] = &[1 << 10, 4 << 10, 16 << 10, 64 << 10];
 const PAGED_BYTES: u64 = 16 << 20;
 /// Single writes in flight in a stream.
 const WINDOW: u64 = 8;
+/// Page writes in flight on the bare NIC, the baseline of a paged transfer (whose pages the
+/// engine posts as fast as the send queue takes them).
+const PAGED_WINDOW: u64 = 64;
 /// fi_pingpong's control port (a fixed one, as fi_pingpong's own default is).
 const PINGPONG_PORT: u16 = 47_611;
 
@@ -38,6 +41,16 @@ const PINGPONG_PORT: u16 = 47_611;
 const BANDWIDTH_RATIO_TARGET: f64 = 0.9;
 /// The small round trip: 1.2x fi_pingpong's usec/xfer or less.
 const LATENCY_RATIO_TARGET: f64 = 1.2;
+/// Paged writes of 1 KiB pages against fi_pingpong's MB/s at 1 KiB: 0.8x over shm, where
+/// fi_pingpong's messages go through shared memory at memory speed, and 1.0x elsewhere
+/// (tcp), where a pipelined stream of writes ought to beat a ping-pong.
+fn paged_ratio_target(provider: &str) -> (f64, &'static str) {
+    if provider == "shm" {
+        (0.8, ">= 0.8")
+    } else {
+        (1.0, ">= 1.0")
+    }
+}
 
 /// What the parent tells the peer, one JSON line each.
 #[derive(Debug, Serialize, Deserialize)]
@@ -50,6 +63,8 @@ enum PeerCommand {
         size: u64,
         count: u64,
     },
+    /// Receive `count` writes on the raw endpoint from `parent`'s (the bare NIC's stream).
+    AbsorbRaw { parent: RawAddress, count: u64 },
     /// Keep running passes until the next command (the parent is writing into this process:
     /// with manual progress its writes land only while the target progresses).
     Serve,
@@ -85,13 +100,18 @@ pub struct Compared {
     pub over_raw: f64,
 }
 
-/// A paged transfer beside fi_pingpong at the page size.
+/// A paged transfer beside fi_pingpong at the page size and beside the same page writes
+/// streamed on a bare NIC.
 #[derive(Debug, Clone, Serialize)]
 pub struct PagedRow {
     /// The engine's paged transfer (median over the rounds).
     pub engine: Stream,
     /// fi_pingpong at the page size.
     pub fi_pingpong: Pingpong,
+    /// The same number of page-sized writes with an immediate each, [`PAGED_WINDOW`] in
+    /// flight, posted and polled on a bare NIC without the engine (median over the rounds):
+    /// what the provider's RMA path allows.
+    pub raw: Stream,
 }
 
 /// Everything `bench fabric` measured.
@@ -313,6 +333,14 @@ pub(crate) fn peer(args: &FabricPeerArgs) -> Result<()> {
                 writeln!(out, "{}", serde_json::to_string(&result)?)?;
                 out.flush()?;
             }
+            PeerCommand::AbsorbRaw { parent, count } => {
+                let result = raw
+                    .connect(&parent)
+                    .and_then(|()| raw.absorb(count))
+                    .map_err(|e| e.to_string());
+                writeln!(out, "{}", serde_json::to_string(&result)?)?;
+                out.flush()?;
+            }
             PeerCommand::Serve => serving = true,
             PeerCommand::Rest => serving = false,
             PeerCommand::Answer { size, count } => {
@@ -438,18 +466,34 @@ pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
     peer.send(&PeerCommand::Rest)?;
     let mut paged = Vec::new();
     for (&page, engine) in PAGES.iter().zip(paged_runs) {
+        let mut raw_runs = Vec::with_capacity(rounds);
+        for _ in 0..rounds {
+            peer.send(&PeerCommand::AbsorbRaw {
+                parent: raw.address(),
+                count: engine.count,
+            })?;
+            let streamed = raw.stream(page, engine.count, PAGED_WINDOW);
+            let absorbed: Result<(), String> = peer.recv()?;
+            absorbed.map_err(|e| anyhow!("the peer: {e}"))?;
+            raw_runs.push(streamed?);
+        }
         paged.push(PagedRow {
             engine,
             fi_pingpong: fi(page, iters_for(page, budget, args.quick))?,
+            raw: median_by(raw_runs, |s| s.mb_per_s),
         });
     }
     drop(peer);
 
+    // Each target's bound: the bare NIC measured against the same fi_pingpong figure, so a
+    // target the provider's own RMA path misses shows as such.
+    let bare = |ratio: f64| Some(format!("bare NIC / fi_pingpong {ratio:.2}"));
     let mut targets = vec![Target {
         what: "immediate-only round trip, engine / fi_pingpong usec/xfer",
         target: "<= 1.2",
         measured: round_trip.ratio,
         met: round_trip.ratio <= LATENCY_RATIO_TARGET,
+        bound: bare(round_trip.raw.usec_per_xfer / round_trip.fi_pingpong.usec_per_xfer),
     }];
     for c in &single {
         targets.push(Target {
@@ -457,6 +501,18 @@ pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
             target: ">= 0.9",
             measured: c.ratio,
             met: c.ratio >= BANDWIDTH_RATIO_TARGET,
+            bound: bare(c.raw.mb_per_s / c.fi_pingpong.mb_per_s),
+        });
+    }
+    let (paged_min, paged_target) = paged_ratio_target(&provider);
+    for p in paged.iter().filter(|p| p.engine.size == 1024) {
+        let ratio = p.engine.mb_per_s / p.fi_pingpong.mb_per_s;
+        targets.push(Target {
+            what: "paged writes, 1 KiB pages, engine / fi_pingpong MB/s at 1 KiB",
+            target: paged_target,
+            measured: ratio,
+            met: ratio >= paged_min,
+            bound: bare(p.raw.mb_per_s / p.fi_pingpong.mb_per_s),
         });
     }
     Ok(FabricBenchReport {
@@ -538,19 +594,25 @@ impl fmt::Display for FabricBenchReport {
         )?;
         writeln!(
             f,
-            "  {:>8} {:>14} {:>14} {:>14}",
-            "page", "pages/s", "engine MB/s", "fi_pp MB/s"
+            "  {:>8} {:>14} {:>14} {:>14} {:>14} {:>9}",
+            "page", "pages/s", "engine MB/s", "fi_pp MB/s", "bare MB/s", "eng/bare"
         )?;
         for p in &self.paged {
             writeln!(
                 f,
-                "  {:>8} {:>14.0} {:>14.1} {:>14.1}",
+                "  {:>8} {:>14.0} {:>14.1} {:>14.1} {:>14.1} {:>9.2}",
                 size(p.engine.size),
                 p.engine.per_s,
                 p.engine.mb_per_s,
-                p.fi_pingpong.mb_per_s
+                p.fi_pingpong.mb_per_s,
+                p.raw.mb_per_s,
+                p.engine.mb_per_s / p.raw.mb_per_s
             )?;
         }
+        writeln!(
+            f,
+            "  (bare: the same page writes on a bare NIC, {PAGED_WINDOW} in flight)"
+        )?;
         crate::bench::write_targets(f, &self.targets, 2)
     }
 }

@@ -232,7 +232,24 @@ fn bench_transport_quick_reports_every_measurement_with_its_baseline() {
             .collect::<Vec<_>>(),
         [8, 16, 32, 64]
     );
-    assert_eq!(v["targets"].as_array().unwrap().len(), 3);
+    let targets = v["targets"].as_array().unwrap();
+    assert_eq!(targets.len(), 5, "{targets:?}");
+    // The two engine / memcpy lines are the 1 KiB rows' ratios, judged against 0.8.
+    let of_memcpy: Vec<&serde_json::Value> = targets
+        .iter()
+        .filter(|t| t["what"].as_str().unwrap().contains("engine / memcpy"))
+        .collect();
+    assert_eq!(of_memcpy.len(), 2, "{targets:?}");
+    for (t, p) in of_memcpy.iter().zip(paged) {
+        assert_eq!(p["page_len"], 1024);
+        let ratio =
+            p["engine_pages_per_s"].as_f64().unwrap() / p["memcpy_pages_per_s"].as_f64().unwrap();
+        assert!(
+            (t["measured"].as_f64().unwrap() - ratio).abs() < 1e-9,
+            "{t} {p}"
+        );
+        assert_eq!(t["met"], ratio >= 0.8, "{t}");
+    }
 }
 
 /// Two processes over shm (the fastest provider here), `fi_pingpong` beside every row: the
@@ -277,14 +294,28 @@ fn bench_fabric_quick_reports_the_engine_beside_fi_pingpong_and_the_bare_provide
     }
     let paged = v["paged"].as_array().unwrap();
     assert_eq!(paged.len(), 4);
-    assert!(paged.iter().all(|p| positive(&p["engine"]["per_s"])));
+    assert!(paged.iter().all(|p| positive(&p["engine"]["per_s"])
+        && positive(&p["raw"]["mb_per_s"])
+        && p["raw"]["count"] == p["engine"]["count"]));
     let targets = v["targets"].as_array().unwrap();
-    assert_eq!(targets.len(), 1 + single.len());
+    // The round trip, each single write, and the 1 KiB paged transfer; each with the bare
+    // NIC's own ratio as its bound.
+    assert_eq!(targets.len(), 1 + single.len() + 1);
     assert!(
-        targets
-            .iter()
-            .all(|t| t["met"].is_boolean() && positive(&t["measured"]))
+        targets.iter().all(|t| t["met"].is_boolean()
+            && positive(&t["measured"])
+            && t["bound"]
+                .as_str()
+                .is_some_and(|b| b.starts_with("bare NIC / fi_pingpong"))),
+        "{targets:?}"
     );
+    let paged_target = targets.last().unwrap();
+    let kib = &paged[0];
+    let ratio = kib["engine"]["mb_per_s"].as_f64().unwrap()
+        / kib["fi_pingpong"]["mb_per_s"].as_f64().unwrap();
+    assert!((paged_target["measured"].as_f64().unwrap() - ratio).abs() < 1e-9 * ratio);
+    assert_eq!(paged_target["target"], ">= 0.8", "shm's paged target");
+    assert_eq!(paged_target["met"], ratio >= 0.8);
 }
 
 /// `bench kernels --quick --json`: every workload measured beside its same-run baseline, and
@@ -336,7 +367,40 @@ fn bench_kernels_quick_reports_each_kernel_beside_its_baseline() {
             "{floor}"
         );
     }
-    assert_eq!(v["targets"].as_array().unwrap().len(), 2);
+    // One verdict per line of the targets table, each agreeing with its number: Mq = 1, 16
+    // and 256 against their bounds, sparse against dense, the splice, the merge.
+    let targets = v["targets"].as_array().unwrap();
+    assert_eq!(targets.len(), 6, "{targets:?}");
+    let us = |row: &serde_json::Value| row["us"].as_f64().unwrap();
+    let sparse_2048 = &v["sparse"][1];
+    let sparse_ratio = us(sparse_2048) / us(&dense[1]);
+    let t = |i: usize| targets[i]["measured"].as_f64().unwrap();
+    assert!((t(0) - 100.0 * dense[0]["of_read_bandwidth"].as_f64().unwrap()).abs() < 1e-9);
+    let of = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap();
+    let mq16 = 100.0 * of(&dense[1], "of_read_bandwidth").max(of(&dense[1], "of_fma_peak"));
+    assert!((t(1) - mq16).abs() < 1e-9);
+    assert!((t(2) - 100.0 * of(&dense[3], "of_fma_peak")).abs() < 1e-9);
+    assert!((t(3) - sparse_ratio).abs() < 1e-9 * sparse_ratio);
+    assert!((t(4) - us(&splices[1])).abs() < 1e-9);
+    assert!((t(5) - us(&v["merge"]) / of(&v["merge"], "floor_us")).abs() < 1e-9);
+    for (i, (min, max)) in [
+        (70.0, f64::INFINITY),
+        (70.0, f64::INFINITY),
+        (70.0, f64::INFINITY),
+        (f64::NEG_INFINITY, 2.0),
+        (f64::NEG_INFINITY, 999.999_999),
+        (f64::NEG_INFINITY, 2.0),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        assert_eq!(
+            targets[i]["met"],
+            (min..=max).contains(&t(i)),
+            "{}",
+            targets[i]
+        );
+    }
 }
 
 /// `kernel gpu-info` names the GPU and its kernels' resources, or fails saying why there is
