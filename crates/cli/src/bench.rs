@@ -35,7 +35,8 @@ pub struct Target {
     pub bound: Option<String>,
 }
 
-/// Writes a report's `targets` section, measured values with `decimals` places.
+/// Writes a report's `targets` section, measured values with `decimals` places (at least two
+/// below 10, where the value is a ratio).
 pub(crate) fn write_targets(
     f: &mut fmt::Formatter<'_>,
     targets: &[Target],
@@ -48,7 +49,12 @@ pub(crate) fn write_targets(
             "  [{}] {}: {:.*} (target {}{})",
             if t.met { "met" } else { "MISSED" },
             t.what,
-            decimals,
+            // Ratios keep two places whatever the report's unit.
+            if t.measured.abs() < 10.0 {
+                decimals.max(2)
+            } else {
+                decimals
+            },
             t.measured,
             t.target,
             match (&t.bound, t.met) {

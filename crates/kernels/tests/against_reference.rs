@@ -42,7 +42,7 @@ fn a_paged_cache_gives_the_same_partial_as_the_contiguous_one() {
     let mut rng = Rng::new(11);
     let ct = 1000;
     let c = rng.rows(ct);
-    let q = rng.rows(16);
+    let queries = [rng.rows(16), rng.rows(1)];
     // Scatter the 16 pages of the chunk over a 40-page pool in a shuffled order.
     let pages = ct.div_ceil(64);
     let mut table: Vec<u32> = (0..40).collect();
@@ -55,13 +55,21 @@ fn a_paged_cache_gives_the_same_partial_as_the_contiguous_one() {
         let dst = (table[t / 64] as usize * 64 + t % 64) * 576;
         pool[dst..dst + 576].copy_from_slice(&c[t * 576..(t + 1) * 576]);
     }
-    let q = Queries::new(&q).unwrap();
     let contiguous = Cache::contiguous(&c).unwrap();
     let paged = Cache::paged(&pool, &table, ct).unwrap();
-    for b in backends().into_iter().chain([Backend::Reference]) {
-        let a = partial_dense(b, &q, &contiguous, SCALE).unwrap();
-        let p = partial_dense(b, &q, &paged, SCALE).unwrap();
-        assert_eq!(a, p, "{b:?}: same tokens, same order, same arithmetic");
+    // 16 rows take the tiled path, one row the few-rows path.
+    for rows in &queries {
+        let q = Queries::new(rows).unwrap();
+        for b in backends().into_iter().chain([Backend::Reference]) {
+            let a = partial_dense(b, &q, &contiguous, SCALE).unwrap();
+            let p = partial_dense(b, &q, &paged, SCALE).unwrap();
+            assert_eq!(
+                a,
+                p,
+                "{b:?}, {} rows: same tokens, same order, same arithmetic",
+                rows.len() / 576
+            );
+        }
     }
 }
 

@@ -3,6 +3,8 @@
 //! same algebra as [`crate::merge`]), so a decode-sized batch uses every core.
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 mod isa;
 mod splice;
@@ -45,7 +47,7 @@ pub(crate) fn dense_range<const FMA: bool>(
         match cache.run(t, n) {
             // A few query rows read the keys as bf16 in place.
             Some(rows) if st.m.len() < tile::TRANSPOSE_ROWS => {
-                tile::tile_few_rows::<FMA>(q, rows, n, st, &mut scores);
+                few_rows::<FMA>(q, rows, n, st, &mut scores);
                 t += n;
                 continue;
             }
@@ -59,6 +61,26 @@ pub(crate) fn dense_range<const FMA: bool>(
         tile::tile::<FMA>(q, &k[..n * D_QK], n, st, &mut scores, &mut kt);
         t += n;
     }
+}
+
+/// A few-rows tile: with `FMA`, the AVX2 intrinsics ([`avx2::tile_few_rows`]); otherwise the
+/// portable loops.
+#[inline(always)]
+fn few_rows<const FMA: bool>(
+    q: &[f32],
+    kb: &[u16],
+    n: usize,
+    st: &mut RowState,
+    scores: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if FMA {
+        // SAFETY: `dense_range::<true>` is instantiated only by `isa::dense_avx2`, which runs
+        // only where `Isa::Avx2` found AVX2 and FMA at run time.
+        unsafe { avx2::tile_few_rows(q, kb, n, st, scores) };
+        return;
+    }
+    tile::tile_few_rows::<FMA>(q, kb, n, st, scores);
 }
 
 /// The selected tokens `picked` (-1 skipped) into `st`.

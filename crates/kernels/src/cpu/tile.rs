@@ -86,7 +86,7 @@ fn dot<const FMA: bool, T: Copy>(a: &[f32], b: &[T], f: impl Fn(T) -> f32) -> f3
 /// state is rescaled; `false` (and `s` zeroed) when the logits are not finite, which the
 /// state then carries (a NaN maximum) rather than hides.
 #[inline(always)]
-fn softmax_step(st: &mut RowState, r: usize, s: &mut [f32]) -> bool {
+pub(crate) fn softmax_step(st: &mut RowState, r: usize, s: &mut [f32]) -> bool {
     let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let m_new = st.m[r].max(tile_max);
     if m_new == f32::NEG_INFINITY || m_new.is_nan() {

@@ -98,6 +98,8 @@ pub(crate) fn dense_shapes(rng: &mut Rng) -> Vec<(usize, usize)> {
         (16, 2048),
         (128, 300),
         (3, 65),
+        // Two rows, tiles whose keys are not a multiple of four (the few-rows paths' tails).
+        (2, 131),
     ];
     for _ in 0..6 {
         let mq = rng.range(1, 64);
