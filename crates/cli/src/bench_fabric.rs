@@ -108,9 +108,9 @@ pub struct PagedRow {
     pub engine: Stream,
     /// fi_pingpong at the page size.
     pub fi_pingpong: Pingpong,
-    /// The same number of page-sized writes with an immediate each, [`PAGED_WINDOW`] in
-    /// flight, posted and polled on a bare NIC without the engine (median over the rounds):
-    /// what the provider's RMA path allows.
+    /// The same number of page-sized writes with an immediate each, 64 in flight, posted and
+    /// polled on a bare NIC without the engine (median over the rounds): what the provider's
+    /// RMA path allows.
     pub raw: Stream,
 }
 
