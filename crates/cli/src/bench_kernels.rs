@@ -156,54 +156,48 @@ fn cpu_targets(m: &KernelBench) -> Vec<Target> {
         .map_or(f64::NAN, |(s, d)| s.us / d.us);
     let in_place = m.splice.get(1).map_or(f64::NAN, |r| r.us);
     let merge = m.merge.us / m.merge.floor_us;
-    let at_least = |what, target, measured: f64, min: f64| Target {
-        what,
-        target,
-        measured,
-        met: measured >= min,
-        bound: None,
-    };
-    let at_most = |what, target, measured: f64, max: f64| Target {
-        what,
-        target,
-        measured,
-        met: measured <= max,
-        bound: None,
-    };
-    let below = |what, target, measured: f64, max: f64| Target {
-        what,
-        target,
-        measured,
-        met: measured < max,
-        bound: None,
-    };
+    let (mq1, mq16, mq256) = (
+        share(1, |r| r.of_read_bandwidth),
+        share(16, bound),
+        share(256, fma),
+    );
     vec![
-        at_least(
+        Target::new(
             "dense partial Mq = 1, share of read bandwidth (%)",
             ">= 70",
-            share(1, |r| r.of_read_bandwidth),
-            70.0,
+            mq1,
+            mq1 >= 70.0,
         ),
-        at_least(
+        Target::new(
             "dense partial Mq = 16, share of its bound (read or FMA peak, %)",
             ">= 70",
-            share(16, bound),
-            70.0,
+            mq16,
+            mq16 >= 70.0,
         ),
-        at_least(
+        Target::new(
             "dense partial Mq = 256, share of the FMA peak (%)",
             ">= 70",
-            share(256, fma),
-            70.0,
+            mq256,
+            mq256 >= 70.0,
         ),
-        at_most(
+        Target::new(
             "sparse top-2048 x 16 heads / dense Mq = 16 (same rows x tokens)",
             "<= 2",
             sparse_over_dense,
-            2.0,
+            sparse_over_dense <= 2.0,
         ),
-        below("27 x 2048 splice in place (us)", "< 1000", in_place, 1000.0),
-        at_most("merge 8 x 256 / adding its o arrays", "<= 2", merge, 2.0),
+        Target::new(
+            "27 x 2048 splice in place (us)",
+            "< 1000",
+            in_place,
+            in_place < 1000.0,
+        ),
+        Target::new(
+            "merge 8 x 256 / adding its o arrays",
+            "<= 2",
+            merge,
+            merge <= 2.0,
+        ),
     ]
 }
 
@@ -222,19 +216,17 @@ fn bound(r: &DenseRow) -> f64 {
 fn gpu_targets(m: &KernelBench) -> Vec<Target> {
     let us = |i: usize| m.splice.get(i).map_or(f64::NAN, |r| r.us);
     vec![
-        Target {
-            what: "27 x 2048 fused splice, copying (us)",
-            target: "< 30",
-            measured: us(0),
-            met: us(0) < 30.0,
-            bound: None,
-        },
-        Target {
-            what: "27 x 2048 fused splice, in place (us)",
-            target: "< 30",
-            measured: us(1),
-            met: us(1) < 30.0,
-            bound: None,
-        },
+        Target::new(
+            "27 x 2048 fused splice, copying (us)",
+            "< 30",
+            us(0),
+            us(0) < 30.0,
+        ),
+        Target::new(
+            "27 x 2048 fused splice, in place (us)",
+            "< 30",
+            us(1),
+            us(1) < 30.0,
+        ),
     ]
 }
