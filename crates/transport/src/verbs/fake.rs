@@ -94,6 +94,14 @@ struct Device {
 }
 
 impl Device {
+    /// Keeps `mr` under a fresh key (never 0); its lkey and rkey, which the fake makes equal.
+    fn register(&mut self, mr: Mr) -> (u32, u32) {
+        let key = self.next_key;
+        self.next_key = self.next_key.wrapping_add(1).max(1);
+        self.mrs.insert(key, mr);
+        (key, key)
+    }
+
     fn push(&mut self, wc: Wc) {
         self.cq.push_back(wc);
         if let Some(n) = &self.notify {
@@ -576,18 +584,11 @@ impl Verbs for FakeVerbs {
             ));
         }
         self.with(|s, lid| {
-            let dev = s.device(lid)?;
-            let key = dev.next_key;
-            dev.next_key = dev.next_key.wrapping_add(1).max(1);
-            dev.mrs.insert(
-                key,
-                Mr {
-                    addr,
-                    len,
-                    remote_write: access.remote_write,
-                },
-            );
-            Ok((key, key))
+            Ok(s.device(lid)?.register(Mr {
+                addr,
+                len,
+                remote_write: access.remote_write,
+            }))
         })
     }
 
@@ -613,18 +614,11 @@ impl Verbs for FakeVerbs {
                     "iova is not the exported address".to_owned(),
                 ));
             }
-            let dev = s.device(lid)?;
-            let key = dev.next_key;
-            dev.next_key = dev.next_key.wrapping_add(1).max(1);
-            dev.mrs.insert(
-                key,
-                Mr {
-                    addr: iova,
-                    len,
-                    remote_write: access.remote_write,
-                },
-            );
-            Ok((key, key))
+            Ok(s.device(lid)?.register(Mr {
+                addr: iova,
+                len,
+                remote_write: access.remote_write,
+            }))
         })
     }
 
