@@ -9,7 +9,7 @@ use crate::plan::shard;
 
 /// The work request of unit `unit` (of `units`) of `writes`, posted on NIC `d`, with NIC
 /// `d`'s keys.
-#[inline]
+#[inline(always)]
 pub(super) fn build_wr(
     writes: &Writes,
     units: u32,

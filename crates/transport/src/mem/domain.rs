@@ -285,6 +285,28 @@ fn fail_all(wrs: &[WriteWr], error: &TransferError, completions: &mut VecDeque<C
     }
 }
 
+/// Queues the completion of a run of successful writes of one work request id.
+#[inline]
+fn flush_done(done: &mut Option<(u64, u32)>, completions: &mut VecDeque<Completion>) {
+    if let Some((wr_id, count)) = done.take() {
+        if let Some(last) = completions.back_mut()
+            && last.wr_id == wr_id
+            && last.kind == CompletionKind::Write
+            && last.result.is_ok()
+            && let Some(sum) = last.count.checked_add(count)
+        {
+            last.count = sum;
+            return;
+        }
+        completions.push_back(Completion {
+            wr_id,
+            count,
+            kind: CompletionKind::Write,
+            result: Ok(()),
+        });
+    }
+}
+
 /// Executes writes from `me` that all target `target`: checks the destination, copies,
 /// completes, and queues the immediates (merged per value) in the target's inbox. Holds only
 /// the target's lock: sources were checked when posted, and a deregistration since then has
@@ -308,8 +330,12 @@ fn deliver(
         return;
     }
     let mut pending: Option<(u32, u32)> = None;
+    // Successful writes of one work request id in a row (a paged transfer's pages) complete
+    // as one coalesced completion, pushed when the run ends.
+    let mut done: Option<(u64, u32)> = None;
     for wr in wrs {
         if let Err(reason) = regions.check_remote_write(wr.rkey, wr.dst_addr, wr.len) {
+            flush_done(&mut done, completions);
             push_completion(
                 completions,
                 wr.wr_id,
@@ -333,7 +359,13 @@ fn deliver(
                 )
             };
         }
-        push_completion(completions, wr.wr_id, CompletionKind::Write, Ok(()));
+        match &mut done {
+            Some((id, n)) if *id == wr.wr_id && *n < u32::MAX => *n += 1,
+            _ => {
+                flush_done(&mut done, completions);
+                done = Some((wr.wr_id, 1));
+            }
+        }
         if let Some(imm) = wr.imm {
             match pending {
                 Some((v, ref mut n)) if v == imm && *n < u32::MAX => *n += 1,
@@ -346,6 +378,7 @@ fn deliver(
         }
     }
     drop(regions);
+    flush_done(&mut done, completions);
     // Only an event needs the target's worker: a write without an immediate reports nothing
     // there, and waking a parked worker costs the sender a syscall.
     if let Some((imm, count)) = pending {

@@ -207,6 +207,46 @@ fn wrong_stale_or_out_of_range_keys_are_remote_access_errors_and_touch_nothing()
 }
 
 #[test]
+fn completions_of_a_run_are_coalesced_in_order_around_a_refused_write() {
+    let fabric = MemFabric::new();
+    let mut a = nic(&fabric, 64, 0xEE);
+    let mut b = nic(&fabric, 64, 0);
+    let peer = a.domain.connect(&b.domain.address()).unwrap();
+    let page = |i: u64| write(&a, peer, i * 8, &b, i * 8, 8, Some(3));
+    let refused = WriteWr {
+        rkey: page(2).rkey ^ 1,
+        ..page(2)
+    };
+    let other = WriteWr {
+        wr_id: 8,
+        ..page(4)
+    };
+    let batch = [page(0), page(1), refused, page(3), other];
+    assert_eq!(a.domain.post_writes(&batch).unwrap(), 5);
+    let ok = |wr_id, count| Completion {
+        wr_id,
+        count,
+        kind: CompletionKind::Write,
+        result: Ok(()),
+    };
+    let completions = poll_all(&mut a.domain);
+    assert_eq!(completions.len(), 4, "{completions:?}");
+    assert_eq!(completions[0], ok(7, 2));
+    assert_eq!(completions[1].count, 1);
+    assert!(matches!(
+        completions[1].result,
+        Err(TransferError::RemoteAccess(_))
+    ));
+    assert_eq!(completions[2], ok(7, 1));
+    assert_eq!(completions[3], ok(8, 1));
+    assert_eq!(b.memory[..16], [0xEE; 16]);
+    assert_eq!(b.memory[16..24], [0; 8], "the refused page is untouched");
+    assert_eq!(b.memory[24..40], [0xEE; 16]);
+    let arrivals: u32 = poll_all(&mut b.domain).iter().map(|c| c.count).sum();
+    assert_eq!(arrivals, 4, "one immediate per landed write");
+}
+
+#[test]
 fn a_bad_source_refuses_the_whole_batch() {
     let fabric = MemFabric::new();
     let mut a = nic(&fabric, 64, 1);
