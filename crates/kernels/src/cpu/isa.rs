@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 #[cfg(target_arch = "x86_64")]
 use super::avx512;
 use super::tile::RowState;
-use super::{dense_range, sparse_range};
+use super::{Scratch, dense_range, sparse_range};
 use crate::layout::Cache;
 
 /// An instruction set the CPU kernels can run on.
@@ -115,14 +115,29 @@ impl std::fmt::Display for Isa {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn dense_avx2(q: &[u16], scale: f32, cache: &Cache<'_>, t0: usize, t1: usize, st: &mut RowState) {
-    dense_range::<true>(q, scale, cache, t0, t1, st);
+fn dense_avx2(
+    q: &[u16],
+    scale: f32,
+    cache: &Cache<'_>,
+    t0: usize,
+    t1: usize,
+    st: &mut RowState,
+    scratch: &mut Scratch,
+) {
+    dense_range::<true>(q, scale, cache, t0, t1, st, scratch);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn sparse_avx2(q: &[u16], scale: f32, cache: &Cache<'_>, picked: &[i32], st: &mut RowState) {
-    sparse_range::<true>(q, scale, cache, picked, st);
+fn sparse_avx2(
+    q: &[u16],
+    scale: f32,
+    cache: &Cache<'_>,
+    picked: &[i32],
+    st: &mut RowState,
+    scratch: &mut Scratch,
+) {
+    sparse_range::<true>(q, scale, cache, picked, st, scratch);
 }
 
 /// Tokens `t0..t1` of `cache` folded into `st` (bf16 query rows `q`, softmax scale `scale`),
@@ -132,9 +147,9 @@ pub(crate) fn dense(
     q: &[u16],
     scale: f32,
     cache: &Cache<'_>,
-    t0: usize,
-    t1: usize,
+    (t0, t1): (usize, usize),
     st: &mut RowState,
+    scratch: &mut Scratch,
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -149,8 +164,10 @@ pub(crate) fn dense(
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 if isa.is_available() => unsafe { dense_avx2(q, scale, cache, t0, t1, st) },
-        _ => dense_range::<false>(q, scale, cache, t0, t1, st),
+        Isa::Avx2 if isa.is_available() => unsafe {
+            dense_avx2(q, scale, cache, t0, t1, st, scratch)
+        },
+        _ => dense_range::<false>(q, scale, cache, t0, t1, st, scratch),
     }
 }
 
@@ -162,6 +179,7 @@ pub(crate) fn sparse(
     cache: &Cache<'_>,
     picked: &[i32],
     st: &mut RowState,
+    scratch: &mut Scratch,
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -176,7 +194,9 @@ pub(crate) fn sparse(
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 if isa.is_available() => unsafe { sparse_avx2(q, scale, cache, picked, st) },
-        _ => sparse_range::<false>(q, scale, cache, picked, st),
+        Isa::Avx2 if isa.is_available() => unsafe {
+            sparse_avx2(q, scale, cache, picked, st, scratch)
+        },
+        _ => sparse_range::<false>(q, scale, cache, picked, st, scratch),
     }
 }

@@ -105,6 +105,22 @@ pub(crate) fn softmax_step(st: &mut RowState, r: usize, s: &mut [f32]) -> bool {
     true
 }
 
+/// Row `r`'s online-softmax step over the first `n` of its [`TILE`] scores `s`: with `FMA` (the
+/// AVX2 + FMA instantiation) the intrinsics step [`super::avx2::softmax_row`], otherwise
+/// [`softmax_step`]. Either way a row whose logits are not finite adds nothing (zero weights).
+#[inline(always)]
+fn softmax<const FMA: bool>(st: &mut RowState, r: usize, s: &mut [f32], n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if FMA {
+        // SAFETY: `tile::<true>` is instantiated only by `dense_range::<true>` and
+        // `sparse_range::<true>`, whose only callers, `isa::dense_avx2` and
+        // `isa::sparse_avx2`, run only where `Isa::Avx2` found AVX2 and FMA at run time.
+        unsafe { super::avx2::softmax_row(s, n, r, st) };
+        return;
+    }
+    softmax_step(st, r, &mut s[..n]);
+}
+
 /// Output columns (and tile columns of the scores) one register block covers: with 4 rows,
 /// 4 x 16 f32 accumulators are 8 ymm registers, leaving AVX2's other 8 for the broadcasts and
 /// loads. 4 x 32 took all 16 and two accumulators spilled to the stack on every step
@@ -238,13 +254,13 @@ pub(crate) fn tile<const FMA: bool>(
     }
     for r in 0..rows {
         let qr = &q[r * D_QK..(r + 1) * D_QK];
-        let s = &mut scores[r * TILE..r * TILE + n];
+        let s = &mut scores[r * TILE..(r + 1) * TILE];
         if rows < TRANSPOSE_ROWS || r >= blocked {
-            for (j, x) in s.iter_mut().enumerate() {
+            for (j, x) in s[..n].iter_mut().enumerate() {
                 *x = dot::<FMA, f32>(qr, &k[j * D_QK..(j + 1) * D_QK], |v| v);
             }
         }
-        softmax_step(st, r, s);
+        softmax::<FMA>(st, r, s, n);
     }
     let mut r0 = 0;
     while r0 + 4 <= rows {
