@@ -1,25 +1,32 @@
-//! The AVX2 + FMA tile for a few query rows (decode's Mq = 1-3), written with intrinsics.
+//! The AVX2 + FMA tile, written with intrinsics: the contiguous dense partial's path for any
+//! number of query rows ([`tile_rows`]), and the softmax step and tile transpose of the
+//! portable tile when it runs on AVX2 (paged caches, sparse selections).
 //!
-//! The portable [`super::tile::tile_few_rows`] reads the bf16 keys in place too, but left to
-//! the autovectoriser its four-key score loop kept its eight accumulators on the stack (a
-//! store and a reload on every multiply-add), and a single-key dot product has four chains,
-//! too few to cover the FMA latency. Here each score step loads a 16-wide chunk of the query
-//! once for four keys and keeps eight independent chains in registers; `P V` keeps 64 output
-//! columns (eight registers) across the tile's tokens. bf16 -> f32 is a zero-extension and a
-//! 16-bit shift, exact, so results match the portable path's up to summation order.
+//! The keys are read as bf16 and widened in registers (a zero-extension and a 16-bit shift,
+//! exact), never written out as f32: rows go four at a time, so one widened key vector serves
+//! four rows' scores (two keys by four rows, eight chains) and one widened value slice four
+//! rows' `P V` (16 columns by four rows). Against the portable tile, which widens each 64-key
+//! tile to f32, transposes it and then runs 4 x 16 register blocks over both, this is 1.6x at
+//! Mq = 16 and 1.8x at Mq = 4 (Zen 5): the widening, the transpose and their 300 KB of traffic
+//! per tile weighed as much as a block of 16 rows' multiply-adds. Left to the autovectoriser,
+//! the one-row score loop kept its accumulators on the stack (a store and a reload on every
+//! multiply-add); here every chain stays in a register. Results match the portable path's up
+//! to summation order.
 //!
-//! The online-softmax step of every AVX2 tile ([`softmax_row`]) is here too: the portable step
-//! called libm's scalar `expf` once per score, with a `vzeroupper` around each call and the
-//! running sum through the stack, about a tenth of a dense partial at Mq = 256 (`perf`).
+//! The online-softmax step ([`softmax_row`]) replaces the portable one, which called libm's
+//! scalar `expf` once per score, with a `vzeroupper` around each call and the running sum
+//! through the stack (about a tenth of a dense partial at Mq = 256, `perf`). The register
+//! transpose ([`transpose_tile`]) replaces one bounds-checked scalar store per element.
 
 use std::arch::x86_64::{
     __m256, _CMP_UNORD_Q, _MM_FROUND_NO_EXC, _MM_FROUND_TO_NEAREST_INT, _mm_add_ps, _mm_add_ss,
     _mm_cvtss_f32, _mm_loadu_si128, _mm_max_ps, _mm_max_ss, _mm_movehdup_ps, _mm_movehl_ps,
-    _mm256_add_epi32, _mm256_add_ps, _mm256_blendv_ps, _mm256_castps256_ps128, _mm256_castsi256_ps,
-    _mm256_cmp_ps, _mm256_cmpgt_epi32, _mm256_cvtepu16_epi32, _mm256_cvtps_epi32,
-    _mm256_extractf128_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps, _mm256_max_ps,
-    _mm256_movemask_ps, _mm256_mul_ps, _mm256_round_ps, _mm256_set1_epi32, _mm256_set1_ps,
-    _mm256_setr_epi32, _mm256_setzero_ps, _mm256_slli_epi32, _mm256_storeu_ps,
+    _mm256_add_epi32, _mm256_add_ps, _mm256_blendv_ps, _mm256_broadcast_ss, _mm256_castps256_ps128,
+    _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cmpgt_epi32, _mm256_cvtepu16_epi32,
+    _mm256_cvtps_epi32, _mm256_extractf128_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps,
+    _mm256_max_ps, _mm256_movemask_ps, _mm256_mul_ps, _mm256_permute2f128_ps, _mm256_round_ps,
+    _mm256_set1_epi32, _mm256_set1_ps, _mm256_setr_epi32, _mm256_setzero_ps, _mm256_shuffle_ps,
+    _mm256_slli_epi32, _mm256_storeu_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps,
 };
 
 use super::tile::{RowState, TILE};
@@ -189,27 +196,170 @@ pub(crate) fn softmax_row(s: &mut [f32], n: usize, r: usize, st: &mut RowState) 
     true
 }
 
-/// One tile of `n` bf16 cache rows `kb` for the block's pre-scaled f32 query rows `q` (fewer
-/// than [`super::tile::TRANSPOSE_ROWS`]), folded into `st`; `scores` is scratch of
-/// `rows * TILE`. The same contract as [`super::tile::tile_few_rows`].
+/// `kt[d][j] = k[j][d]` for the `n` (<= [`TILE`]) f32 keys of `k` (`[n][576]`) into `kt`
+/// (`[576][TILE]`), eight keys by eight dimensions in registers at a time. Columns of `kt` past
+/// `n` are left as they were.
 #[target_feature(enable = "avx2,fma")]
-pub(crate) fn tile_few_rows(
-    q: &[f32],
-    kb: &[u16],
-    n: usize,
-    st: &mut RowState,
-    scores: &mut [f32],
-) {
-    let kb = &kb[..n * D_QK];
-    for r in 0..st.m.len() {
-        let qr = &q[r * D_QK..(r + 1) * D_QK];
-        let s = &mut scores[r * TILE..r * TILE + n];
-        let quads = n / 4 * 4;
-        for j in (0..quads).step_by(4) {
-            s[j..j + 4].copy_from_slice(&dots::<4>(qr, &kb[j * D_QK..]));
+pub(crate) fn transpose_tile(k: &[f32], n: usize, kt: &mut [f32]) {
+    assert!(n <= TILE && k.len() >= n * D_QK && kt.len() >= D_QK * TILE);
+    let (kp, tp) = (k.as_ptr(), kt.as_mut_ptr());
+    let octets = n / 8 * 8;
+    for j0 in (0..octets).step_by(8) {
+        for d0 in (0..D_QK).step_by(8) {
+            // SAFETY: rows j0..j0 + 8 <= n of `k` and columns j0..j0 + 8 <= TILE of rows
+            // d0..d0 + 8 <= 576 of `kt`, both checked above.
+            unsafe {
+                let r: [__m256; 8] =
+                    std::array::from_fn(|i| _mm256_loadu_ps(kp.add((j0 + i) * D_QK + d0)));
+                store_transposed(r, tp.add(d0 * TILE + j0));
+            }
         }
-        for j in quads..n {
-            s[j] = dots::<1>(qr, &kb[j * D_QK..])[0];
+    }
+    for j in octets..n {
+        for d in 0..D_QK {
+            kt[d * TILE + j] = k[j * D_QK + d];
+        }
+    }
+}
+
+/// Stores the 8 x 8 block `r` (row i: 8 consecutive values) turned, row d at `out + d * TILE`.
+///
+/// # Safety
+/// `out + d * TILE + 8` for d < 8 must be writable; AVX2 enabled.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn store_transposed(r: [__m256; 8], out: *mut f32) {
+    // SAFETY (caller): as documented.
+    unsafe {
+        let t = [
+            _mm256_unpacklo_ps(r[0], r[1]),
+            _mm256_unpackhi_ps(r[0], r[1]),
+            _mm256_unpacklo_ps(r[2], r[3]),
+            _mm256_unpackhi_ps(r[2], r[3]),
+            _mm256_unpacklo_ps(r[4], r[5]),
+            _mm256_unpackhi_ps(r[4], r[5]),
+            _mm256_unpacklo_ps(r[6], r[7]),
+            _mm256_unpackhi_ps(r[6], r[7]),
+        ];
+        let u = [
+            _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+            _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+            _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+            _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+            _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+            _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+            _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+            _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+        ];
+        for i in 0..4 {
+            let lo = _mm256_permute2f128_ps::<0x20>(u[i], u[i + 4]);
+            let hi = _mm256_permute2f128_ps::<0x31>(u[i], u[i + 4]);
+            _mm256_storeu_ps(out.add(i * TILE), lo);
+            _mm256_storeu_ps(out.add((i + 4) * TILE), hi);
+        }
+    }
+}
+
+/// `q_r . k_j` for four query rows (`q`, rows 576 apart) and two bf16 keys (`kb`, rows 576
+/// apart): each widened key vector serves four rows, eight chains in registers.
+///
+/// # Safety
+/// Four rows of `q` and two of `kb` must be readable; AVX2 and FMA enabled.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots4x2(q: *const f32, kb: *const u16) -> [[f32; 2]; 4] {
+    // SAFETY (caller): as documented; c + 8 <= 576.
+    unsafe {
+        let mut a = [[_mm256_setzero_ps(); 2]; 4];
+        for c in (0..D_QK).step_by(8) {
+            let (k0, k1) = (widen8(kb.add(c)), widen8(kb.add(D_QK + c)));
+            for (r, a) in a.iter_mut().enumerate() {
+                let x = _mm256_loadu_ps(q.add(r * D_QK + c));
+                a[0] = _mm256_fmadd_ps(x, k0, a[0]);
+                a[1] = _mm256_fmadd_ps(x, k1, a[1]);
+            }
+        }
+        a.map(|a| [hsum(a[0]), hsum(a[1])])
+    }
+}
+
+/// `acc[r] += sum_{j < n} p[r][j] k_j` for four rows of weights `p` (`[4][TILE]`) and
+/// accumulators `acc` (`[4][512]`) over the first 512 columns of the bf16 keys `kb`
+/// (`[n][576]`), each widened 16-column slice serving the four rows.
+#[target_feature(enable = "avx2,fma")]
+fn pv4(p: &[f32], n: usize, kb: &[u16], acc: &mut [f32]) {
+    assert!(n <= TILE && p.len() >= 3 * TILE + n && kb.len() >= n * D_QK);
+    assert!(acc.len() >= 4 * D_LATENT);
+    let (pp, kp, ap) = (p.as_ptr(), kb.as_ptr(), acc.as_mut_ptr());
+    for c0 in (0..D_LATENT).step_by(16) {
+        // SAFETY: weights j < n of the 4 rows of `p`, columns c0..c0 + 16 <= 512 of the n
+        // rows of `kb` and of the 4 rows of `acc`, all checked above.
+        unsafe {
+            let mut a: [[__m256; 2]; 4] = std::array::from_fn(|r| {
+                let at = ap.add(r * D_LATENT + c0);
+                [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))]
+            });
+            for j in 0..n {
+                let row = kp.add(j * D_QK + c0);
+                let (v0, v1) = (widen8(row), widen8(row.add(8)));
+                for (r, a) in a.iter_mut().enumerate() {
+                    let w = _mm256_broadcast_ss(&*pp.add(r * TILE + j));
+                    a[0] = _mm256_fmadd_ps(w, v0, a[0]);
+                    a[1] = _mm256_fmadd_ps(w, v1, a[1]);
+                }
+            }
+            for (r, a) in a.iter().enumerate() {
+                let at = ap.add(r * D_LATENT + c0);
+                _mm256_storeu_ps(at, a[0]);
+                _mm256_storeu_ps(at.add(8), a[1]);
+            }
+        }
+    }
+}
+
+/// One tile of `n` bf16 cache rows `kb` for any number of pre-scaled f32 query rows `q`,
+/// folded into `st`, reading the keys as bf16 in place: rows go four at a time, so each key
+/// vector widened in registers serves four rows, and the rest one at a time (four keys per
+/// step, 64 output columns per sweep). `scores` is scratch of `rows * TILE`. The contract of
+/// [`super::tile::tile_few_rows`], for any number of rows.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn tile_rows(q: &[f32], kb: &[u16], n: usize, st: &mut RowState, scores: &mut [f32]) {
+    let rows = st.m.len();
+    let kb = &kb[..n * D_QK];
+    assert!(q.len() >= rows * D_QK && scores.len() >= rows * TILE);
+    let pairs = n / 2 * 2;
+    let quads = rows / 4 * 4;
+    for r0 in (0..quads).step_by(4) {
+        for j in (0..pairs).step_by(2) {
+            // SAFETY: rows r0..r0 + 4 <= rows of `q` and keys j, j + 1 < n of `kb`, checked.
+            let d = unsafe { dots4x2(q.as_ptr().add(r0 * D_QK), kb.as_ptr().add(j * D_QK)) };
+            for (i, d) in d.iter().enumerate() {
+                scores[(r0 + i) * TILE + j..(r0 + i) * TILE + j + 2].copy_from_slice(d);
+            }
+        }
+        for r in r0..r0 + 4 {
+            let qr = &q[r * D_QK..(r + 1) * D_QK];
+            for j in pairs..n {
+                scores[r * TILE + j] = dots::<1>(qr, &kb[j * D_QK..])[0];
+            }
+            // A row with nothing to add has its weights zeroed: P V adds nothing for it.
+            softmax_row(&mut scores[r * TILE..(r + 1) * TILE], n, r, st);
+        }
+        pv4(
+            &scores[r0 * TILE..],
+            n,
+            kb,
+            &mut st.acc[r0 * D_LATENT..(r0 + 4) * D_LATENT],
+        );
+    }
+    for r in quads..rows {
+        let qr = &q[r * D_QK..(r + 1) * D_QK];
+        let key_quads = n / 4 * 4;
+        for j in (0..key_quads).step_by(4) {
+            scores[r * TILE + j..r * TILE + j + 4].copy_from_slice(&dots::<4>(qr, &kb[j * D_QK..]));
+        }
+        for j in key_quads..n {
+            scores[r * TILE + j] = dots::<1>(qr, &kb[j * D_QK..])[0];
         }
         if softmax_row(&mut scores[r * TILE..(r + 1) * TILE], n, r, st) {
             pv(
@@ -277,6 +427,26 @@ mod tests {
         assert_eq!((got[2], got[3]), (1.0, 1.0));
         assert!(got[5] <= f32::MIN_POSITIVE);
         assert!((got[7] - (-1f32).exp()).abs() <= f32::EPSILON);
+    }
+
+    #[test]
+    fn the_register_transpose_turns_every_key_and_leaves_columns_past_n() {
+        if !has_avx2() {
+            kvroute_testkit::skip!("no AVX2 and FMA on this CPU");
+            return;
+        }
+        for n in [1usize, 8, 13, 63, 64] {
+            let k: Vec<f32> = (0..n * D_QK).map(|i| i as f32).collect();
+            let mut kt = vec![-1f32; D_QK * TILE];
+            // SAFETY: the features were detected above.
+            unsafe { transpose_tile(&k, n, &mut kt) };
+            for d in 0..D_QK {
+                for j in 0..TILE {
+                    let want = if j < n { k[j * D_QK + d] } else { -1.0 };
+                    assert_eq!(kt[d * TILE + j], want, "n = {n}, d = {d}, j = {j}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -121,6 +121,31 @@ fn softmax<const FMA: bool>(st: &mut RowState, r: usize, s: &mut [f32], n: usize
     softmax_step(st, r, &mut s[..n]);
 }
 
+/// `kt[d][j] = k[j][d]` for the tile's `n` keys: with `FMA` the AVX2 register transpose
+/// [`super::avx2::transpose_tile`], otherwise the portable loop.
+#[inline(always)]
+fn transpose<const FMA: bool>(k: &[f32], n: usize, kt: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if FMA {
+        // SAFETY: as in `softmax`: AVX2 and FMA are enabled wherever `tile::<true>` runs.
+        unsafe { super::avx2::transpose_tile(k, n, kt) };
+        return;
+    }
+    // Blocks of 16 keys x 16 dims: both sides touch 16 cache lines per block, which stays in
+    // L1 (a key-major or dim-major sweep alone turns into scatters or gathers).
+    for j0 in (0..n).step_by(16) {
+        let j1 = (j0 + 16).min(n);
+        for d0 in (0..D_QK).step_by(16) {
+            for j in j0..j1 {
+                let src = &k[j * D_QK + d0..j * D_QK + d0 + 16];
+                for (i, &x) in src.iter().enumerate() {
+                    kt[(d0 + i) * TILE + j] = x;
+                }
+            }
+        }
+    }
+}
+
 /// Output columns (and tile columns of the scores) one register block covers: with 4 rows,
 /// 4 x 16 f32 accumulators are 8 ymm registers, leaving AVX2's other 8 for the broadcasts and
 /// loads. 4 x 32 took all 16 and two accumulators spilled to the stack on every step
@@ -235,19 +260,7 @@ pub(crate) fn tile<const FMA: bool>(
     let rows = st.m.len();
     let blocked = rows / 4 * 4;
     if rows >= TRANSPOSE_ROWS {
-        // Blocks of 16 keys x 16 dims: both sides touch 16 cache lines per block, which stays
-        // in L1 (a key-major or dim-major sweep alone turns into scatters or gathers).
-        for j0 in (0..n).step_by(16) {
-            let j1 = (j0 + 16).min(n);
-            for d0 in (0..D_QK).step_by(16) {
-                for j in j0..j1 {
-                    let src = &k[j * D_QK + d0..j * D_QK + d0 + 16];
-                    for (i, &x) in src.iter().enumerate() {
-                        kt[(d0 + i) * TILE + j] = x;
-                    }
-                }
-            }
-        }
+        transpose::<FMA>(k, n, kt);
         for r0 in (0..blocked).step_by(4) {
             scores_block::<FMA, 4>(&q[r0 * D_QK..], kt, &mut scores[r0 * TILE..]);
         }
