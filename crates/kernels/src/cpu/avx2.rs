@@ -5,10 +5,11 @@
 //! The keys are read as bf16 and widened in registers (a zero-extension and a 16-bit shift,
 //! exact), never written out as f32: rows go four at a time, so one widened key vector serves
 //! four rows' scores (two keys by four rows, eight chains) and one widened value slice four
-//! rows' `P V` (16 columns by four rows). Against the portable tile, which widens each 64-key
-//! tile to f32, transposes it and then runs 4 x 16 register blocks over both, this is 1.6x at
-//! Mq = 16 and 1.8x at Mq = 4 (Zen 5): the widening, the transpose and their 300 KB of traffic
-//! per tile weighed as much as a block of 16 rows' multiply-adds. Left to the autovectoriser,
+//! rows' `P V` (16 columns by four rows). The portable tile widens each 64-key tile to f32,
+//! transposes it and then runs 4 x 16 register blocks over both; with the same softmax step
+//! and transpose, skipping that took Mq = 16 from 408 to 359 us and Mq = 4 from 184-280 to
+//! 100 us (Zen 5, docs/perf.md): the widening, the transpose and their 300 KB of traffic per
+//! tile weighed as much as a block of 16 rows' multiply-adds. Left to the autovectoriser,
 //! the one-row score loop kept its accumulators on the stack (a store and a reload on every
 //! multiply-add); here every chain stays in a register. Results match the portable path's up
 //! to summation order.

@@ -9,7 +9,9 @@
 //! Executing a write checks the source again (it may have been deregistered meanwhile), then
 //! the target's region table under its read lock (so a concurrent deregistration waits for the
 //! copy, and nothing lands after it), copies, and queues the immediate in the target's inbox
-//! after the copy, so a receiver that sees the arrival sees the data. A failed check completes
+//! after the copy, so a receiver that sees the arrival sees the data. A run of successful
+//! writes of one work request (a paged transfer's pages) completes as one completion with a
+//! count, and a run of one immediate as one arrival, as a NIC's coalesced completions would. A failed check completes
 //! the write with an error and leaves the target untouched. With a [`FaultPlan`] writes wait in
 //! a timed list instead and are delivered late, out of order, or failed.
 
