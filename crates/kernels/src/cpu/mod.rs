@@ -357,3 +357,25 @@ fn sparse_states(
         block: h,
     }
 }
+
+/// The largest error, in ulp, of a vectorised `exp` (`N` lanes at a time) against `f32::exp`
+/// over `[-110, 0]` where the result is a normal number; below that it must be at most
+/// `f32::MIN_POSITIVE` (0 or a subnormal). Shared by the AVX2 and AVX-512 tests.
+#[cfg(all(test, target_arch = "x86_64"))]
+fn exp_worst_ulp<const N: usize>(exp: impl Fn([f32; N]) -> [f32; N]) -> u32 {
+    let mut worst = 0u32;
+    let mut x = 0f32;
+    while x > -110.0 {
+        let xs: [f32; N] = std::array::from_fn(|i| x - i as f32 * 1.37e-3);
+        for (g, xi) in exp(xs).iter().zip(xs) {
+            let want = xi.exp();
+            if want >= f32::MIN_POSITIVE {
+                worst = worst.max(g.to_bits().abs_diff(want.to_bits()));
+            } else {
+                assert!(*g <= f32::MIN_POSITIVE, "exp({xi}) = {g}");
+            }
+        }
+        x -= 0.0219;
+    }
+    worst
+}
