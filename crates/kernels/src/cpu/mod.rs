@@ -76,10 +76,23 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
 }
 
+/// Floats a thread keeps in its [`Scratch`] between calls: the query rows of a 128-row block
+/// (a sparse token of 128 heads; dense blocks are 32 rows). A call with taller blocks gets
+/// its buffers and gives them back, so one large request does not pin memory on every thread.
+const SCRATCH_KEEP: usize = 128 * D_QK + 64;
+
 /// Runs `f` with this thread's [`Scratch`]. Called outside the `#[target_feature]` kernels, so
 /// the closure it takes never carries their code.
 fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
-    SCRATCH.with_borrow_mut(f)
+    SCRATCH.with_borrow_mut(|scratch| {
+        let out = f(scratch);
+        for v in [&mut scratch.q, &mut scratch.scores] {
+            if v.len() > SCRATCH_KEEP {
+                *v = Vec::new();
+            }
+        }
+        out
+    })
 }
 
 /// Tokens `t0..t1` of `cache` into `st` (bf16 query rows `q`, softmax scale `scale`).
@@ -378,4 +391,26 @@ fn exp_worst_ulp<const N: usize>(exp: impl Fn([f32; N]) -> [f32; N]) -> u32 {
         x -= 0.0219;
     }
     worst
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_thread_keeps_only_a_bounded_scratch_between_calls() {
+        let tall = vec![0u16; 256 * D_QK];
+        with_scratch(|s| {
+            let (q, scores, ..) = s.for_block(&tall, 1.0, 256);
+            assert_eq!((q.len(), scores.len()), (256 * D_QK, 256 * TILE));
+        });
+        SCRATCH.with_borrow(|s| {
+            assert!(s.q.len() <= SCRATCH_KEEP && s.scores.len() <= SCRATCH_KEEP);
+        });
+        let usual = vec![0u16; 16 * D_QK];
+        with_scratch(|s| {
+            s.for_block(&usual, 1.0, 16);
+        });
+        SCRATCH.with_borrow(|s| assert!(s.q.len() >= 16 * D_QK, "a usual block's buffers stay"));
+    }
 }
