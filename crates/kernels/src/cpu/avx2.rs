@@ -1,23 +1,22 @@
-//! The AVX2 + FMA tile, written with intrinsics: the contiguous dense partial's path for any
-//! number of query rows ([`tile_rows`]), and the softmax step and tile transpose of the
-//! portable tile when it runs on AVX2 (paged caches, sparse selections).
+//! The AVX2 + FMA partials, written with intrinsics: dense ([`dense_range`], contiguous or
+//! paged caches) and sparse ([`sparse_range`]), both through one tile ([`tile_rows`]) that
+//! takes up to 64 cache rows by reference, for any number of query rows.
 //!
 //! The keys are read as bf16 and widened in registers (a zero-extension and a 16-bit shift,
 //! exact), never written out as f32: rows go four at a time, so one widened key vector serves
 //! four rows' scores (two keys by four rows, eight chains) and one widened value slice four
-//! rows' `P V` (16 columns by four rows). The portable tile widens each 64-key tile to f32,
-//! transposes it and then runs 4 x 16 register blocks over both; with the same softmax step
-//! and transpose, skipping that took Mq = 16 from 408 to 359 us and Mq = 4 from 184-280 to
-//! 100 us (Zen 5, docs/perf.md): the widening, the transpose and their 300 KB of traffic per
-//! tile weighed as much as a block of 16 rows' multiply-adds. Left to the autovectoriser,
-//! the one-row score loop kept its accumulators on the stack (a store and a reload on every
-//! multiply-add); here every chain stays in a register. Results match the portable path's up
-//! to summation order.
+//! rows' `P V` (16 columns by four rows). The portable tile ([`super::tile`]) widens each
+//! 64-key tile to f32, transposes it and then runs 4 x 16 register blocks over both; with the
+//! same softmax step, skipping that took Mq = 16 from 408 to 359 us, Mq = 4 from 184-280 to
+//! 100 us and a top-2048 sparse partial of 16 heads from 439-449 to 384-387 us (Zen 5,
+//! docs/perf.md): the widening, the transpose and their 300 KB of traffic per tile weighed
+//! as much as a block of 16 rows' multiply-adds. Left to the autovectoriser, the one-row score
+//! loop kept its accumulators on the stack (a store and a reload on every multiply-add); here
+//! every chain stays in a register. Results match the portable path's up to summation order.
 //!
-//! The online-softmax step ([`softmax_row`]) replaces the portable one, which called libm's
-//! scalar `expf` once per score, with a `vzeroupper` around each call and the running sum
-//! through the stack (about a tenth of a dense partial at Mq = 256, `perf`). The register
-//! transpose ([`transpose_tile`]) replaces one bounds-checked scalar store per element.
+//! The online-softmax step ([`softmax_row`]) takes 8 lanes at a time; the portable one called
+//! libm's scalar `expf` once per score, with a `vzeroupper` around each call and the running
+//! sum through the stack (about a tenth of a dense partial at Mq = 256, `perf`).
 
 use std::arch::x86_64::{
     __m256, _CMP_UNORD_Q, _MM_FROUND_NO_EXC, _MM_FROUND_TO_NEAREST_INT, _mm_add_ps, _mm_add_ss,
@@ -25,13 +24,13 @@ use std::arch::x86_64::{
     _mm256_add_epi32, _mm256_add_ps, _mm256_blendv_ps, _mm256_broadcast_ss, _mm256_castps256_ps128,
     _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cmpgt_epi32, _mm256_cvtepu16_epi32,
     _mm256_cvtps_epi32, _mm256_extractf128_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps,
-    _mm256_max_ps, _mm256_movemask_ps, _mm256_mul_ps, _mm256_permute2f128_ps, _mm256_round_ps,
-    _mm256_set1_epi32, _mm256_set1_ps, _mm256_setr_epi32, _mm256_setzero_ps, _mm256_shuffle_ps,
-    _mm256_slli_epi32, _mm256_storeu_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps,
+    _mm256_max_ps, _mm256_movemask_ps, _mm256_mul_ps, _mm256_round_ps, _mm256_set1_epi32,
+    _mm256_set1_ps, _mm256_setr_epi32, _mm256_setzero_ps, _mm256_slli_epi32, _mm256_storeu_ps,
 };
 
+use super::Scratch;
 use super::tile::{RowState, TILE};
-use crate::layout::{D_LATENT, D_QK};
+use crate::layout::{Cache, D_LATENT, D_QK};
 
 /// Output columns `P V` accumulates at once: eight registers.
 const PV_COLS: usize = 64;
@@ -57,20 +56,22 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
-/// `q` (576 f32) against the `KEYS` bf16 rows at the start of `kb`.
+/// `q` (576 f32) against the first `KEYS` bf16 rows of `keys` (each checked 576 long by the
+/// caller, [`tile_rows`]).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn dots<const KEYS: usize>(q: &[f32], kb: &[u16]) -> [f32; KEYS] {
-    assert!(q.len() >= D_QK && kb.len() >= KEYS * D_QK);
-    let (qp, kp) = (q.as_ptr(), kb.as_ptr());
+fn dots<const KEYS: usize>(q: &[f32], keys: &[&[u16]]) -> [f32; KEYS] {
+    assert!(q.len() >= D_QK && keys.len() >= KEYS);
+    let qp = q.as_ptr();
+    let kp: [*const u16; KEYS] = std::array::from_fn(|k| keys[k].as_ptr());
     let mut lo = [_mm256_setzero_ps(); KEYS];
     let mut hi = [_mm256_setzero_ps(); KEYS];
     for c in (0..D_QK).step_by(16) {
-        // SAFETY: c + 16 <= 576, and both slices were checked to hold what is read.
+        // SAFETY: c + 16 <= 576, within `q` (checked) and every key (checked by the caller).
         unsafe {
             let (x0, x1) = (_mm256_loadu_ps(qp.add(c)), _mm256_loadu_ps(qp.add(c + 8)));
             for k in 0..KEYS {
-                let row = kp.add(k * D_QK + c);
+                let row = kp[k].add(c);
                 lo[k] = _mm256_fmadd_ps(x0, widen8(row), lo[k]);
                 hi[k] = _mm256_fmadd_ps(x1, widen8(row.add(8)), hi[k]);
             }
@@ -83,22 +84,22 @@ fn dots<const KEYS: usize>(q: &[f32], kb: &[u16]) -> [f32; KEYS] {
     out
 }
 
-/// `acc` (512 f32) += sum over j of `w[j]` x the first 512 columns of bf16 row j of `kb`.
+/// `acc` (512 f32) += sum over j of `w[j]` x the first 512 columns of `keys[j]` (bf16, each
+/// checked 576 long by the caller).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn pv(w: &[f32], kb: &[u16], acc: &mut [f32]) {
-    assert!(acc.len() >= D_LATENT && kb.len() >= w.len() * D_QK);
-    let (ap, kp) = (acc.as_mut_ptr(), kb.as_ptr());
+fn pv(w: &[f32], keys: &[&[u16]], acc: &mut [f32]) {
+    assert!(acc.len() >= D_LATENT && keys.len() >= w.len());
+    let ap = acc.as_mut_ptr();
     for c0 in (0..D_LATENT).step_by(PV_COLS) {
-        // SAFETY: c0 + 64 <= 512 columns of `acc` and of each of the `w.len()` rows of `kb`,
-        // checked above.
+        // SAFETY: c0 + 64 <= 512 columns of `acc` (checked) and of every key (the caller's).
         unsafe {
             let mut a = [_mm256_setzero_ps(); PV_COLS / 8];
             for (i, a) in a.iter_mut().enumerate() {
                 *a = _mm256_loadu_ps(ap.add(c0 + 8 * i));
             }
-            for (j, &wj) in w.iter().enumerate() {
-                let (wv, row) = (_mm256_set1_ps(wj), kp.add(j * D_QK + c0));
+            for (&wj, key) in w.iter().zip(keys) {
+                let (wv, row) = (_mm256_set1_ps(wj), key.as_ptr().add(c0));
                 for (i, a) in a.iter_mut().enumerate() {
                     *a = _mm256_fmadd_ps(wv, widen8(row.add(8 * i)), *a);
                 }
@@ -197,111 +198,48 @@ pub(crate) fn softmax_row(s: &mut [f32], n: usize, r: usize, st: &mut RowState) 
     true
 }
 
-/// `kt[d][j] = k[j][d]` for the `n` (<= [`TILE`]) f32 keys of `k` (`[n][576]`) into `kt`
-/// (`[576][TILE]`), eight keys by eight dimensions in registers at a time. Columns of `kt` past
-/// `n` are left as they were.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) fn transpose_tile(k: &[f32], n: usize, kt: &mut [f32]) {
-    assert!(n <= TILE && k.len() >= n * D_QK && kt.len() >= D_QK * TILE);
-    let (kp, tp) = (k.as_ptr(), kt.as_mut_ptr());
-    let octets = n / 8 * 8;
-    for j0 in (0..octets).step_by(8) {
-        for d0 in (0..D_QK).step_by(8) {
-            // SAFETY: rows j0..j0 + 8 <= n of `k` and columns j0..j0 + 8 <= TILE of rows
-            // d0..d0 + 8 <= 576 of `kt`, both checked above.
-            unsafe {
-                let r: [__m256; 8] =
-                    std::array::from_fn(|i| _mm256_loadu_ps(kp.add((j0 + i) * D_QK + d0)));
-                store_transposed(r, tp.add(d0 * TILE + j0));
-            }
-        }
-    }
-    for j in octets..n {
-        for d in 0..D_QK {
-            kt[d * TILE + j] = k[j * D_QK + d];
-        }
-    }
-}
-
-/// Stores the 8 x 8 block `r` (row i: 8 consecutive values) turned, row d at `out + d * TILE`.
+/// `q_r . k_j` for four query rows (`q`, rows 576 apart) and two bf16 keys `k0`, `k1`: each
+/// widened key vector serves four rows, eight chains in registers.
 ///
 /// # Safety
-/// `out + d * TILE + 8` for d < 8 must be writable; AVX2 enabled.
+/// Four rows of `q` and 576 values at `k0` and at `k1` must be readable; AVX2 and FMA
+/// enabled.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn store_transposed(r: [__m256; 8], out: *mut f32) {
-    // SAFETY (caller): as documented.
-    unsafe {
-        let t = [
-            _mm256_unpacklo_ps(r[0], r[1]),
-            _mm256_unpackhi_ps(r[0], r[1]),
-            _mm256_unpacklo_ps(r[2], r[3]),
-            _mm256_unpackhi_ps(r[2], r[3]),
-            _mm256_unpacklo_ps(r[4], r[5]),
-            _mm256_unpackhi_ps(r[4], r[5]),
-            _mm256_unpacklo_ps(r[6], r[7]),
-            _mm256_unpackhi_ps(r[6], r[7]),
-        ];
-        let u = [
-            _mm256_shuffle_ps::<0x44>(t[0], t[2]),
-            _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
-            _mm256_shuffle_ps::<0x44>(t[1], t[3]),
-            _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
-            _mm256_shuffle_ps::<0x44>(t[4], t[6]),
-            _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
-            _mm256_shuffle_ps::<0x44>(t[5], t[7]),
-            _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
-        ];
-        for i in 0..4 {
-            let lo = _mm256_permute2f128_ps::<0x20>(u[i], u[i + 4]);
-            let hi = _mm256_permute2f128_ps::<0x31>(u[i], u[i + 4]);
-            _mm256_storeu_ps(out.add(i * TILE), lo);
-            _mm256_storeu_ps(out.add((i + 4) * TILE), hi);
-        }
-    }
-}
-
-/// `q_r . k_j` for four query rows (`q`, rows 576 apart) and two bf16 keys (`kb`, rows 576
-/// apart): each widened key vector serves four rows, eight chains in registers.
-///
-/// # Safety
-/// Four rows of `q` and two of `kb` must be readable; AVX2 and FMA enabled.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dots4x2(q: *const f32, kb: *const u16) -> [[f32; 2]; 4] {
+unsafe fn dots4x2(q: *const f32, k0: *const u16, k1: *const u16) -> [[f32; 2]; 4] {
     // SAFETY (caller): as documented; c + 8 <= 576.
     unsafe {
         let mut a = [[_mm256_setzero_ps(); 2]; 4];
         for c in (0..D_QK).step_by(8) {
-            let (k0, k1) = (widen8(kb.add(c)), widen8(kb.add(D_QK + c)));
+            let (v0, v1) = (widen8(k0.add(c)), widen8(k1.add(c)));
             for (r, a) in a.iter_mut().enumerate() {
                 let x = _mm256_loadu_ps(q.add(r * D_QK + c));
-                a[0] = _mm256_fmadd_ps(x, k0, a[0]);
-                a[1] = _mm256_fmadd_ps(x, k1, a[1]);
+                a[0] = _mm256_fmadd_ps(x, v0, a[0]);
+                a[1] = _mm256_fmadd_ps(x, v1, a[1]);
             }
         }
         a.map(|a| [hsum(a[0]), hsum(a[1])])
     }
 }
 
-/// `acc[r] += sum_{j < n} p[r][j] k_j` for four rows of weights `p` (`[4][TILE]`) and
-/// accumulators `acc` (`[4][512]`) over the first 512 columns of the bf16 keys `kb`
-/// (`[n][576]`), each widened 16-column slice serving the four rows.
+/// `acc[r] += sum_j p[r][j] k_j` for four rows of weights `p` (`[4][TILE]`) and accumulators
+/// `acc` (`[4][512]`) over the first 512 columns of the bf16 `keys` (each checked 576 long by
+/// the caller), each widened 16-column slice serving the four rows.
 #[target_feature(enable = "avx2,fma")]
-fn pv4(p: &[f32], n: usize, kb: &[u16], acc: &mut [f32]) {
-    assert!(n <= TILE && p.len() >= 3 * TILE + n && kb.len() >= n * D_QK);
-    assert!(acc.len() >= 4 * D_LATENT);
-    let (pp, kp, ap) = (p.as_ptr(), kb.as_ptr(), acc.as_mut_ptr());
+fn pv4(p: &[f32], keys: &[&[u16]], acc: &mut [f32]) {
+    let n = keys.len();
+    assert!(n <= TILE && p.len() >= 3 * TILE + n && acc.len() >= 4 * D_LATENT);
+    let (pp, ap) = (p.as_ptr(), acc.as_mut_ptr());
     for c0 in (0..D_LATENT).step_by(16) {
-        // SAFETY: weights j < n of the 4 rows of `p`, columns c0..c0 + 16 <= 512 of the n
-        // rows of `kb` and of the 4 rows of `acc`, all checked above.
+        // SAFETY: weights j < n of the 4 rows of `p` and columns c0..c0 + 16 <= 512 of the 4
+        // rows of `acc` (checked above) and of every key (the caller's check).
         unsafe {
             let mut a: [[__m256; 2]; 4] = std::array::from_fn(|r| {
                 let at = ap.add(r * D_LATENT + c0);
                 [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))]
             });
-            for j in 0..n {
-                let row = kp.add(j * D_QK + c0);
+            for (j, key) in keys.iter().enumerate() {
+                let row = key.as_ptr().add(c0);
                 let (v0, v1) = (widen8(row), widen8(row.add(8)));
                 for (r, a) in a.iter_mut().enumerate() {
                     let w = _mm256_broadcast_ss(&*pp.add(r * TILE + j));
@@ -318,22 +256,30 @@ fn pv4(p: &[f32], n: usize, kb: &[u16], acc: &mut [f32]) {
     }
 }
 
-/// One tile of `n` bf16 cache rows `kb` for any number of pre-scaled f32 query rows `q`,
-/// folded into `st`, reading the keys as bf16 in place: rows go four at a time, so each key
-/// vector widened in registers serves four rows, and the rest one at a time (four keys per
-/// step, 64 output columns per sweep). `scores` is scratch of `rows * TILE`. The contract of
-/// [`super::tile::tile_few_rows`], for any number of rows.
+/// One tile of up to [`TILE`] bf16 cache rows `keys` for any number of pre-scaled f32 query
+/// rows `q`, folded into `st`, reading the keys as bf16 in place: rows go four at a time, so
+/// each key vector widened in registers serves four rows, and the rest one at a time (four
+/// keys per step, 64 output columns per sweep). `scores` is scratch of `rows * TILE`.
 #[target_feature(enable = "avx2,fma")]
-pub(crate) fn tile_rows(q: &[f32], kb: &[u16], n: usize, st: &mut RowState, scores: &mut [f32]) {
-    let rows = st.m.len();
-    let kb = &kb[..n * D_QK];
-    assert!(q.len() >= rows * D_QK && scores.len() >= rows * TILE);
+fn tile_rows(q: &[f32], keys: &[&[u16]], st: &mut RowState, scores: &mut [f32]) {
+    let (rows, n) = (st.m.len(), keys.len());
+    assert!(n <= TILE && q.len() >= rows * D_QK && scores.len() >= rows * TILE);
+    assert!(
+        keys.iter().all(|k| k.len() >= D_QK),
+        "a cache row is 576 values"
+    );
     let pairs = n / 2 * 2;
     let quads = rows / 4 * 4;
     for r0 in (0..quads).step_by(4) {
         for j in (0..pairs).step_by(2) {
-            // SAFETY: rows r0..r0 + 4 <= rows of `q` and keys j, j + 1 < n of `kb`, checked.
-            let d = unsafe { dots4x2(q.as_ptr().add(r0 * D_QK), kb.as_ptr().add(j * D_QK)) };
+            // SAFETY: rows r0..r0 + 4 <= rows of `q` and keys j, j + 1 < n, checked above.
+            let d = unsafe {
+                dots4x2(
+                    q.as_ptr().add(r0 * D_QK),
+                    keys[j].as_ptr(),
+                    keys[j + 1].as_ptr(),
+                )
+            };
             for (i, d) in d.iter().enumerate() {
                 scores[(r0 + i) * TILE + j..(r0 + i) * TILE + j + 2].copy_from_slice(d);
             }
@@ -341,15 +287,14 @@ pub(crate) fn tile_rows(q: &[f32], kb: &[u16], n: usize, st: &mut RowState, scor
         for r in r0..r0 + 4 {
             let qr = &q[r * D_QK..(r + 1) * D_QK];
             for j in pairs..n {
-                scores[r * TILE + j] = dots::<1>(qr, &kb[j * D_QK..])[0];
+                scores[r * TILE + j] = dots::<1>(qr, &keys[j..])[0];
             }
             // A row with nothing to add has its weights zeroed: P V adds nothing for it.
             softmax_row(&mut scores[r * TILE..(r + 1) * TILE], n, r, st);
         }
         pv4(
             &scores[r0 * TILE..],
-            n,
-            kb,
+            keys,
             &mut st.acc[r0 * D_LATENT..(r0 + 4) * D_LATENT],
         );
     }
@@ -357,18 +302,69 @@ pub(crate) fn tile_rows(q: &[f32], kb: &[u16], n: usize, st: &mut RowState, scor
         let qr = &q[r * D_QK..(r + 1) * D_QK];
         let key_quads = n / 4 * 4;
         for j in (0..key_quads).step_by(4) {
-            scores[r * TILE + j..r * TILE + j + 4].copy_from_slice(&dots::<4>(qr, &kb[j * D_QK..]));
+            scores[r * TILE + j..r * TILE + j + 4].copy_from_slice(&dots::<4>(qr, &keys[j..]));
         }
         for j in key_quads..n {
-            scores[r * TILE + j] = dots::<1>(qr, &kb[j * D_QK..])[0];
+            scores[r * TILE + j] = dots::<1>(qr, &keys[j..])[0];
         }
         if softmax_row(&mut scores[r * TILE..(r + 1) * TILE], n, r, st) {
             pv(
                 &scores[r * TILE..r * TILE + n],
-                kb,
+                keys,
                 &mut st.acc[r * D_LATENT..(r + 1) * D_LATENT],
             );
         }
+    }
+}
+
+/// Tokens `t0..t1` of `cache` into `st` (bf16 query rows `q`, softmax scale `scale`): the AVX2
+/// dense partial, 64 keys a tile, read in place (contiguous or paged alike).
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn dense_range(
+    q: &[u16],
+    scale: f32,
+    cache: &Cache<'_>,
+    (t0, t1): (usize, usize),
+    st: &mut RowState,
+    scratch: &mut Scratch,
+) {
+    let (q, scores) = scratch.rows(q, scale, st.m.len());
+    let mut keys: Vec<&[u16]> = Vec::with_capacity(TILE);
+    let mut t = t0;
+    while t < t1 {
+        let n = TILE.min(t1 - t);
+        keys.clear();
+        match cache.run(t, n) {
+            Some(rows) => keys.extend(rows.chunks_exact(D_QK)),
+            None => keys.extend((t..t + n).map(|i| cache.row(i))),
+        }
+        tile_rows(q, &keys, st, scores);
+        t += n;
+    }
+}
+
+/// The selected tokens `picked` (-1 skipped) into `st`: the AVX2 sparse partial, 64 selected
+/// rows a tile, read in place.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn sparse_range(
+    q: &[u16],
+    scale: f32,
+    cache: &Cache<'_>,
+    picked: &[i32],
+    st: &mut RowState,
+    scratch: &mut Scratch,
+) {
+    let (q, scores) = scratch.rows(q, scale, st.m.len());
+    let mut keys: Vec<&[u16]> = Vec::with_capacity(TILE);
+    for &i in picked.iter().filter(|&&i| i >= 0) {
+        keys.push(cache.row(i as usize));
+        if keys.len() == TILE {
+            tile_rows(q, &keys, st, scores);
+            keys.clear();
+        }
+    }
+    if !keys.is_empty() {
+        tile_rows(q, &keys, st, scores);
     }
 }
 
@@ -414,26 +410,6 @@ mod tests {
         assert_eq!((got[2], got[3]), (1.0, 1.0));
         assert!(got[5] <= f32::MIN_POSITIVE);
         assert!((got[7] - (-1f32).exp()).abs() <= f32::EPSILON);
-    }
-
-    #[test]
-    fn the_register_transpose_turns_every_key_and_leaves_columns_past_n() {
-        if !has_avx2() {
-            kvroute_testkit::skip!("no AVX2 and FMA on this CPU");
-            return;
-        }
-        for n in [1usize, 8, 13, 63, 64] {
-            let k: Vec<f32> = (0..n * D_QK).map(|i| i as f32).collect();
-            let mut kt = vec![-1f32; D_QK * TILE];
-            // SAFETY: the features were detected above.
-            unsafe { transpose_tile(&k, n, &mut kt) };
-            for d in 0..D_QK {
-                for j in 0..TILE {
-                    let want = if j < n { k[j * D_QK + d] } else { -1.0 };
-                    assert_eq!(kt[d * TILE + j], want, "n = {n}, d = {d}, j = {j}");
-                }
-            }
-        }
     }
 
     #[test]

@@ -1,13 +1,13 @@
-//! Run-time choice of instruction set: AVX-512 BF16 ([`super::bf16dp`], written with
-//! intrinsics), and the same plain loops ([`super::tile`]) compiled for AVX-512, AVX2 + FMA,
-//! and baseline x86-64 (or the target's baseline elsewhere).
+//! Run-time choice of instruction set: AVX-512 (F/BW/VL, or with BF16 dot products) and AVX2 +
+//! FMA, each written with intrinsics ([`super::avx512`], [`super::avx2`]), and the plain loops
+//! ([`super::tile`]) for baseline x86-64 (or the target's baseline elsewhere).
 
 use serde::{Deserialize, Serialize};
 
-#[cfg(target_arch = "x86_64")]
-use super::avx512;
 use super::tile::RowState;
 use super::{Scratch, dense_range, sparse_range};
+#[cfg(target_arch = "x86_64")]
+use super::{avx2, avx512};
 use crate::layout::Cache;
 
 /// An instruction set the CPU kernels can run on.
@@ -113,33 +113,6 @@ impl std::fmt::Display for Isa {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn dense_avx2(
-    q: &[u16],
-    scale: f32,
-    cache: &Cache<'_>,
-    t0: usize,
-    t1: usize,
-    st: &mut RowState,
-    scratch: &mut Scratch,
-) {
-    dense_range::<true>(q, scale, cache, t0, t1, st, scratch);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn sparse_avx2(
-    q: &[u16],
-    scale: f32,
-    cache: &Cache<'_>,
-    picked: &[i32],
-    st: &mut RowState,
-    scratch: &mut Scratch,
-) {
-    sparse_range::<true>(q, scale, cache, picked, st, scratch);
-}
-
 /// Tokens `t0..t1` of `cache` folded into `st` (bf16 query rows `q`, softmax scale `scale`),
 /// on `isa` (which must be available; the callers check, and fall back to scalar otherwise).
 pub(crate) fn dense(
@@ -165,9 +138,9 @@ pub(crate) fn dense(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx2 if isa.is_available() => unsafe {
-            dense_avx2(q, scale, cache, t0, t1, st, scratch)
+            avx2::dense_range(q, scale, cache, (t0, t1), st, scratch)
         },
-        _ => dense_range::<false>(q, scale, cache, t0, t1, st, scratch),
+        _ => dense_range(q, scale, cache, (t0, t1), st, scratch),
     }
 }
 
@@ -195,8 +168,8 @@ pub(crate) fn sparse(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx2 if isa.is_available() => unsafe {
-            sparse_avx2(q, scale, cache, picked, st, scratch)
+            avx2::sparse_range(q, scale, cache, picked, st, scratch)
         },
-        _ => sparse_range::<false>(q, scale, cache, picked, st, scratch),
+        _ => sparse_range(q, scale, cache, picked, st, scratch),
     }
 }

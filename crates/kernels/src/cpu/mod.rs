@@ -27,12 +27,12 @@ use tile::{RowState, TILE, widen};
 /// within 2% of 32 on AVX2 and AVX-512 alike, Zen 5; 32 keeps the block in a 512 KB L2.)
 const DENSE_ROWS: usize = 32;
 
-/// The AVX2 and portable tile loops' working memory: the block's scaled query rows, its
-/// scores, one tile of f32 keys and its transpose (about 300 KB at 16 rows). Kept per thread
+/// The tile loops' working memory: the block's scaled query rows and its scores, and for the
+/// portable loops one tile of f32 keys and its transpose (about 300 KB at 16 rows). Kept per thread
 /// and reused: allocated per task, glibc handed each back to the kernel on free (the heap top
 /// above its trim threshold), so every task paid page faults and a memset for it, about a
-/// tenth of a dense partial at Mq = 16. Stale contents are never read: every loop writes what
-/// it then reads (the tiles' columns past `n` are computed on but masked).
+/// tenth of a dense partial at Mq = 16 on AVX2. Stale contents are never read: every loop
+/// writes what it then reads (the tiles' columns past `n` are computed on but masked).
 #[derive(Debug, Default)]
 pub(crate) struct Scratch {
     q: Vec<f32>,
@@ -42,34 +42,48 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
-    /// The buffers for a block of `rows` query rows: q (scaled from `q`), scores, keys, the
-    /// transposed keys.
+    /// The block's query rows (scaled from `q`) and its scores, for `rows` rows.
+    fn rows(&mut self, q: &[u16], scale: f32, rows: usize) -> (&[f32], &mut [f32]) {
+        (
+            scaled(&mut self.q, q, scale),
+            lined(&mut self.scores, rows * TILE),
+        )
+    }
+
+    /// [`Scratch::rows`], and one tile of f32 keys and its transpose.
     fn for_block(
         &mut self,
         q: &[u16],
         scale: f32,
         rows: usize,
     ) -> (&[f32], &mut [f32], &mut [f32], &mut [f32]) {
-        // Each buffer starts on a cache line: vector loads never straddle two.
-        fn lined(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
-            const LINE: usize = 64 / size_of::<f32>();
-            if v.len() < len + LINE {
-                v.resize(len + LINE, 0.0);
-            }
-            let skip = v.as_ptr().align_offset(64).min(LINE);
-            &mut v[skip..skip + len]
-        }
-        let qs = lined(&mut self.q, q.len());
-        for (d, &b) in qs.iter_mut().zip(q) {
-            *d = crate::bf16::to_f32(b) * scale;
-        }
         (
-            qs,
+            scaled(&mut self.q, q, scale),
             lined(&mut self.scores, rows * TILE),
             lined(&mut self.k, TILE * D_QK),
             lined(&mut self.kt, TILE * D_QK),
         )
     }
+}
+
+/// bf16 query rows `q` widened and multiplied by the softmax scale, into `v`.
+fn scaled<'a>(v: &'a mut Vec<f32>, q: &[u16], scale: f32) -> &'a [f32] {
+    let qs = lined(v, q.len());
+    for (d, &b) in qs.iter_mut().zip(q) {
+        *d = crate::bf16::to_f32(b) * scale;
+    }
+    qs
+}
+
+/// The first `len` floats of `v` from a cache-line boundary, grown as needed: vector loads
+/// never straddle two lines.
+fn lined(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    const LINE: usize = 64 / size_of::<f32>();
+    if v.len() < len + LINE {
+        v.resize(len + LINE, 0.0);
+    }
+    let skip = v.as_ptr().align_offset(64).min(LINE);
+    &mut v[skip..skip + len]
 }
 
 thread_local! {
@@ -95,14 +109,14 @@ fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
     })
 }
 
-/// Tokens `t0..t1` of `cache` into `st` (bf16 query rows `q`, softmax scale `scale`).
+/// Tokens `t0..t1` of `cache` into `st` (bf16 query rows `q`, softmax scale `scale`): the
+/// portable loops (the baseline ISA; AVX2 has [`avx2::dense_range`], AVX-512 its own).
 #[inline(always)]
-pub(crate) fn dense_range<const FMA: bool>(
+pub(crate) fn dense_range(
     q: &[u16],
     scale: f32,
     cache: &Cache<'_>,
-    t0: usize,
-    t1: usize,
+    (t0, t1): (usize, usize),
     st: &mut RowState,
     scratch: &mut Scratch,
 ) {
@@ -111,11 +125,10 @@ pub(crate) fn dense_range<const FMA: bool>(
     while t < t1 {
         let n = TILE.min(t1 - t);
         match cache.run(t, n) {
-            // AVX2 reads contiguous keys as bf16 in place for any number of query rows; the
-            // portable loops only for a few (below that, widening a tile costs more than it
-            // saves).
-            Some(rows) if FMA || st.m.len() < tile::TRANSPOSE_ROWS => {
-                in_place::<FMA>(q, rows, n, st, scores);
+            // A few query rows read the keys as bf16 in place (below that, widening a tile
+            // costs more than it saves).
+            Some(rows) if st.m.len() < tile::TRANSPOSE_ROWS => {
+                tile::tile_few_rows(q, rows, n, st, scores);
                 t += n;
                 continue;
             }
@@ -126,34 +139,14 @@ pub(crate) fn dense_range<const FMA: bool>(
                 }
             }
         }
-        tile::tile::<FMA>(q, &k[..n * D_QK], n, st, scores, kt);
+        tile::tile(q, &k[..n * D_QK], n, st, scores, kt);
         t += n;
     }
 }
 
-/// A tile read as bf16 in place: with `FMA`, the AVX2 intrinsics ([`avx2::tile_rows`], any
-/// number of rows); otherwise the portable few-rows loops.
+/// The selected tokens `picked` (-1 skipped) into `st`: the portable loops.
 #[inline(always)]
-fn in_place<const FMA: bool>(
-    q: &[f32],
-    kb: &[u16],
-    n: usize,
-    st: &mut RowState,
-    scores: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    if FMA {
-        // SAFETY: `dense_range::<true>` is instantiated only by `isa::dense_avx2`, which runs
-        // only where `Isa::Avx2` found AVX2 and FMA at run time.
-        unsafe { avx2::tile_rows(q, kb, n, st, scores) };
-        return;
-    }
-    tile::tile_few_rows::<FMA>(q, kb, n, st, scores);
-}
-
-/// The selected tokens `picked` (-1 skipped) into `st`.
-#[inline(always)]
-pub(crate) fn sparse_range<const FMA: bool>(
+pub(crate) fn sparse_range(
     q: &[u16],
     scale: f32,
     cache: &Cache<'_>,
@@ -167,12 +160,12 @@ pub(crate) fn sparse_range<const FMA: bool>(
         widen(cache.row(i as usize), &mut k[n * D_QK..(n + 1) * D_QK]);
         n += 1;
         if n == TILE {
-            tile::tile::<FMA>(q, k, n, st, scores, kt);
+            tile::tile(q, k, n, st, scores, kt);
             n = 0;
         }
     }
     if n > 0 {
-        tile::tile::<FMA>(q, &k[..n * D_QK], n, st, scores, kt);
+        tile::tile(q, &k[..n * D_QK], n, st, scores, kt);
     }
 }
 

@@ -1,7 +1,7 @@
-//! The inner loops of the CPU partial, written once over plain arrays and compiled three times
-//! (AVX-512, AVX2 + FMA, baseline x86-64) by the `#[target_feature]` wrappers in
-//! [`super::isa`]: each wrapper inlines these `#[inline(always)]` functions, so LLVM vectorises
-//! them for that wrapper's instruction set.
+//! The portable inner loops of the CPU partial, over plain arrays for LLVM to vectorise: the
+//! kernels of the baseline instruction set (SSE2 on x86-64, or the target's baseline
+//! elsewhere). AVX2 + FMA and AVX-512 have their own kernels in intrinsics
+//! ([`super::avx2`], [`super::avx512`]), which share [`RowState`] and [`TILE`].
 //!
 //! A tile is up to 64 cache rows converted to f32 once and then used by every query row of the
 //! block: scores, the online-softmax update, and `acc += P V` with 4 rows x 16 columns of
@@ -51,9 +51,11 @@ impl RowState {
     }
 }
 
+/// `a * b + c`, rounded twice: the baseline has no fused multiply-add (and Rust never fuses
+/// on its own), so results do not depend on the compiler.
 #[inline(always)]
-fn fmadd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FMA { a.mul_add(b, c) } else { a * b + c }
+fn fmadd(a: f32, b: f32, c: f32) -> f32 {
+    a * b + c
 }
 
 /// bf16 rows to f32 (exact: a shift).
@@ -66,12 +68,12 @@ pub(crate) fn widen(src: &[u16], dst: &mut [f32]) {
 
 /// `a . b`, each element of `b` converted by `f` as it is read (f32 as is, or bf16 widened).
 #[inline(always)]
-fn dot<const FMA: bool, T: Copy>(a: &[f32], b: &[T], f: impl Fn(T) -> f32) -> f32 {
+fn dot<T: Copy>(a: &[f32], b: &[T], f: impl Fn(T) -> f32) -> f32 {
     let mut acc = [[0f32; 16]; 2];
     for (x, y) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
         for h in 0..2 {
             for i in 0..16 {
-                acc[h][i] = fmadd::<FMA>(x[h * 16 + i], f(y[h * 16 + i]), acc[h][i]);
+                acc[h][i] = fmadd(x[h * 16 + i], f(y[h * 16 + i]), acc[h][i]);
             }
         }
     }
@@ -105,34 +107,11 @@ pub(crate) fn softmax_step(st: &mut RowState, r: usize, s: &mut [f32]) -> bool {
     true
 }
 
-/// Row `r`'s online-softmax step over the first `n` of its [`TILE`] scores `s`: with `FMA` (the
-/// AVX2 + FMA instantiation) the intrinsics step [`super::avx2::softmax_row`], otherwise
-/// [`softmax_step`]. Either way a row whose logits are not finite adds nothing (zero weights).
+/// `kt[d][j] = k[j][d]` for the tile's `n` keys, in blocks of 16 keys x 16 dims: both sides
+/// touch 16 cache lines per block, which stays in L1 (a key-major or dim-major sweep alone
+/// turns into scatters or gathers).
 #[inline(always)]
-fn softmax<const FMA: bool>(st: &mut RowState, r: usize, s: &mut [f32], n: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if FMA {
-        // SAFETY: `tile::<true>` is instantiated only by `dense_range::<true>` and
-        // `sparse_range::<true>`, whose only callers, `isa::dense_avx2` and
-        // `isa::sparse_avx2`, run only where `Isa::Avx2` found AVX2 and FMA at run time.
-        unsafe { super::avx2::softmax_row(s, n, r, st) };
-        return;
-    }
-    softmax_step(st, r, &mut s[..n]);
-}
-
-/// `kt[d][j] = k[j][d]` for the tile's `n` keys: with `FMA` the AVX2 register transpose
-/// [`super::avx2::transpose_tile`], otherwise the portable loop.
-#[inline(always)]
-fn transpose<const FMA: bool>(k: &[f32], n: usize, kt: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if FMA {
-        // SAFETY: as in `softmax`: AVX2 and FMA are enabled wherever `tile::<true>` runs.
-        unsafe { super::avx2::transpose_tile(k, n, kt) };
-        return;
-    }
-    // Blocks of 16 keys x 16 dims: both sides touch 16 cache lines per block, which stays in
-    // L1 (a key-major or dim-major sweep alone turns into scatters or gathers).
+fn transpose(k: &[f32], n: usize, kt: &mut [f32]) {
     for j0 in (0..n).step_by(16) {
         let j1 = (j0 + 16).min(n);
         for d0 in (0..D_QK).step_by(16) {
@@ -155,7 +134,7 @@ const BLOCK_COLS: usize = 16;
 
 /// `acc[r] += sum_j p[r][j] v_j` for `R` rows, [`BLOCK_COLS`] columns at a time in registers.
 #[inline(always)]
-fn pv_block<const FMA: bool, const R: usize>(p: &[f32], n: usize, k: &[f32], acc: &mut [f32]) {
+fn pv_block<const R: usize>(p: &[f32], n: usize, k: &[f32], acc: &mut [f32]) {
     for c0 in (0..D_LATENT).step_by(BLOCK_COLS) {
         let mut a = [[0f32; BLOCK_COLS]; R];
         for (r, row) in a.iter_mut().enumerate() {
@@ -166,7 +145,7 @@ fn pv_block<const FMA: bool, const R: usize>(p: &[f32], n: usize, k: &[f32], acc
             for (r, row) in a.iter_mut().enumerate() {
                 let w = p[r * TILE + j];
                 for c in 0..BLOCK_COLS {
-                    row[c] = fmadd::<FMA>(w, v[c], row[c]);
+                    row[c] = fmadd(w, v[c], row[c]);
                 }
             }
         }
@@ -181,7 +160,7 @@ fn pv_block<const FMA: bool, const R: usize>(p: &[f32], n: usize, k: &[f32], acc
 /// columns go [`BLOCK_COLS`] at a time, so `R` x [`BLOCK_COLS`] accumulators stay in registers.
 /// Columns past the tile's `n` hold stale keys and are never read.
 #[inline(always)]
-fn scores_block<const FMA: bool, const R: usize>(q: &[f32], kt: &[f32], s: &mut [f32]) {
+fn scores_block<const R: usize>(q: &[f32], kt: &[f32], s: &mut [f32]) {
     for j0 in (0..TILE).step_by(BLOCK_COLS) {
         let mut acc = [[0f32; BLOCK_COLS]; R];
         for d in 0..D_QK {
@@ -189,7 +168,7 @@ fn scores_block<const FMA: bool, const R: usize>(q: &[f32], kt: &[f32], s: &mut 
             for (r, row) in acc.iter_mut().enumerate() {
                 let w = q[r * D_QK + d];
                 for j in 0..BLOCK_COLS {
-                    row[j] = fmadd::<FMA>(w, kv[j], row[j]);
+                    row[j] = fmadd(w, kv[j], row[j]);
                 }
             }
         }
@@ -214,7 +193,7 @@ fn bf(x: u16) -> f32 {
 /// and again by `P V`, instead of being written out as a 147 KB f32 tile that both then read
 /// back from L2: for so few rows the conversion is cheaper than the traffic.
 #[inline(always)]
-pub(crate) fn tile_few_rows<const FMA: bool>(
+pub(crate) fn tile_few_rows(
     q: &[f32],
     kb: &[u16],
     n: usize,
@@ -226,7 +205,7 @@ pub(crate) fn tile_few_rows<const FMA: bool>(
         let qr = &q[r * D_QK..(r + 1) * D_QK];
         let s = &mut scores[r * TILE..r * TILE + n];
         for (j, x) in s.iter_mut().enumerate() {
-            *x = dot::<FMA, u16>(qr, &kb[j * D_QK..(j + 1) * D_QK], bf);
+            *x = dot::<u16>(qr, &kb[j * D_QK..(j + 1) * D_QK], bf);
         }
         if !softmax_step(st, r, s) {
             continue;
@@ -238,7 +217,7 @@ pub(crate) fn tile_few_rows<const FMA: bool>(
             for (j, &w) in s.iter().enumerate() {
                 let v = &kb[j * D_QK + c0..j * D_QK + c0 + BLOCK_COLS];
                 for c in 0..BLOCK_COLS {
-                    a[c] = fmadd::<FMA>(w, bf(v[c]), a[c]);
+                    a[c] = fmadd(w, bf(v[c]), a[c]);
                 }
             }
             acc[c0..c0 + BLOCK_COLS].copy_from_slice(&a);
@@ -249,7 +228,7 @@ pub(crate) fn tile_few_rows<const FMA: bool>(
 /// One tile of `n` (1..=64) f32 cache rows `k` against the block's pre-scaled f32 query rows
 /// `q`, folded into `st`. `scores` is scratch of `rows * TILE`, `kt` of `576 * TILE`.
 #[inline(always)]
-pub(crate) fn tile<const FMA: bool>(
+pub(crate) fn tile(
     q: &[f32],
     k: &[f32],
     n: usize,
@@ -260,9 +239,9 @@ pub(crate) fn tile<const FMA: bool>(
     let rows = st.m.len();
     let blocked = rows / 4 * 4;
     if rows >= TRANSPOSE_ROWS {
-        transpose::<FMA>(k, n, kt);
+        transpose(k, n, kt);
         for r0 in (0..blocked).step_by(4) {
-            scores_block::<FMA, 4>(&q[r0 * D_QK..], kt, &mut scores[r0 * TILE..]);
+            scores_block::<4>(&q[r0 * D_QK..], kt, &mut scores[r0 * TILE..]);
         }
     }
     for r in 0..rows {
@@ -270,18 +249,18 @@ pub(crate) fn tile<const FMA: bool>(
         let s = &mut scores[r * TILE..(r + 1) * TILE];
         if rows < TRANSPOSE_ROWS || r >= blocked {
             for (j, x) in s[..n].iter_mut().enumerate() {
-                *x = dot::<FMA, f32>(qr, &k[j * D_QK..(j + 1) * D_QK], |v| v);
+                *x = dot::<f32>(qr, &k[j * D_QK..(j + 1) * D_QK], |v| v);
             }
         }
-        softmax::<FMA>(st, r, s, n);
+        softmax_step(st, r, &mut s[..n]);
     }
     let mut r0 = 0;
     while r0 + 4 <= rows {
-        pv_block::<FMA, 4>(&scores[r0 * TILE..], n, k, &mut st.acc[r0 * D_LATENT..]);
+        pv_block::<4>(&scores[r0 * TILE..], n, k, &mut st.acc[r0 * D_LATENT..]);
         r0 += 4;
     }
     while r0 < rows {
-        pv_block::<FMA, 1>(&scores[r0 * TILE..], n, k, &mut st.acc[r0 * D_LATENT..]);
+        pv_block::<1>(&scores[r0 * TILE..], n, k, &mut st.acc[r0 * D_LATENT..]);
         r0 += 1;
     }
 }
