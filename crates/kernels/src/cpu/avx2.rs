@@ -21,11 +21,12 @@
 use std::arch::x86_64::{
     __m256, _CMP_UNORD_Q, _MM_FROUND_NO_EXC, _MM_FROUND_TO_NEAREST_INT, _mm_add_ps, _mm_add_ss,
     _mm_cvtss_f32, _mm_loadu_si128, _mm_max_ps, _mm_max_ss, _mm_movehdup_ps, _mm_movehl_ps,
-    _mm256_add_epi32, _mm256_add_ps, _mm256_blendv_ps, _mm256_broadcast_ss, _mm256_castps256_ps128,
-    _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cmpgt_epi32, _mm256_cvtepu16_epi32,
-    _mm256_cvtps_epi32, _mm256_extractf128_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps,
-    _mm256_max_ps, _mm256_movemask_ps, _mm256_mul_ps, _mm256_round_ps, _mm256_set1_epi32,
-    _mm256_set1_ps, _mm256_setr_epi32, _mm256_setzero_ps, _mm256_slli_epi32, _mm256_storeu_ps,
+    _mm_storeu_ps, _mm256_add_epi32, _mm256_add_ps, _mm256_blendv_ps, _mm256_broadcast_ss,
+    _mm256_castps256_ps128, _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cmpgt_epi32,
+    _mm256_cvtepu16_epi32, _mm256_cvtps_epi32, _mm256_extractf128_ps, _mm256_fmadd_ps,
+    _mm256_fnmadd_ps, _mm256_hadd_ps, _mm256_loadu_ps, _mm256_max_ps, _mm256_movemask_ps,
+    _mm256_mul_ps, _mm256_round_ps, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setr_epi32,
+    _mm256_setzero_ps, _mm256_slli_epi32, _mm256_storeu_ps,
 };
 
 use super::Scratch;
@@ -198,18 +199,17 @@ pub(crate) fn softmax_row(s: &mut [f32], n: usize, r: usize, st: &mut RowState) 
     true
 }
 
-/// `q_r . k_j` for four query rows (`q`, rows 576 apart) and two bf16 keys `k0`, `k1`: each
-/// widened key vector serves four rows, eight chains in registers.
+/// `q_r . k_j` for `R` (4 or 6) query rows (`q`, rows 576 apart) and two bf16 keys `k0`,
+/// `k1`: each widened key vector serves `R` rows, `2 R` chains in registers.
 ///
 /// # Safety
-/// Four rows of `q` and 576 values at `k0` and at `k1` must be readable; AVX2 and FMA
-/// enabled.
+/// `R` rows of `q` and 576 values at `k0` and at `k1` must be readable; AVX2 and FMA enabled.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dots4x2(q: *const f32, k0: *const u16, k1: *const u16) -> [[f32; 2]; 4] {
+unsafe fn dots_x2<const R: usize>(q: *const f32, k0: *const u16, k1: *const u16) -> [[f32; 2]; R] {
     // SAFETY (caller): as documented; c + 8 <= 576.
     unsafe {
-        let mut a = [[_mm256_setzero_ps(); 2]; 4];
+        let mut a = [[_mm256_setzero_ps(); 2]; R];
         for c in (0..D_QK).step_by(8) {
             let (v0, v1) = (widen8(k0.add(c)), widen8(k1.add(c)));
             for (r, a) in a.iter_mut().enumerate() {
@@ -218,23 +218,37 @@ unsafe fn dots4x2(q: *const f32, k0: *const u16, k1: *const u16) -> [[f32; 2]; 4
                 a[1] = _mm256_fmadd_ps(x, v1, a[1]);
             }
         }
-        a.map(|a| [hsum(a[0]), hsum(a[1])])
+        // Two rows' four sums at a time: two rounds of pairwise adds within 128-bit lanes,
+        // then one add of the halves.
+        let mut out = [[0f32; 2]; R];
+        for r in (0..R).step_by(2) {
+            let h = _mm256_hadd_ps(
+                _mm256_hadd_ps(a[r][0], a[r][1]),
+                _mm256_hadd_ps(a[r + 1][0], a[r + 1][1]),
+            );
+            let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+            let mut four = [0f32; 4];
+            _mm_storeu_ps(four.as_mut_ptr(), sums);
+            out[r] = [four[0], four[1]];
+            out[r + 1] = [four[2], four[3]];
+        }
+        out
     }
 }
 
-/// `acc[r] += sum_j p[r][j] k_j` for four rows of weights `p` (`[4][TILE]`) and accumulators
-/// `acc` (`[4][512]`) over the first 512 columns of the bf16 `keys` (each checked 576 long by
-/// the caller), each widened 16-column slice serving the four rows.
+/// `acc[r] += sum_j p[r][j] k_j` for `R` (4 or 6) rows of weights `p` (`[R][TILE]`) and
+/// accumulators `acc` (`[R][512]`) over the first 512 columns of the bf16 `keys` (each checked
+/// 576 long by the caller), each widened 16-column slice serving the `R` rows.
 #[target_feature(enable = "avx2,fma")]
-fn pv4(p: &[f32], keys: &[&[u16]], acc: &mut [f32]) {
+fn pv_rows<const R: usize>(p: &[f32], keys: &[&[u16]], acc: &mut [f32]) {
     let n = keys.len();
-    assert!(n <= TILE && p.len() >= 3 * TILE + n && acc.len() >= 4 * D_LATENT);
+    assert!(n <= TILE && p.len() >= (R - 1) * TILE + n && acc.len() >= R * D_LATENT);
     let (pp, ap) = (p.as_ptr(), acc.as_mut_ptr());
     for c0 in (0..D_LATENT).step_by(16) {
-        // SAFETY: weights j < n of the 4 rows of `p` and columns c0..c0 + 16 <= 512 of the 4
+        // SAFETY: weights j < n of the R rows of `p` and columns c0..c0 + 16 <= 512 of the R
         // rows of `acc` (checked above) and of every key (the caller's check).
         unsafe {
-            let mut a: [[__m256; 2]; 4] = std::array::from_fn(|r| {
+            let mut a: [[__m256; 2]; R] = std::array::from_fn(|r| {
                 let at = ap.add(r * D_LATENT + c0);
                 [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))]
             });
@@ -256,10 +270,53 @@ fn pv4(p: &[f32], keys: &[&[u16]], acc: &mut [f32]) {
     }
 }
 
+/// Rows `r0..r0 + R` (R = 4 or 6) of one tile: scores two keys at a time, each row's softmax
+/// step, then `P V` for the `R` rows together.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn rows_block<const R: usize>(
+    q: &[f32],
+    keys: &[&[u16]],
+    r0: usize,
+    st: &mut RowState,
+    scores: &mut [f32],
+) {
+    let n = keys.len();
+    assert!(q.len() >= (r0 + R) * D_QK && scores.len() >= (r0 + R) * TILE);
+    let pairs = n / 2 * 2;
+    for j in (0..pairs).step_by(2) {
+        // SAFETY: rows r0..r0 + R of `q` and keys j, j + 1 < n (576 long: the caller's check).
+        let d = unsafe {
+            dots_x2::<R>(
+                q.as_ptr().add(r0 * D_QK),
+                keys[j].as_ptr(),
+                keys[j + 1].as_ptr(),
+            )
+        };
+        for (i, d) in d.iter().enumerate() {
+            scores[(r0 + i) * TILE + j..(r0 + i) * TILE + j + 2].copy_from_slice(d);
+        }
+    }
+    for r in r0..r0 + R {
+        let qr = &q[r * D_QK..(r + 1) * D_QK];
+        for j in pairs..n {
+            scores[r * TILE + j] = dots::<1>(qr, &keys[j..])[0];
+        }
+        // A row with nothing to add has its weights zeroed: P V adds nothing for it.
+        softmax_row(&mut scores[r * TILE..(r + 1) * TILE], n, r, st);
+    }
+    pv_rows::<R>(
+        &scores[r0 * TILE..],
+        keys,
+        &mut st.acc[r0 * D_LATENT..(r0 + R) * D_LATENT],
+    );
+}
+
 /// One tile of up to [`TILE`] bf16 cache rows `keys` for any number of pre-scaled f32 query
-/// rows `q`, folded into `st`, reading the keys as bf16 in place: rows go four at a time, so
-/// each key vector widened in registers serves four rows, and the rest one at a time (four
-/// keys per step, 64 output columns per sweep). `scores` is scratch of `rows * TILE`.
+/// rows `q`, folded into `st`, reading the keys as bf16 in place: rows go six (or four) at a
+/// time, so each key vector widened in registers serves six rows (12 of the 16 registers
+/// accumulate), and the last one to three one at a time (four keys per step, 64 output
+/// columns per sweep). `scores` is scratch of `rows * TILE`.
 #[target_feature(enable = "avx2,fma")]
 fn tile_rows(q: &[f32], keys: &[&[u16]], st: &mut RowState, scores: &mut [f32]) {
     let (rows, n) = (st.m.len(), keys.len());
@@ -268,37 +325,18 @@ fn tile_rows(q: &[f32], keys: &[&[u16]], st: &mut RowState, scores: &mut [f32]) 
         keys.iter().all(|k| k.len() >= D_QK),
         "a cache row is 576 values"
     );
-    let pairs = n / 2 * 2;
-    let quads = rows / 4 * 4;
-    for r0 in (0..quads).step_by(4) {
-        for j in (0..pairs).step_by(2) {
-            // SAFETY: rows r0..r0 + 4 <= rows of `q` and keys j, j + 1 < n, checked above.
-            let d = unsafe {
-                dots4x2(
-                    q.as_ptr().add(r0 * D_QK),
-                    keys[j].as_ptr(),
-                    keys[j + 1].as_ptr(),
-                )
-            };
-            for (i, d) in d.iter().enumerate() {
-                scores[(r0 + i) * TILE + j..(r0 + i) * TILE + j + 2].copy_from_slice(d);
-            }
-        }
-        for r in r0..r0 + 4 {
-            let qr = &q[r * D_QK..(r + 1) * D_QK];
-            for j in pairs..n {
-                scores[r * TILE + j] = dots::<1>(qr, &keys[j..])[0];
-            }
-            // A row with nothing to add has its weights zeroed: P V adds nothing for it.
-            softmax_row(&mut scores[r * TILE..(r + 1) * TILE], n, r, st);
-        }
-        pv4(
-            &scores[r0 * TILE..],
-            keys,
-            &mut st.acc[r0 * D_LATENT..(r0 + 4) * D_LATENT],
-        );
+    let mut r0 = 0;
+    // Sixes while they leave no 2 or 3 rows that fours would take (16 = 6 + 6 + 4, 32 = 4 x
+    // 6 + 2 x 4).
+    while rows - r0 >= 6 && !matches!(rows - r0, 8 | 9) {
+        rows_block::<6>(q, keys, r0, st, scores);
+        r0 += 6;
     }
-    for r in quads..rows {
+    while rows - r0 >= 4 {
+        rows_block::<4>(q, keys, r0, st, scores);
+        r0 += 4;
+    }
+    for r in r0..rows {
         let qr = &q[r * D_QK..(r + 1) * D_QK];
         let key_quads = n / 4 * 4;
         for j in (0..key_quads).step_by(4) {
@@ -410,6 +448,42 @@ mod tests {
         assert_eq!((got[2], got[3]), (1.0, 1.0));
         assert!(got[5] <= f32::MIN_POSITIVE);
         assert!((got[7] - (-1f32).exp()).abs() <= f32::EPSILON);
+    }
+
+    #[test]
+    fn every_split_of_rows_into_sixes_fours_and_ones_matches_the_portable_tile() {
+        if !has_avx2() {
+            kvroute_testkit::skip!("no AVX2 and FMA on this CPU");
+            return;
+        }
+        // Small integers scaled by powers of two: bf16 keys and f32 queries exactly.
+        let value = |i: usize, salt: usize| ((i * 7 + salt * 13) % 17) as f32 / 16.0 - 0.5;
+        let bf = |x: f32| (x.to_bits() >> 16) as u16;
+        for rows in 1..=20 {
+            for n in [1usize, 2, 7, 64] {
+                let kb: Vec<u16> = (0..n * D_QK).map(|i| bf(value(i, 1))).collect();
+                let q: Vec<f32> = (0..rows * D_QK).map(|i| value(i, 2) / 8.0).collect();
+                let keys: Vec<&[u16]> = kb.chunks_exact(D_QK).collect();
+                let (mut mine, mut theirs) = (RowState::new(rows), RowState::new(rows));
+                let mut scores = vec![0f32; rows * TILE];
+                // SAFETY: the features were detected above.
+                unsafe { tile_rows(&q, &keys, &mut mine, &mut scores) };
+                super::super::tile::tile_few_rows(&q, &kb, n, &mut theirs, &mut scores);
+                for r in 0..rows {
+                    let at = format!("rows {rows}, n {n}, row {r}");
+                    assert!((mine.m[r] - theirs.m[r]).abs() <= 1e-5, "{at}");
+                    assert!(
+                        (mine.l[r] - theirs.l[r]).abs() <= 1e-4 * theirs.l[r],
+                        "{at}"
+                    );
+                    let (a, b) = (
+                        &mine.acc[r * D_LATENT..(r + 1) * D_LATENT],
+                        &theirs.acc[r * D_LATENT..(r + 1) * D_LATENT],
+                    );
+                    assert!(a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-4), "{at}");
+                }
+            }
+        }
     }
 
     #[test]
