@@ -3,16 +3,17 @@
 //! takes up to 64 cache rows by reference, for any number of query rows.
 //!
 //! The keys are read as bf16 and widened in registers (a zero-extension and a 16-bit shift,
-//! exact), never written out as f32: rows go four at a time, so one widened key vector serves
-//! four rows' scores (two keys by four rows, eight chains) and one widened value slice four
-//! rows' `P V` (16 columns by four rows). The portable tile ([`super::tile`]) widens each
-//! 64-key tile to f32, transposes it and then runs 4 x 16 register blocks over both; with the
-//! same softmax step, skipping that took Mq = 16 from 408 to 359 us, Mq = 4 from 184-280 to
-//! 100 us and a top-2048 sparse partial of 16 heads from 439-449 to 384-387 us (Zen 5,
-//! docs/perf.md): the widening, the transpose and their 300 KB of traffic per tile weighed
-//! as much as a block of 16 rows' multiply-adds. Left to the autovectoriser, the one-row score
-//! loop kept its accumulators on the stack (a store and a reload on every multiply-add); here
-//! every chain stays in a register. Results match the portable path's up to summation order.
+//! exact), never written out as f32: rows go six (or four) at a time, so one widened key
+//! vector serves six rows' scores (two keys by six rows, 12 chains) and one widened value
+//! slice six rows' `P V` (16 columns by six rows). The portable tile ([`super::tile`]) widens
+//! each 64-key tile to f32, transposes it and then runs 4 x 16 register blocks over both;
+//! with the same softmax step, skipping that took Mq = 16 from 408 to 359 us, Mq = 4 from
+//! 184-280 to 100 us and a top-2048 sparse partial of 16 heads from 439-449 to 384-387 us
+//! (Zen 5, docs/perf.md; four rows a block then, and six took Mq = 16 on to 329-331 us): the
+//! widening, the transpose and their 300 KB of traffic per tile weighed as much as a block of
+//! 16 rows' multiply-adds. Left to the autovectoriser, the one-row score loop kept its
+//! accumulators on the stack (a store and a reload on every multiply-add); here every chain
+//! stays in a register. Results match the portable path's up to summation order.
 //!
 //! The online-softmax step ([`softmax_row`]) takes 8 lanes at a time; the portable one called
 //! libm's scalar `expf` once per score, with a `vzeroupper` around each call and the running
