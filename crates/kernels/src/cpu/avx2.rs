@@ -30,8 +30,8 @@ use std::arch::x86_64::{
     _mm256_setzero_ps, _mm256_slli_epi32, _mm256_storeu_ps,
 };
 
-use super::Scratch;
 use super::tile::{RowState, TILE};
+use super::{Scratch, tile_keys};
 use crate::layout::{Cache, D_LATENT, D_QK};
 
 /// Output columns `P V` accumulates at once: eight registers.
@@ -372,11 +372,7 @@ pub(crate) fn dense_range(
     let mut t = t0;
     while t < t1 {
         let n = TILE.min(t1 - t);
-        keys.clear();
-        match cache.run(t, n) {
-            Some(rows) => keys.extend(rows.chunks_exact(D_QK)),
-            None => keys.extend((t..t + n).map(|i| cache.row(i))),
-        }
+        tile_keys(cache, t, n, &mut keys);
         tile_rows(q, &keys, st, scores);
         t += n;
     }

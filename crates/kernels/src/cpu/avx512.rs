@@ -21,6 +21,7 @@ use std::arch::x86_64::{
 };
 
 use super::tile::{RowState, TILE};
+use super::tile_keys;
 use crate::layout::{Cache, D_LATENT, D_QK};
 
 /// 32-dim steps in a 576-wide row.
@@ -350,11 +351,7 @@ unsafe fn dense_range<const DP: bool>(
     let mut t = t0;
     while t < t1 {
         let n = TILE.min(t1 - t);
-        keys.clear();
-        match cache.run(t, n) {
-            Some(rows) => keys.extend(rows.chunks_exact(D_QK)),
-            None => keys.extend((t..t + n).map(|i| cache.row(i))),
-        }
+        tile_keys(cache, t, n, &mut keys);
         // SAFETY (caller): features enabled; keys are cache rows (576 long).
         unsafe { tile::<DP>(&q, scale, &keys, st, &mut scores) };
         t += n;

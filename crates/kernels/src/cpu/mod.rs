@@ -109,6 +109,16 @@ fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
     })
 }
 
+/// The cache rows of tokens `t..t + n` into `keys` (cleared first): one slice per token,
+/// from one contiguous run or page by page. The intrinsics kernels' tiles take their keys so.
+fn tile_keys<'c>(cache: &Cache<'c>, t: usize, n: usize, keys: &mut Vec<&'c [u16]>) {
+    keys.clear();
+    match cache.run(t, n) {
+        Some(rows) => keys.extend(rows.chunks_exact(D_QK)),
+        None => keys.extend((t..t + n).map(|i| cache.row(i))),
+    }
+}
+
 /// Tokens `t0..t1` of `cache` into `st` (bf16 query rows `q`, softmax scale `scale`): the
 /// portable loops (the baseline ISA; AVX2 has [`avx2::dense_range`], AVX-512 its own).
 #[inline(always)]
