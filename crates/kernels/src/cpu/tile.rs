@@ -3,6 +3,9 @@
 //! elsewhere). AVX2 + FMA and AVX-512 have their own kernels in intrinsics
 //! ([`super::avx2`], [`super::avx512`]), which share [`RowState`] and [`TILE`].
 //!
+//! Multiply-adds round twice (the baseline has no fused multiply-add, and Rust never fuses on
+//! its own), so results do not depend on the compiler.
+//!
 //! A tile is up to 64 cache rows converted to f32 once and then used by every query row of the
 //! block: scores, the online-softmax update, and `acc += P V` with 4 rows x 16 columns of
 //! accumulators held in registers across the tile's tokens. Blocks of fewer than 4 rows skip
@@ -51,13 +54,6 @@ impl RowState {
     }
 }
 
-/// `a * b + c`, rounded twice: the baseline has no fused multiply-add (and Rust never fuses
-/// on its own), so results do not depend on the compiler.
-#[inline(always)]
-fn fmadd(a: f32, b: f32, c: f32) -> f32 {
-    a * b + c
-}
-
 /// bf16 rows to f32 (exact: a shift).
 #[inline(always)]
 pub(crate) fn widen(src: &[u16], dst: &mut [f32]) {
@@ -73,7 +69,7 @@ fn dot<T: Copy>(a: &[f32], b: &[T], f: impl Fn(T) -> f32) -> f32 {
     for (x, y) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
         for h in 0..2 {
             for i in 0..16 {
-                acc[h][i] = fmadd(x[h * 16 + i], f(y[h * 16 + i]), acc[h][i]);
+                acc[h][i] += x[h * 16 + i] * f(y[h * 16 + i]);
             }
         }
     }
@@ -128,8 +124,8 @@ fn transpose(k: &[f32], n: usize, kt: &mut [f32]) {
 /// Output columns (and tile columns of the scores) one register block covers: with 4 rows,
 /// 4 x 16 f32 accumulators are 8 ymm registers, leaving AVX2's other 8 for the broadcasts and
 /// loads. 4 x 32 took all 16 and two accumulators spilled to the stack on every step
-/// (measured: 1.4-1.5x slower at Mq 16 and 256). Eight chains still cover the FMA latency.
-/// This generic tile is the AVX2 and baseline path; AVX-512 has its own kernels.
+/// (measured: 1.4-1.5x slower at Mq 16 and 256), when this tile was also the AVX2 path; the
+/// baseline it serves now keeps the shape.
 const BLOCK_COLS: usize = 16;
 
 /// `acc[r] += sum_j p[r][j] v_j` for `R` rows, [`BLOCK_COLS`] columns at a time in registers.
@@ -145,7 +141,7 @@ fn pv_block<const R: usize>(p: &[f32], n: usize, k: &[f32], acc: &mut [f32]) {
             for (r, row) in a.iter_mut().enumerate() {
                 let w = p[r * TILE + j];
                 for c in 0..BLOCK_COLS {
-                    row[c] = fmadd(w, v[c], row[c]);
+                    row[c] += w * v[c];
                 }
             }
         }
@@ -168,7 +164,7 @@ fn scores_block<const R: usize>(q: &[f32], kt: &[f32], s: &mut [f32]) {
             for (r, row) in acc.iter_mut().enumerate() {
                 let w = q[r * D_QK + d];
                 for j in 0..BLOCK_COLS {
-                    row[j] = fmadd(w, kv[j], row[j]);
+                    row[j] += w * kv[j];
                 }
             }
         }
@@ -217,7 +213,7 @@ pub(crate) fn tile_few_rows(
             for (j, &w) in s.iter().enumerate() {
                 let v = &kb[j * D_QK + c0..j * D_QK + c0 + BLOCK_COLS];
                 for c in 0..BLOCK_COLS {
-                    a[c] = fmadd(w, bf(v[c]), a[c]);
+                    a[c] += w * bf(v[c]);
                 }
             }
             acc[c0..c0 + BLOCK_COLS].copy_from_slice(&a);

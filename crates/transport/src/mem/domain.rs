@@ -92,7 +92,7 @@ impl MemDomain {
     }
 
     fn complete(&mut self, wr_id: u64, kind: CompletionKind, result: Result<(), TransferError>) {
-        push_completion(&mut self.completions, wr_id, kind, result);
+        push_completion(&mut self.completions, (wr_id, 1), kind, result);
     }
 
     fn peer(&self, id: PeerId) -> Result<Arc<Endpoint>, TransportError> {
@@ -129,7 +129,7 @@ impl MemDomain {
                     for wr in &queued[start..end] {
                         push_completion(
                             &mut self.completions,
-                            wr.wr_id,
+                            (wr.wr_id, 1),
                             CompletionKind::Write,
                             Err(TransferError::PeerUnreachable),
                         );
@@ -250,11 +250,12 @@ impl MemDomain {
     }
 }
 
-/// Queues a completion, merging it into the previous one when they are alike.
+/// Queues the completion of `count` work requests, merging it into the previous one when they
+/// are alike.
 #[inline]
 fn push_completion(
     completions: &mut VecDeque<Completion>,
-    wr_id: u64,
+    (wr_id, count): (u64, u32),
     kind: CompletionKind,
     result: Result<(), TransferError>,
 ) {
@@ -262,14 +263,14 @@ fn push_completion(
         && last.wr_id == wr_id
         && last.kind == kind
         && last.result == result
-        && last.count < u32::MAX
+        && let Some(sum) = last.count.checked_add(count)
     {
-        last.count += 1;
+        last.count = sum;
         return;
     }
     completions.push_back(Completion {
         wr_id,
-        count: 1,
+        count,
         kind,
         result,
     });
@@ -280,7 +281,7 @@ fn fail_all(wrs: &[WriteWr], error: &TransferError, completions: &mut VecDeque<C
     for wr in wrs {
         push_completion(
             completions,
-            wr.wr_id,
+            (wr.wr_id, 1),
             CompletionKind::Write,
             Err(error.clone()),
         );
@@ -290,22 +291,8 @@ fn fail_all(wrs: &[WriteWr], error: &TransferError, completions: &mut VecDeque<C
 /// Queues the completion of a run of successful writes of one work request id.
 #[inline]
 fn flush_done(done: &mut Option<(u64, u32)>, completions: &mut VecDeque<Completion>) {
-    if let Some((wr_id, count)) = done.take() {
-        if let Some(last) = completions.back_mut()
-            && last.wr_id == wr_id
-            && last.kind == CompletionKind::Write
-            && last.result.is_ok()
-            && let Some(sum) = last.count.checked_add(count)
-        {
-            last.count = sum;
-            return;
-        }
-        completions.push_back(Completion {
-            wr_id,
-            count,
-            kind: CompletionKind::Write,
-            result: Ok(()),
-        });
+    if let Some(run) = done.take() {
+        push_completion(completions, run, CompletionKind::Write, Ok(()));
     }
 }
 
@@ -340,7 +327,7 @@ fn deliver(
             flush_done(&mut done, completions);
             push_completion(
                 completions,
-                wr.wr_id,
+                (wr.wr_id, 1),
                 CompletionKind::Write,
                 Err(TransferError::RemoteAccess(reason.to_owned())),
             );
@@ -490,7 +477,7 @@ impl Domain for MemDomain {
             if !keep {
                 push_completion(
                     completions,
-                    wr_id,
+                    (wr_id, 1),
                     kind,
                     Err(TransferError::PeerUnreachable),
                 );
