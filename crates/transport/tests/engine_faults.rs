@@ -194,6 +194,9 @@ fn throttled_engine(fabric: &MemFabric, controls: &Arc<Controls>) -> TransferEng
 fn cancellation_stops_posting_and_finishes_after_what_was_posted() {
     let fabric = MemFabric::new();
     let controls = Arc::new(Controls::default());
+    // The worker stops at the gate after 100 writes, so the cancellation lands mid-transfer
+    // however fast the engine posts.
+    controls.close_at.store(100, Ordering::Release);
     let sender = throttled_engine(&fabric, &controls);
     let receiver = engine(&fabric, 1);
     let pages = 20_000u32;
@@ -213,7 +216,12 @@ fn cancellation_stops_posting_and_finishes_after_what_was_posted() {
         )
         .unwrap();
     wait_for("some pages to land", || receiver.pending_imm(3) > 10);
+    wait_for("the worker at the gate", || {
+        controls.waiting.load(Ordering::Acquire)
+    });
     token.cancel();
+    controls.close_at.store(0, Ordering::Release);
+    controls.gate_closed.store(false, Ordering::Release);
     wait_for("the cancelled request to finish", || done.is_done());
     assert_eq!(done.result(), Some(Err(TransferError::Cancelled)));
     let posted = controls.accepted.load(Ordering::Acquire);

@@ -22,6 +22,9 @@ pub(crate) struct Controls {
     pub(crate) waiting: AtomicBool,
     /// Writes accepted so far.
     pub(crate) accepted: AtomicU64,
+    /// When non-zero, the gate closes by itself once this many writes were accepted: a test
+    /// holds the worker at a known point however fast it posts.
+    pub(crate) close_at: AtomicU64,
 }
 
 pub(crate) struct Throttled {
@@ -74,7 +77,11 @@ impl Domain for Throttled {
             wrs.len()
         };
         let n = self.inner.post_writes(&wrs[..take])?;
-        self.controls.accepted.fetch_add(n as u64, Ordering::AcqRel);
+        let accepted = self.controls.accepted.fetch_add(n as u64, Ordering::AcqRel) + n as u64;
+        let close_at = self.controls.close_at.load(Ordering::Acquire);
+        if close_at != 0 && accepted >= close_at {
+            self.controls.gate_closed.store(true, Ordering::Release);
+        }
         Ok(n)
     }
     unsafe fn post_send(&mut self, wr: &SendWr) -> Result<bool, TransportError> {
