@@ -498,12 +498,13 @@ impl std::fmt::Display for VerifyReport {
         }
         writeln!(
             f,
-            "{:>5} {:>5} {:>3}  {:>21} {:>7}  {:>21} {:>7}  {:<6} {:<6}",
+            "{:>5} {:>5} {:>3}  {:>21} {:>7} {:>21}  {:>21} {:>7}  {:<6} {:<6}",
             "Mq",
             "ct",
             "h",
             "route pred/meas us",
             "err",
+            "its kernel pred/meas",
             "fetch pred/meas us",
             "err",
             "choice",
