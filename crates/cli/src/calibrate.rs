@@ -16,11 +16,11 @@ use kvroute_remote::probe::{
 use kvroute_sched::selector::{FabricBounds, FabricEstimator, HolderState, Selector};
 use serde::Serialize;
 
-/// Route samples the fabric estimator keeps (the start-up sweep is 120; routes run later
+/// Route samples the fabric estimator keeps (the start-up sweep is 480; routes run later
 /// replace them one by one).
-const WINDOW: usize = 256;
-/// New route samples between two refits.
-const REFIT_EVERY: usize = 16;
+const WINDOW: usize = 512;
+/// New route samples between two refits (a refit of the full window takes about 0.3 ms).
+const REFIT_EVERY: usize = 32;
 
 /// A calibrated selector and what its calibration measured.
 pub(crate) struct Calibrated {

@@ -290,7 +290,11 @@ fn median(values: &mut [f64]) -> f64 {
         upper
     } else {
         // The lower middle is the largest of everything selected below the upper one.
-        let lower = below.iter().copied().max_by(f64::total_cmp).unwrap_or(upper);
+        let lower = below
+            .iter()
+            .copied()
+            .max_by(f64::total_cmp)
+            .unwrap_or(upper);
         (lower + upper) / 2.0
     }
 }

@@ -12,7 +12,7 @@ use kvroute_kvstore::ChunkId;
 use crate::error::RemoteError;
 use crate::requester::{Call, Requester, Sparse};
 
-/// What to probe. [`Default`]: chunk 0's layer 0 at Mq 1, 16, 64, 256, 1024 and 2048, 20
+/// What to probe. [`Default`]: chunk 0's layer 0 at Mq 1, 16, 64, 256, 1024 and 2048, 80
 /// routes per point, up to 3 sweeps, any bandwidth and fixed cost believed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProbeConfig {
@@ -42,7 +42,7 @@ impl Default for ProbeConfig {
             chunk: ChunkId(0),
             layer: 0,
             mq: vec![1, 16, 64, 256, 1024, 2048],
-            reps: 20,
+            reps: 80,
             attempts: 3,
             max_gbps: f64::INFINITY,
             max_fixed_us: f64::INFINITY,
