@@ -21,6 +21,9 @@ const WINDOW: usize = 64;
 const MIN_OBSERVED: usize = 3;
 /// Distinct call shapes (predicted times 1.5x apart) needed to fit a fixed cost as well.
 const MIN_SHAPES: usize = 3;
+/// A served call counts toward one of [`KernelTable::ROWS`] when its rows are within this
+/// factor of it.
+const ROW_MATCH: f64 = 1.25;
 /// Fewest entries the start-up calibration times a call over.
 const FLOOR_TOKENS: usize = 64;
 /// Repetitions of each start-up point; the fastest is kept.
@@ -40,13 +43,23 @@ pub struct HolderKernel {
     pub window: u32,
 }
 
+/// One served dense kernel call.
+#[derive(Debug, Clone, Copy)]
+struct Served {
+    rows: f64,
+    tokens: f64,
+    /// The start-up roofline's time for the call's shape, microseconds.
+    predicted: f64,
+    /// The call's time, microseconds.
+    us: f64,
+}
+
 /// The holder's kernel rate: the start-up roofline, refitted from served calls.
 #[derive(Debug, Clone)]
 pub struct KernelRate {
     start: HolderCompute,
     calibrated_unix_ms: u64,
-    /// (the start-up roofline's time for the call's shape, the call's time), microseconds.
-    recent: VecDeque<(f64, f64)>,
+    recent: VecDeque<Served>,
     observed: u64,
 }
 
@@ -77,7 +90,12 @@ impl KernelRate {
         if self.recent.len() == WINDOW {
             self.recent.pop_front();
         }
-        self.recent.push_back((predicted, us));
+        self.recent.push_back(Served {
+            rows: rows as f64,
+            tokens: tokens as f64,
+            predicted,
+            us,
+        });
         self.observed += 1;
     }
 
@@ -90,6 +108,13 @@ impl KernelRate {
     /// more than half the fastest call, the scale then the median ratio of what is left.
     /// Calls of fewer than 3 shapes (predicted times 1.5x apart) cannot split a fixed cost
     /// from a scale: the median ratio rescales alone.
+    ///
+    /// One scale keeps the start-up table's shape across row counts, and that shape is only
+    /// as good as the start-up calls: on a shared machine one row count's fastest of three can
+    /// still come out 1.5x slow while the next is right. So each of [`KernelTable::ROWS`] that
+    /// 3 or more of the window's calls were served at (within a factor 1.25 of its rows) has
+    /// its entry corrected by the median of those calls' time over what the rescaled table
+    /// says of them: a row count served again and again is priced from its own calls.
     pub fn current(&self) -> HolderKernel {
         let compute = if self.recent.len() >= MIN_OBSERVED {
             self.refit().unwrap_or(self.start)
@@ -105,7 +130,7 @@ impl KernelRate {
     }
 
     fn refit(&self) -> Option<HolderCompute> {
-        let points: Vec<(f64, f64)> = self.recent.iter().copied().collect();
+        let points: Vec<(f64, f64)> = self.recent.iter().map(|c| (c.predicted, c.us)).collect();
         let mut shapes: Vec<f64> = points.iter().map(|p| p.0).collect();
         shapes.sort_by(f64::total_cmp);
         shapes.dedup_by(|a, b| *a <= *b * 1.5);
@@ -127,7 +152,7 @@ impl KernelRate {
             }
         };
         let s = &self.start;
-        let fitted = HolderCompute {
+        let mut fitted = HolderCompute {
             fixed_us: s.fixed_us + fixed,
             floor_us: s.floor_us * scale,
             us_per_token: s.us_per_token * scale,
@@ -138,7 +163,32 @@ impl KernelRate {
                 us_per_token: t.us_per_token.map(|r| r * scale),
             }),
         };
+        if let Some(table) = fitted.table.as_mut() {
+            self.correct_rows(table, fitted.fixed_us);
+        }
         fitted.validate().is_ok().then_some(fitted)
+    }
+
+    /// Corrects each of `table`'s row counts that enough calls were served at (see
+    /// [`Self::current`]); `fixed_us` is the dispatch cost the calls carry besides the table.
+    fn correct_rows(&self, table: &mut KernelTable, fixed_us: f64) {
+        let rescaled = *table;
+        for (i, &at) in KernelTable::ROWS.iter().enumerate() {
+            let mut ratios: Vec<f64> = self
+                .recent
+                .iter()
+                .filter(|c| c.rows <= at * ROW_MATCH && c.rows * ROW_MATCH >= at)
+                .map(|c| (c.us - fixed_us) / rescaled.at(c.rows, c.tokens))
+                .filter(|r| r.is_finite() && *r > 0.0)
+                .collect();
+            if ratios.len() < MIN_OBSERVED {
+                continue;
+            }
+            let mid = ratios.len() / 2;
+            let (_, &mut ratio, _) = ratios.select_nth_unstable_by(mid, f64::total_cmp);
+            table.fixed_us[i] *= ratio;
+            table.us_per_token[i] *= ratio;
+        }
     }
 }
 
@@ -264,6 +314,66 @@ mod tests {
         assert_eq!(now.window as usize, WINDOW);
         assert_eq!(now.compute.fixed_us, 0.0);
         assert!((now.compute.us_per_row_token / START.us_per_row_token - 3.0).abs() < 1e-9);
+    }
+
+    /// A start-up table right at every row count but 256, which came out 1.6x slow; the
+    /// machine then serves 1.3x slower than it calibrated. One scale cannot fit both served
+    /// row counts; each corrects its own entry once 3 calls were served there, and a row
+    /// count never served keeps the common scale.
+    #[test]
+    fn a_row_count_served_again_and_again_is_priced_from_its_own_calls() {
+        let truth = KernelTable {
+            fixed_us: [0.0; 5],
+            us_per_token: [0.05, 0.3, 0.8, 2.0, 8.0],
+        };
+        let mut table = truth;
+        table.us_per_token[3] *= 1.6;
+        let start = HolderCompute {
+            table: Some(table),
+            ..START
+        };
+        let served = |rows: usize, tokens: usize| 1.3 * truth.at(rows as f64, tokens as f64);
+        let mut rate = KernelRate::new(start);
+        for _ in 0..2 {
+            rate.observe(16, 2048, served(16, 2048));
+            rate.observe(256, 2048, served(256, 2048));
+        }
+        // Two calls at 256 rows are not enough to move its entry: the common scale (the
+        // median ratio, 1.3 from the 16-row calls) leaves it 1.6x high.
+        let two = rate.current().compute;
+        let err = |c: &HolderCompute, rows: usize, tokens: usize| {
+            c.dense_us(rows as f64, tokens as f64) / served(rows, tokens) - 1.0
+        };
+        assert!((err(&two, 256, 2048) - 0.6).abs() < 1e-9, "{two:?}");
+        rate.observe(16, 2048, served(16, 2048));
+        rate.observe(256, 2048, served(256, 2048));
+        let now = rate.current().compute;
+        for (rows, tokens) in [(16, 2048), (256, 2048), (256, 512), (16, 4096)] {
+            assert!(
+                err(&now, rows, tokens).abs() < 1e-9,
+                "{rows}x{tokens}: {now:?}"
+            );
+        }
+        // 1024 rows were never served: the common scale.
+        assert!(err(&now, 1024, 2048).abs() < 1e-9, "{now:?}");
+        // A call 20% off a row count counts toward it; one further off does not.
+        let mut near = KernelRate::new(start);
+        let mut far = KernelRate::new(start);
+        for _ in 0..3 {
+            near.observe(16, 2048, served(16, 2048));
+            near.observe(300, 2048, served(300, 2048));
+            far.observe(16, 2048, served(16, 2048));
+            far.observe(330, 2048, served(330, 2048));
+        }
+        let at_256 = |r: &KernelRate| r.current().compute.table.unwrap().us_per_token[3];
+        assert!(
+            at_256(&near) < 1.3 * table.us_per_token[3] * 0.9,
+            "{near:?}"
+        );
+        assert!(
+            (at_256(&far) / (1.3 * table.us_per_token[3]) - 1.0).abs() < 1e-9,
+            "{far:?}"
+        );
     }
 
     #[test]
