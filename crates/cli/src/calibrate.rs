@@ -234,7 +234,15 @@ impl std::fmt::Display for CalibrationSummary {
             self.probe_us,
             self.bw_gbps,
             if self.fabric_fitted {
-                format!("Theil-Sen over {} route samples", self.fabric_samples)
+                let live = self.detail.fabric.map_or(0, |f| f.live_fixed);
+                if live > 0 {
+                    format!(
+                        "Theil-Sen slope over {} route samples, fixed cost from the {live} live ones",
+                        self.fabric_samples
+                    )
+                } else {
+                    format!("Theil-Sen over {} route samples", self.fabric_samples)
+                }
             } else {
                 format!(
                     "the probe's constants; the estimator refused its line: {}",

@@ -56,7 +56,11 @@ pub struct LineFit {
     pub bw_gbps: f64,
     /// Samples it was fitted to.
     pub samples: usize,
-    /// Median absolute relative residual of those samples, percent.
+    /// Of those, the live ones (observed, not seeded) that set the fixed cost; 0 when too
+    /// few were live and the fixed cost is the whole window's.
+    pub live_fixed: usize,
+    /// Median absolute relative residual, percent, of the samples the fixed cost speaks for
+    /// (the live ones when they set it, else the whole window).
     pub median_residual_pct: f64,
     /// When (caller's clock, ms).
     pub fitted_at_ms: u64,
@@ -71,11 +75,36 @@ impl LineFit {
     }
 }
 
+/// Live samples needed before they alone set the fixed cost.
+const LIVE_FIXED: usize = 8;
+
+/// One transfer sample.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Sample {
+    bytes: f64,
+    us: f64,
+    /// Observed as it ran ([`FabricEstimator::observe`]), not seeded by a start-up sweep
+    /// ([`FabricEstimator::extend`]).
+    live: bool,
+}
+
 /// A window of `(bytes, microseconds)` transfer samples and the robust line through them.
 /// Bounded: the oldest sample leaves when a new one arrives at capacity.
+///
+/// The bandwidth is the slope of the Theil-Sen line through the whole window. The fixed cost
+/// is its intercept until 8 live samples are in; from then on it is the median of the live
+/// samples' time less that slope's transfer. A start-up sweep runs its transfers back to back,
+/// every thread on the path awake; the transfers of real traffic come between other work,
+/// after the threads on the path went to sleep, and pay their wake-ups. Measured on two
+/// shared cores (`kvroute verify-predicate`, shm), routes of Mq 16 to 1024 cost 57-615 us more
+/// than the sweep's line besides their kernels, about 200 us at the median, twice the sweep's
+/// own fixed cost: a window of hundreds of sweep samples would hide that for hundreds of
+/// routes, the median over all of them barely moving.
 #[derive(Debug, Clone)]
 pub struct FabricEstimator {
-    window: VecDeque<(f64, f64)>,
+    window: VecDeque<Sample>,
+    /// Live samples in the window.
+    live: usize,
     capacity: usize,
     bounds: FabricBounds,
     refit_every: usize,
@@ -104,6 +133,7 @@ impl FabricEstimator {
         }
         Ok(Self {
             window: VecDeque::with_capacity(capacity),
+            live: 0,
             capacity,
             bounds,
             refit_every,
@@ -113,10 +143,14 @@ impl FabricEstimator {
         })
     }
 
-    /// Adds one sample; refits when `refit_every` have arrived since the last fit. A sample
-    /// that is not finite and positive is dropped.
+    /// Adds one live sample; refits when `refit_every` have arrived since the last fit. A
+    /// sample that is not finite and positive is dropped.
+    /// The eighth live sample in the window refits at once: from it on the live samples set
+    /// the fixed cost.
     pub fn observe(&mut self, bytes: f64, us: f64, now_ms: u64) {
-        if self.push(bytes, us) && self.since_fit >= self.refit_every {
+        if self.push(bytes, us, true)
+            && (self.since_fit >= self.refit_every || self.live == LIVE_FIXED)
+        {
             let _ = self.refit(now_ms);
         }
     }
@@ -124,19 +158,22 @@ impl FabricEstimator {
     /// Adds samples without refitting (a start-up sweep, fitted once after).
     pub fn extend(&mut self, samples: impl IntoIterator<Item = (f64, f64)>) {
         for (bytes, us) in samples {
-            self.push(bytes, us);
+            self.push(bytes, us, false);
         }
     }
 
     /// Adds one sample if it is finite and positive; says whether it did.
-    fn push(&mut self, bytes: f64, us: f64) -> bool {
+    fn push(&mut self, bytes: f64, us: f64, live: bool) -> bool {
         if !(bytes.is_finite() && bytes > 0.0 && us.is_finite() && us > 0.0) {
             return false;
         }
-        if self.window.len() == self.capacity {
-            self.window.pop_front();
+        if self.window.len() == self.capacity
+            && let Some(old) = self.window.pop_front()
+        {
+            self.live -= usize::from(old.live);
         }
-        self.window.push_back((bytes, us));
+        self.window.push_back(Sample { bytes, us, live });
+        self.live += usize::from(live);
         self.since_fit += 1;
         true
     }
@@ -175,8 +212,26 @@ impl FabricEstimator {
     }
 
     fn fit_window(&self, now_ms: u64) -> Result<LineFit> {
-        let points: Vec<(f64, f64)> = self.window.iter().copied().collect();
-        let line = theil_sen(&points)?;
+        let points: Vec<(f64, f64)> = self.window.iter().map(|s| (s.bytes, s.us)).collect();
+        let mut line = theil_sen(&points)?;
+        let mut live: Vec<f64> = self
+            .window
+            .iter()
+            .filter(|s| s.live)
+            .map(|s| s.us - line.slope * s.bytes)
+            .collect();
+        let live_fixed = if live.len() >= LIVE_FIXED {
+            live.sort_by(f64::total_cmp);
+            let n = live.len();
+            line.intercept = if n % 2 == 1 {
+                live[n / 2]
+            } else {
+                (live[n / 2 - 1] + live[n / 2]) / 2.0
+            };
+            n
+        } else {
+            0
+        };
         let bounds = &self.bounds;
         let bw_gbps = if line.slope > 0.0 {
             1.0 / (line.slope * 1e3)
@@ -197,15 +252,19 @@ impl FabricEstimator {
                 range: "(0, the estimator's max_fixed_us]",
             });
         }
-        let mut residuals: Vec<f64> = points
+        // Over the samples the fixed cost speaks for: the live ones once they set it.
+        let mut residuals: Vec<f64> = self
+            .window
             .iter()
-            .map(|&(x, y)| (line.intercept + line.slope * x - y).abs() / y)
+            .filter(|s| s.live || live_fixed == 0)
+            .map(|s| (line.intercept + line.slope * s.bytes - s.us).abs() / s.us)
             .collect();
         residuals.sort_by(f64::total_cmp);
         Ok(LineFit {
             fixed_us: line.intercept,
             bw_gbps,
             samples: points.len(),
+            live_fixed,
             median_residual_pct: 100.0 * residuals[residuals.len() / 2],
             fitted_at_ms: now_ms,
             fits: self.fit.map_or(1, |f| f.fits + 1),
@@ -472,8 +531,8 @@ impl Selector {
             .pull
             .window
             .iter()
-            .filter(|(_, us)| *us > fixed)
-            .map(|(bytes, us)| bytes / ((us - fixed) * 1e3))
+            .filter(|s| s.us > fixed)
+            .map(|s| s.bytes / ((s.us - fixed) * 1e3))
             .collect();
         if rates.is_empty() {
             return None;
@@ -645,7 +704,7 @@ mod tests {
             "{fit:?} against {clean:?}"
         );
         // The same samples through least squares: 20% stalls move it far more.
-        let points: Vec<(f64, f64)> = stalled.window.iter().copied().collect();
+        let points: Vec<(f64, f64)> = stalled.window.iter().map(|s| (s.bytes, s.us)).collect();
         let ls = kvroute_costmodel::fit::least_squares(points.iter().copied()).unwrap();
         let ls_gbps = 1.0 / (ls.slope * 1e3);
         assert!((ls_gbps / clean.bw_gbps - 1.0).abs() > 0.25, "{ls_gbps}");
@@ -698,6 +757,51 @@ mod tests {
         assert!(now.fits > first.fits);
         assert!((now.bw_gbps - 1.0).abs() < 0.05, "{now:?}");
         assert!(now.fitted_at_ms > first.fitted_at_ms);
+    }
+
+    /// A start-up sweep of a 40 us + 3 GB/s path, then live routes that each pay 60 us more
+    /// (threads woken on the way). Seven live routes leave the sweep's fixed cost; from the
+    /// eighth the live ones set it, a stalled quarter of them does not move it, and the
+    /// bandwidth stays the sweep's.
+    #[test]
+    fn live_routes_set_the_fixed_cost_once_eight_are_in() {
+        let mut e = estimator();
+        e.extend((0..8).flat_map(|_| {
+            [1u32, 16, 64, 256, 1024, 2048].map(|mq| {
+                let bytes = f64::from(mq) * ROW;
+                (bytes, 40.0 + bytes / 3e3)
+            })
+        }));
+        let start = e.refit(0).unwrap();
+        assert!((start.fixed_us - 40.0).abs() < 1e-6, "{start:?}");
+        assert_eq!(start.live_fixed, 0);
+        let live = |i: usize| {
+            let bytes = f64::from([16u32, 64, 256, 1024][i % 4]) * ROW;
+            (bytes, 100.0 + bytes / 3e3)
+        };
+        for i in 0..7 {
+            let (bytes, us) = live(i);
+            e.observe(bytes, us, 1);
+        }
+        let seven = e.refit(1).unwrap();
+        assert_eq!(seven.live_fixed, 0);
+        assert!((seven.fixed_us - 40.0).abs() < 1e-6, "{seven:?}");
+        let (bytes, us) = live(7);
+        e.observe(bytes, us, 2);
+        // The eighth refits on its own (this estimator's refit_every is a million).
+        let eight = e.fit().unwrap();
+        assert_eq!((eight.live_fixed, eight.fitted_at_ms), (8, 2));
+        assert!((eight.fixed_us - 100.0).abs() < 1e-6, "{eight:?}");
+        // Four more, three of them stalled 20x: a quarter of the twelve.
+        for i in 8..11 {
+            let (bytes, us) = live(i);
+            e.observe(bytes, if i == 10 { us } else { 20.0 * us }, 3);
+        }
+        e.observe(live(0).0, 20.0 * live(0).1, 3);
+        let now = e.refit(3).unwrap();
+        assert_eq!(now.live_fixed, 12);
+        assert!((now.fixed_us - 100.0).abs() < 1e-6, "{now:?}");
+        assert!((now.bw_gbps - 3.0).abs() < 1e-6, "{now:?}");
     }
 
     fn cpu_kernel() -> HolderCompute {
