@@ -11,7 +11,9 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use kvroute_transport::fabric::bench::{self, Pingpong, RawAddress, RawEndpoint, Stream};
+use kvroute_transport::fabric::bench::{
+    self, OneThread, Pingpong, RawAddress, RawEndpoint, Stream,
+};
 use kvroute_transport::{
     EngineConfig, FabricConfig, FabricReport, MrDesc, NetAddr, Progress, ProviderChoice,
     TransferEngine,
@@ -127,6 +129,9 @@ pub struct FabricBenchReport {
     pub rounds: usize,
     /// The immediate-only round trip beside fi_pingpong's smallest message.
     pub round_trip: Compared,
+    /// Immediate-only writes with both ends on one thread, through engines and on bare NICs
+    /// (the round with the median engine time): the engine's own work per write.
+    pub one_thread: OneThread,
     /// Single writes, ping-pong, beside fi_pingpong.
     pub single: Vec<Compared>,
     /// Single writes streamed (`window` in flight); no fi_pingpong counterpart.
@@ -441,6 +446,15 @@ pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
     // The engine's immediate-only write carries 4 bytes (the immediate): fi_pingpong's
     // 4-byte message is its counterpart.
     let round_trip = compare(0, 4, true)?;
+    // The peer rests: both ends on this thread, no scheduler in the time.
+    let config = fabric_config(&args.provider, node, false)?;
+    let trips = if args.quick { 20_000 } else { 200_000 };
+    let one_thread = median_by(
+        (0..rounds)
+            .map(|_| bench::one_thread(&config, trips))
+            .collect::<Result<Vec<_>, _>>()?,
+        |o| o.engine_ns,
+    );
     let mut single = Vec::new();
     for &size in SINGLE {
         single.push(compare(size, size, false)?);
@@ -521,6 +535,7 @@ pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
         progress: args.progress.clone(),
         rounds,
         round_trip,
+        one_thread,
         single,
         streams,
         window: WINDOW,
@@ -560,8 +575,16 @@ impl fmt::Display for FabricBenchReport {
         )?;
         writeln!(
             f,
-            "  bare NIC imm-only write {:>5.2} us   (engine / bare NIC {:.2})\n",
+            "  bare NIC imm-only write {:>5.2} us   (engine / bare NIC {:.2})",
             r.raw.usec_per_xfer, r.over_raw
+        )?;
+        let o = &self.one_thread;
+        writeln!(
+            f,
+            "  both ends on one thread, per one-way write: engine {:.0} ns, bare NIC {:.0} ns (the engine's own work {:.0} ns)\n",
+            o.engine_ns,
+            o.bare_ns,
+            o.engine_ns - o.bare_ns
         )?;
         writeln!(
             f,

@@ -275,6 +275,13 @@ fn bench_fabric_quick_reports_the_engine_beside_fi_pingpong_and_the_bare_provide
             "round trip {side}: {rt}"
         );
     }
+    // Both ends on one thread: 20,000 round trips of a quick run, through engines and bare.
+    let one = &v["one_thread"];
+    assert!(
+        positive(&one["engine_ns"]) && positive(&one["bare_ns"]),
+        "{one}"
+    );
+    assert_eq!(one["trips"], 40_000);
     let single = v["single"].as_array().unwrap();
     assert_eq!(
         single

@@ -363,6 +363,20 @@ impl RawEndpoint {
     }
 
     fn write(&mut self, size: u64, imm: u32, deadline: Instant) -> Result<u64, TransportError> {
+        let mut arrived = 0;
+        while !self.post_one(size, imm)? {
+            arrived += self.poll()?;
+            if Instant::now() > deadline {
+                return Err(TransportError::Domain(
+                    "the raw endpoint stayed full".to_owned(),
+                ));
+            }
+        }
+        Ok(arrived)
+    }
+
+    /// Posts one write to the peer; `Ok(false)` when the provider refused it for now.
+    fn post_one(&mut self, size: u64, imm: u32) -> Result<bool, TransportError> {
         let Some((peer, addr)) = &self.peer else {
             return Err(TransportError::InvalidArgument(
                 "the raw endpoint is not connected",
@@ -378,17 +392,11 @@ impl RawEndpoint {
             rkey: addr.rkey,
             imm: Some(imm),
         };
-        let mut arrived = 0;
-        while self.domain.post_writes(&[wr])? == 0 {
-            arrived += self.poll()?;
-            if Instant::now() > deadline {
-                return Err(TransportError::Domain(
-                    "the raw endpoint stayed full".to_owned(),
-                ));
-            }
+        if self.domain.post_writes(&[wr])? == 0 {
+            return Ok(false);
         }
         self.outstanding += 1;
-        Ok(arrived)
+        Ok(true)
     }
 
     /// Waits until `want` arrivals were seen, `already` of them while posting.
@@ -482,6 +490,114 @@ impl RawEndpoint {
         let deadline = Instant::now() + Duration::from_secs(120);
         self.await_arrivals(0, count, deadline)
     }
+}
+
+/// What one immediate-only write costs when both ends run on the calling thread: no other
+/// thread, process or scheduler in the time, so what is left is the work itself.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct OneThread {
+    /// One-way trips timed on each path.
+    pub trips: u64,
+    /// Through two engines with manual progress: submit, post, the arrival counted, the
+    /// expectation fired, nanoseconds per one-way trip.
+    pub engine_ns: f64,
+    /// The same writes posted and polled on two bare NICs, nanoseconds per one-way trip.
+    pub bare_ns: f64,
+}
+
+/// Bounces immediate-only writes between two endpoints of `config`'s provider on this thread,
+/// `trips` one-way trips timed (after a tenth as many untimed), through two manual-progress
+/// engines and then on two bare NICs: [`OneThread`].
+pub fn one_thread(config: &FabricConfig, trips: u64) -> Result<OneThread, TransportError> {
+    let warmup = (trips / 10).max(2);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let engines = || {
+        let engine_config = crate::EngineConfig {
+            progress: crate::Progress::Manual,
+            ..crate::EngineConfig::default()
+        };
+        TransferEngine::fabric(config, engine_config).map(|(e, _)| e)
+    };
+    let (a, b) = (engines()?, engines()?);
+    let (abuf, bbuf) = (a.alloc_mr(64)?, b.alloc_mr(64)?);
+    let sent = DoneCounter::new();
+    let trip = |from: &TransferEngine, to: &TransferEngine, dst: &MrDesc| {
+        let landed = DoneFlag::new();
+        to.expect_imm_count(PING, 1, OnDone::from(&landed));
+        from.submit_imm(PING, dst, OnDone::from(&sent))?;
+        spin_until(to, deadline, "an immediate", || {
+            from.progress();
+            landed.is_done()
+        })
+    };
+    let mut engine = Duration::ZERO;
+    for timed in [false, true] {
+        let started = Instant::now();
+        for _ in 0..if timed { trips } else { warmup } {
+            trip(&a, &b, bbuf.desc())?;
+            trip(&b, &a, abuf.desc())?;
+        }
+        engine = started.elapsed();
+    }
+    let posted = 2 * (warmup + trips);
+    spin_until(&a, deadline, "the writes' completions", || {
+        b.progress();
+        sent.total() == posted
+    })?;
+    if sent.failed() > 0 {
+        return Err(TransportError::Domain(format!(
+            "{} of {posted} writes failed",
+            sent.failed()
+        )));
+    }
+    drop((abuf, bbuf, a, b));
+
+    let mut x = RawEndpoint::open(config, 64)?;
+    let mut y = RawEndpoint::open(config, 64)?;
+    let (xa, ya) = (x.address(), y.address());
+    x.connect(&ya)?;
+    y.connect(&xa)?;
+    // Both ends progress while a write waits: shm maps a new peer only when the receiver's
+    // progress answers the sender's first message, refusing the sender's writes until then.
+    let bare_trip = |from: &mut RawEndpoint, to: &mut RawEndpoint| -> Result<(), TransportError> {
+        let mut spins = 0u32;
+        let mut check = || {
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1024) && Instant::now() > deadline {
+                return Err(TransportError::Domain(
+                    "the bare one-thread trip did not finish".to_owned(),
+                ));
+            }
+            Ok(())
+        };
+        while !from.post_one(0, PING)? {
+            from.poll()?;
+            to.poll()?;
+            check()?;
+        }
+        while to.poll()? == 0 {
+            from.poll()?;
+            check()?;
+        }
+        Ok(())
+    };
+    let mut bare = Duration::ZERO;
+    for timed in [false, true] {
+        let started = Instant::now();
+        for _ in 0..if timed { trips } else { warmup } {
+            bare_trip(&mut x, &mut y)?;
+            bare_trip(&mut y, &mut x)?;
+        }
+        bare = started.elapsed();
+    }
+    x.settle(deadline)?;
+    y.settle(deadline)?;
+    let per_trip = |d: Duration| d.as_secs_f64() * 1e9 / (2 * trips) as f64;
+    Ok(OneThread {
+        trips: 2 * trips,
+        engine_ns: per_trip(engine),
+        bare_ns: per_trip(bare),
+    })
 }
 
 /// Runs `fi_pingpong` (libfabric-bin) on loopback: a server and a client on `provider`'s RDM
