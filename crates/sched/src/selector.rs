@@ -145,6 +145,7 @@ impl FabricEstimator {
 
     /// Adds one live sample; refits when `refit_every` have arrived since the last fit. A
     /// sample that is not finite and positive is dropped.
+    ///
     /// The eighth live sample in the window refits at once: from it on the live samples set
     /// the fixed cost.
     pub fn observe(&mut self, bytes: f64, us: f64, now_ms: u64) {
