@@ -113,6 +113,24 @@ fn demo_over_shm_routes_and_checks() {
             p.as_f64().is_some_and(|v| v > 0.0) && m.as_f64().is_some_and(|v| v > 0.0),
             "{t}"
         );
+        // The terms it was priced with add up to it, the fabric's fixed cost among them.
+        let terms = &t["predicted"];
+        let sum: f64 = [
+            "probe_us",
+            "turnaround_us",
+            "transfer_us",
+            "compute_us",
+            "return_us",
+            "merge_us",
+            "splice_us",
+            "gather_us",
+        ]
+        .iter()
+        .map(|k| terms[*k].as_f64().unwrap())
+        .sum();
+        let p = p.as_f64().unwrap();
+        assert!((sum - p).abs() <= 1e-6 * p, "{t}");
+        assert!(terms["probe_us"].as_f64().is_some_and(|v| v > 0.0), "{t}");
     }
     let per_step = |step: u64| timings.iter().filter(|t| t["step"] == step).count();
     for step in 0..2 {

@@ -106,6 +106,10 @@ pub struct Timing {
     pub predicted_us: f64,
     /// Its measured time, microseconds.
     pub measured_us: f64,
+    /// The prediction term by term, as priced at the time: the start-up calibration at first,
+    /// then as the selector refits it from the run's own routes and pulls and the holders
+    /// refit their kernels from the calls they serve.
+    pub predicted: kvroute_costmodel::CostBreakdown,
 }
 
 /// What the demo did and found.
@@ -203,7 +207,7 @@ impl fmt::Display for DemoReport {
         if !self.timings.is_empty() {
             writeln!(
                 f,
-                "predicted (calibrated selector, constants above) vs measured, the same thing on both sides:"
+                "predicted (calibrated selector: the constants above, refitted as the run goes) vs measured, the same thing on both sides:"
             )?;
         }
         let mut keys: Vec<(u32, &str)> = self.timings.iter().map(|t| (t.step, t.kind)).collect();
@@ -216,9 +220,22 @@ impl fmt::Display for DemoReport {
                 .collect();
             let predicted: f64 = ts.iter().map(|t| t.predicted_us).sum();
             let measured: f64 = ts.iter().map(|t| t.measured_us).sum();
+            // The fabric's fixed cost the step was priced with (it moves once live routes
+            // refit it).
+            let mut fixed: Vec<f64> = ts.iter().map(|t| t.predicted.probe_us).collect();
+            fixed.sort_by(f64::total_cmp);
+            let fixed = match (fixed.first(), fixed.last()) {
+                (Some(&lo), Some(&hi)) if hi > 0.0 && hi - lo < 0.5 => {
+                    format!(", fabric fixed cost {lo:.0} us")
+                }
+                (Some(&lo), Some(&hi)) if hi > 0.0 => {
+                    format!(", fabric fixed cost {lo:.0}-{hi:.0} us")
+                }
+                _ => String::new(),
+            };
             writeln!(
                 f,
-                "  step {step}: {} x {kind}: predicted {:.2} ms, measured {:.2} ms ({:+.0}%)",
+                "  step {step}: {} x {kind}: predicted {:.2} ms, measured {:.2} ms ({:+.0}%){fixed}",
                 ts.len(),
                 predicted / 1e3,
                 measured / 1e3,

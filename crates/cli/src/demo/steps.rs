@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use kvroute_costmodel::request::Selection;
-use kvroute_costmodel::{Primitive, Request};
+use kvroute_costmodel::{CostBreakdown, Primitive, Request};
 use kvroute_kernels::{
     Backend, Cache, Partial, Queries, Rope, merge, partial_dense, partial_sparse,
 };
@@ -277,21 +277,22 @@ impl Run<'_> {
         Ok((choice, chosen.decision))
     }
 
-    /// Records one prediction beside its measurement.
+    /// Records one prediction, term by term as it was priced, beside its measurement.
     fn timed(
         &mut self,
         (step, kind): (u32, &'static str),
         what: String,
         primitive: Primitive,
-        (predicted_us, measured_us): (f64, f64),
+        (predicted, measured_us): (&CostBreakdown, f64),
     ) {
         self.report.timings.push(Timing {
             step,
             kind,
             what,
             primitive,
-            predicted_us,
+            predicted_us: predicted.total_us(),
             measured_us,
+            predicted: *predicted,
         });
     }
 
@@ -324,12 +325,12 @@ impl Run<'_> {
             if choice[c as usize] == Primitive::Fetch {
                 let (chunk, spliced) = self.fetch_spliced(c, prefix)?;
                 let measured = chunk.transfer_us + chunk.splice_us;
-                let predicted = priced[c as usize].fetch.total_us;
+                let predicted = priced[c as usize].fetch.breakdown;
                 self.timed(
                     (step, "fetch (one chunk, every layer, spliced)"),
                     format!("fetch chunk {c}"),
                     Primitive::Fetch,
-                    (predicted, measured),
+                    (&predicted, measured),
                 );
                 let bytes = corpus_model(spec)?.chunk_bytes(spec.chunk_tokens, spec.layers);
                 let now = self.cal.now_ms();
@@ -360,12 +361,12 @@ impl Run<'_> {
                 let us = started.elapsed().as_secs_f64() * 1e6;
                 self.report.route_us.push(us);
                 let c = call.chunk.0;
-                let predicted = priced[c as usize].route.total_us;
+                let predicted = priced[c as usize].route.breakdown;
                 self.timed(
                     (step, "route (one chunk, one layer)"),
                     format!("route chunk {c} layer {layer}"),
                     Primitive::Route,
-                    (predicted, us),
+                    (&predicted, us),
                 );
                 if merged.fallbacks.is_empty() {
                     let now = self.cal.now_ms();
@@ -538,9 +539,7 @@ impl Run<'_> {
             self.report.gather_us.push(gathered.transfer_us);
             let mut params = self.cal.selector.params_for(None)?;
             params.model.layers = wanted.len() as u32;
-            let predicted = kvroute_costmodel::CostModel::new(params)?
-                .fetch(&request)?
-                .total_us();
+            let predicted = kvroute_costmodel::CostModel::new(params)?.fetch(&request)?;
             self.timed(
                 (
                     step,
@@ -551,7 +550,7 @@ impl Run<'_> {
                     wanted.len()
                 ),
                 Primitive::Fetch,
-                (predicted, gathered.transfer_us),
+                (&predicted, gathered.transfer_us),
             );
             for (i, &layer) in self.layers.iter().enumerate() {
                 // The gathered rows are the selection, in order: attend all of them.
@@ -592,7 +591,7 @@ impl Run<'_> {
                     (step, "sparse route (every holder at once, one layer)"),
                     format!("sparse route to {} holders, layer {layer}", calls.len()),
                     Primitive::Route,
-                    (priced.route.total_us, us),
+                    (&priced.route.breakdown, us),
                 );
                 let parts = self.note_fallbacks(merged);
                 for call in &calls {
