@@ -266,27 +266,28 @@ pub fn theil_sen(points: &[(f64, f64)]) -> Result<Line> {
             }
         }
     }
-    if slopes.is_empty() {
-        return Err(CostModelError::TooFewSamples {
-            needed: 2,
-            got: points.len().min(1),
-        });
-    }
-    let slope = median(&mut slopes);
+    let too_few = || CostModelError::TooFewSamples {
+        needed: 2,
+        got: points.len().min(1),
+    };
+    let slope = median(&mut slopes).ok_or_else(too_few)?;
     let mut intercepts: Vec<f64> = points.iter().map(|&(x, y)| y - slope * x).collect();
     Ok(Line {
-        intercept: median(&mut intercepts),
+        intercept: median(&mut intercepts).ok_or_else(too_few)?,
         slope,
     })
 }
 
 /// The median of `values` (the mean of the middle two for an even count), reordering them.
 /// A selection, not a sort: linear in the count, which for Theil-Sen's pairwise slopes is
-/// the square of the samples'.
-fn median(values: &mut [f64]) -> f64 {
+/// the square of the samples'. `None` for no values.
+pub fn median(values: &mut [f64]) -> Option<f64> {
     let n = values.len();
+    if n == 0 {
+        return None;
+    }
     let (below, &mut upper, _) = values.select_nth_unstable_by(n / 2, f64::total_cmp);
-    if n % 2 == 1 {
+    Some(if n % 2 == 1 {
         upper
     } else {
         // The lower middle is the largest of everything selected below the upper one.
@@ -296,7 +297,7 @@ fn median(values: &mut [f64]) -> f64 {
             .max_by(f64::total_cmp)
             .unwrap_or(upper);
         (lower + upper) / 2.0
-    }
+    })
 }
 
 #[cfg(test)]
@@ -465,6 +466,7 @@ mod tests {
         );
         assert!(theil_sen(&[(1.0, 2.0), (1.0, 3.0)]).is_err());
         assert!(theil_sen(&[]).is_err());
+        assert_eq!(median(&mut []), None);
         assert!(theil_sen(&[(1.0, f64::NAN), (2.0, 3.0)]).is_err());
     }
 
@@ -487,7 +489,7 @@ mod tests {
                 (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
             };
             let mut scratch = values;
-            proptest::prop_assert_eq!(median(&mut scratch).to_bits(), expected.to_bits());
+            proptest::prop_assert_eq!(median(&mut scratch).map(f64::to_bits), Some(expected.to_bits()));
         }
     }
 }

@@ -17,7 +17,7 @@
 
 use std::collections::VecDeque;
 
-use kvroute_costmodel::fit::theil_sen;
+use kvroute_costmodel::fit::{median, theil_sen};
 use kvroute_costmodel::{
     Allowed, CostModel, CostModelError, CostParams, Decision, Fabric, HolderCompute, MergeCost,
     Primitive, Request, Source, SpliceCost,
@@ -221,15 +221,11 @@ impl FabricEstimator {
             .filter(|s| s.live)
             .map(|s| s.us - line.slope * s.bytes)
             .collect();
-        let live_fixed = if live.len() >= LIVE_FIXED {
-            live.sort_by(f64::total_cmp);
-            let n = live.len();
-            line.intercept = if n % 2 == 1 {
-                live[n / 2]
-            } else {
-                (live[n / 2 - 1] + live[n / 2]) / 2.0
-            };
-            n
+        let live_fixed = if live.len() >= LIVE_FIXED
+            && let Some(fixed) = median(&mut live)
+        {
+            line.intercept = fixed;
+            live.len()
         } else {
             0
         };
