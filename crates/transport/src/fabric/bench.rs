@@ -512,7 +512,7 @@ pub struct OneThread {
 }
 
 /// Bounces immediate-only writes between two endpoints of `config`'s provider on this thread,
-/// `trips` one-way trips timed (after a tenth as many untimed), through two manual-progress
+/// `trips` round trips timed (after a tenth as many untimed), through two manual-progress
 /// engines and then on two bare NICs: [`OneThread`].
 pub fn one_thread(config: &FabricConfig, trips: u64) -> Result<OneThread, TransportError> {
     let warmup = (trips / 10).max(2);
@@ -536,15 +536,10 @@ pub fn one_thread(config: &FabricConfig, trips: u64) -> Result<OneThread, Transp
             landed.is_done()
         })
     };
-    let mut engine = Duration::ZERO;
-    for timed in [false, true] {
-        let started = Instant::now();
-        for _ in 0..if timed { trips } else { warmup } {
-            trip(&a, &b, bbuf.desc())?;
-            trip(&b, &a, abuf.desc())?;
-        }
-        engine = started.elapsed();
-    }
+    let engine = timed_rounds(warmup, trips, || {
+        trip(&a, &b, bbuf.desc())?;
+        trip(&b, &a, abuf.desc())
+    })?;
     settle(&a, &[&b], &sent, 2 * (warmup + trips), deadline)?;
     drop((abuf, bbuf, a, b));
 
@@ -577,15 +572,10 @@ pub fn one_thread(config: &FabricConfig, trips: u64) -> Result<OneThread, Transp
         }
         Ok(())
     };
-    let mut bare = Duration::ZERO;
-    for timed in [false, true] {
-        let started = Instant::now();
-        for _ in 0..if timed { trips } else { warmup } {
-            bare_trip(&mut x, &mut y)?;
-            bare_trip(&mut y, &mut x)?;
-        }
-        bare = started.elapsed();
-    }
+    let bare = timed_rounds(warmup, trips, || {
+        bare_trip(&mut x, &mut y)?;
+        bare_trip(&mut y, &mut x)
+    })?;
     x.settle(deadline)?;
     y.settle(deadline)?;
     let per_trip = |d: Duration| d.as_secs_f64() * 1e9 / (2 * trips) as f64;
@@ -594,6 +584,22 @@ pub fn one_thread(config: &FabricConfig, trips: u64) -> Result<OneThread, Transp
         engine_ns: per_trip(engine),
         bare_ns: per_trip(bare),
     })
+}
+
+/// Runs `round` `warmup` times untimed, then `rounds` times timed; returns the timed part.
+fn timed_rounds(
+    warmup: u64,
+    rounds: u64,
+    mut round: impl FnMut() -> Result<(), TransportError>,
+) -> Result<Duration, TransportError> {
+    for _ in 0..warmup {
+        round()?;
+    }
+    let started = Instant::now();
+    for _ in 0..rounds {
+        round()?;
+    }
+    Ok(started.elapsed())
 }
 
 /// Runs `fi_pingpong` (libfabric-bin) on loopback: a server and a client on `provider`'s RDM
