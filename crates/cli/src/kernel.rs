@@ -225,14 +225,20 @@ impl fmt::Display for GpuReport {
         )?;
         writeln!(
             f,
-            "  {:<12} {:>9} {:>11} {:>12}",
-            "kernel", "registers", "smem bytes", "spill st/ld"
+            "  {:<12} {:>9} {:>11} {:>11} {:>12}",
+            "kernel", "registers", "smem bytes", "local bytes", "spill st/ld"
         )?;
-        for r in &g.resources {
+        // The driver's figures for the loaded kernels; spills from ptxas's report, which
+        // NVRTC does not always give.
+        for k in &g.loaded {
+            let spills = g.resources.iter().find(|r| r.name == k.name).map_or_else(
+                || "no report".to_owned(),
+                |r| format!("{}/{}", r.spill_stores, r.spill_loads),
+            );
             writeln!(
                 f,
-                "  {:<12} {:>9} {:>11} {:>6}/{:<5}",
-                r.name, r.registers, r.shared_bytes, r.spill_stores, r.spill_loads
+                "  {:<12} {:>9} {:>11} {:>11} {:>12}",
+                k.name, k.registers, k.shared_bytes, k.local_bytes, spills
             )?;
         }
         Ok(())

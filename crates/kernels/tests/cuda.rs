@@ -157,15 +157,33 @@ fn compiles_for_sm_90() {
             r.name, r.registers, r.shared_bytes, r.stack_bytes, r.spill_stores, r.spill_loads
         );
     }
+    // Static shared memory is capped at 48 KiB per block without an opt-in.
+    let fits = |registers: u32, shared: u32| (1..=255).contains(&registers) && shared <= 48 * 1024;
+    if compiled.log.trim().is_empty() {
+        // NVRTC gave no report at all (a toolkit's NVRTC on an H200 machine did so for every
+        // compile after the machine's first): the driver's figures for the loaded kernels
+        // stand in, where there is a GPU.
+        let gpu = Gpu::global().unwrap_or_else(|e| {
+            panic!("NVRTC gave an empty log and there is no GPU to ask instead: {e}")
+        });
+        println!("  (NVRTC's log is empty; the driver's figures for the loaded kernels:)");
+        for name in nvrtc::KERNELS {
+            let k = gpu.info().loaded.iter().find(|k| k.name == name).unwrap();
+            println!(
+                "  {:<12} {:>9} {:>11} {:>7} local",
+                k.name, k.registers, k.shared_bytes, k.local_bytes
+            );
+            assert!(fits(k.registers, k.shared_bytes), "{name}: {k:?}");
+        }
+        return;
+    }
     for name in nvrtc::KERNELS {
         let r = compiled
             .resources
             .iter()
             .find(|r| r.name == name)
             .unwrap_or_else(|| panic!("no ptxas report for {name}:\n{}", compiled.log));
-        assert!(r.registers > 0 && r.registers <= 255, "{name}: {r:?}");
-        // Static shared memory is capped at 48 KiB per block without an opt-in.
-        assert!(r.shared_bytes <= 48 * 1024, "{name}: {r:?}");
+        assert!(fits(r.registers, r.shared_bytes), "{name}: {r:?}");
     }
 }
 

@@ -20,7 +20,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
-    sys::CUdevice_attribute,
+    sys::{CUdevice_attribute, CUfunction_attribute},
 };
 use cudarc::nvrtc::Ptx;
 use serde::Serialize;
@@ -62,8 +62,26 @@ pub struct GpuInfo {
     pub sms: usize,
     /// NVRTC's version.
     pub nvrtc: (i32, i32),
-    /// Each kernel's registers and shared memory, from ptxas.
+    /// Each kernel's registers, shared memory and spills, from ptxas's report. Empty when
+    /// NVRTC gave no report: the CUDA 13.0.88 NVRTC of an H200 machine's toolkit returned an
+    /// empty program log for every compile after the first one on that machine, in the same
+    /// process or another. [`GpuInfo::loaded`] always holds the driver's figures.
     pub resources: Vec<KernelResources>,
+    /// Each kernel as the driver loaded it.
+    pub loaded: Vec<LoadedKernel>,
+}
+
+/// A loaded kernel's resources as the driver reports them (`cuFuncGetAttribute`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LoadedKernel {
+    /// The entry point.
+    pub name: String,
+    /// Registers per thread.
+    pub registers: u32,
+    /// Static shared memory per block, bytes.
+    pub shared_bytes: u32,
+    /// Local memory per thread (stack frame and spills together), bytes.
+    pub local_bytes: u32,
 }
 
 /// A GPU with the kernels loaded.
@@ -119,6 +137,34 @@ impl Gpu {
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver("SM count"))?;
+        let (partial, combine, splice) =
+            (load("mla_partial")?, load("mla_combine")?, load("mla_splice")?);
+        let loaded = [
+            ("mla_partial", &partial),
+            ("mla_combine", &combine),
+            ("mla_splice", &splice),
+        ]
+        .into_iter()
+        .map(|(name, f)| {
+            let get = |what: &'static str, attribute| {
+                f.get_attribute(attribute)
+                    .map(|v| u32::try_from(v).unwrap_or(0))
+                    .map_err(driver(what))
+            };
+            Ok(LoadedKernel {
+                name: name.to_owned(),
+                registers: get("registers", CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
+                shared_bytes: get(
+                    "shared memory",
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                )?,
+                local_bytes: get(
+                    "local memory",
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
+                )?,
+            })
+        })
+        .collect::<Result<Vec<_>, KernelError>>()?;
         let info = GpuInfo {
             name: ctx.name().map_err(driver("name"))?,
             ordinal,
@@ -126,11 +172,12 @@ impl Gpu {
             sms: usize::try_from(sms).unwrap_or(1).max(1),
             nvrtc: nvrtc::nvrtc_version()?,
             resources: compiled.resources,
+            loaded,
         };
         Ok(Self {
-            partial: load("mla_partial")?,
-            combine: load("mla_combine")?,
-            splice: load("mla_splice")?,
+            partial,
+            combine,
+            splice,
             stream: ctx.new_stream().map_err(driver("stream"))?,
             ctx,
             info,
