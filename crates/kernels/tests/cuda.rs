@@ -290,6 +290,30 @@ fn merge_matches_the_cpu() {
         assert_eq!(got.m[r], want.m[r]);
         assert!((got.l[r] - want.l[r]).abs() <= 1e-6 * want.l[r]);
     }
+    // More parts than the combine's block takes at once (128), a count that leaves a tail
+    // of odd length, and empty parts scattered through the chunks.
+    let (mq, ct) = (8, 4);
+    let q = rng.rows(mq);
+    let q = Queries::new(&q).unwrap();
+    let parts: Vec<Partial> = (0..301)
+        .map(|i| {
+            if i % 7 == 3 {
+                return Partial::empty(mq);
+            }
+            let c = rng.rows(ct);
+            partial_dense(Backend::Cpu, &q, &Cache::contiguous(&c).unwrap(), SCALE).unwrap()
+        })
+        .collect();
+    let refs: Vec<&Partial> = parts.iter().collect();
+    let want = merge(&refs).unwrap();
+    let got = merge_with(Backend::Cuda, &refs).unwrap();
+    let err = max_abs(&got.o, &want.o);
+    println!("  merge of 301 parts, 43 empty: o max abs difference {err:.2e}");
+    assert!(err <= 1e-6);
+    for r in 0..mq {
+        assert_eq!(got.m[r], want.m[r]);
+        assert!((got.l[r] - want.l[r]).abs() <= 1e-6 * want.l[r]);
+    }
 }
 
 fn splice_is_bit_identical() {

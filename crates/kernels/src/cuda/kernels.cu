@@ -21,7 +21,10 @@ typedef unsigned short bf16_t;
 #define PARTIAL_THREADS (ROWS * WARP)
 // Output dims of o per lane: lane, lane + 32, ..., lane + 480.
 #define DIMS_PER_LANE (D_LATENT / WARP)
-#define COMBINE_THREADS 128
+// The combine: threads per block, dims per block, and so groups of parts summed side by side.
+#define COMBINE_THREADS 512
+#define COMBINE_DIMS 128
+#define COMBINE_GROUPS (COMBINE_THREADS / COMBINE_DIMS)
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -59,8 +62,13 @@ __device__ __forceinline__ long long cache_row(const unsigned* __restrict__ tabl
 
 // Split-K flash-decoding partial attention (dense and sparse).
 //
-// grid.x = splits of the key list, grid.y = row groups; one warp per query row, ROWS rows per
-// block sharing each TILE-token tile of cache rows in shared memory.
+// grid.x = splits of the key list, grid.y = row groups; ROWS rows per block sharing each
+// TILE-token tile of cache rows in shared memory, one warp per row. A group of fewer rows
+// (a short query, or a short tail) still has ROWS warps: each row gets ROWS / rows_cap of
+// them (slices), each slice takes every slices-th key of a tile, and the block merges its
+// slices' states at the end. One warp alone works through a tile's keys one after
+// another, so without slices a one-row group left seven warps idle and took about eight
+// times as long per tile.
 //   dense  (sel == null): group g is query rows 8g.., the key list is cache tokens 0..keys.
 //   sparse (sel != null): a group is up to 8 of one query token's rows_per_token rows, the key
 //          list is sel[token * keys ..][..keys], -1 = padding (skipped), a repeated index
@@ -77,6 +85,7 @@ extern "C" __global__ void __launch_bounds__(PARTIAL_THREADS) mla_partial(
     __shared__ __align__(16) float qs[ROWS][D_QK];
     __shared__ __align__(16) unsigned ks[TILE][D_QK / 2];
     __shared__ int valid[TILE];
+    __shared__ float slice_m[ROWS], slice_l[ROWS];
 
     const int warp = threadIdx.x / WARP;
     const int lane = threadIdx.x % WARP;
@@ -99,13 +108,17 @@ extern "C" __global__ void __launch_bounds__(PARTIAL_THREADS) mla_partial(
         qs[r][d] = r < nrows ? bf16_to_f32(q[(long long)(row0 + r) * D_QK + d]) * scale : 0.0f;
     }
 
-    const bool live = warp < nrows;
+    // rows_cap: nrows rounded up to a power of two; warp = slice * rows_cap + row.
+    const int rows_cap = nrows > 4 ? 8 : nrows > 2 ? 4 : nrows > 1 ? 2 : 1;
+    const int slices = ROWS / rows_cap;
+    const int r = warp % rows_cap, slice = warp / rows_cap;
+    const bool live = r < nrows;
     float m = neg_inf(), l = 0.0f;
     float acc[DIMS_PER_LANE];
 #pragma unroll
     for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] = 0.0f;
 
-    const float2* qrow = reinterpret_cast<const float2*>(qs[warp]);
+    const float2* qrow = reinterpret_cast<const float2*>(qs[r]);
     for (int t0 = k0; t0 < k1; t0 += TILE) {
         const int n = min(TILE, k1 - t0);
         __syncthreads();  // the previous tile (and, the first time, qs) is complete
@@ -125,8 +138,9 @@ extern "C" __global__ void __launch_bounds__(PARTIAL_THREADS) mla_partial(
         float tile_max = neg_inf();
         unsigned ok = 0;
 #pragma unroll
-        for (int j = 0; j < TILE; ++j) {
-            s[j] = neg_inf();
+        for (int jj = 0; jj < TILE; ++jj) {
+            s[jj] = neg_inf();
+            const int j = jj * slices + slice;  // this slice's jj-th key of the tile
             if (j < n && valid[j]) {  // uniform across the warp
                 float dot = 0.0f;
 #pragma unroll
@@ -138,8 +152,8 @@ extern "C" __global__ void __launch_bounds__(PARTIAL_THREADS) mla_partial(
                 }
 #pragma unroll
                 for (int off = WARP / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-                s[j] = dot;
-                ok |= 1u << j;
+                s[jj] = dot;
+                ok |= 1u << jj;
                 tile_max = fmaxf(tile_max, dot);
             }
         }
@@ -150,9 +164,10 @@ extern "C" __global__ void __launch_bounds__(PARTIAL_THREADS) mla_partial(
 #pragma unroll
         for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] *= alpha;
 #pragma unroll
-        for (int j = 0; j < TILE; ++j) {
-            if (ok & (1u << j)) {
-                const float p = expf(s[j] - m_new);
+        for (int jj = 0; jj < TILE; ++jj) {
+            if (ok & (1u << jj)) {
+                const int j = jj * slices + slice;
+                const float p = expf(s[jj] - m_new);
                 l += p;
                 // Dim d = lane + 32 i lives in word d / 2, in its high half when d is odd.
 #pragma unroll
@@ -166,8 +181,43 @@ extern "C" __global__ void __launch_bounds__(PARTIAL_THREADS) mla_partial(
         m = m_new;
     }
 
-    if (live) {
-        const long long at = (long long)blockIdx.x * mq + row0 + warp;
+    if (slices > 1) {
+        // Merge the slices' states into slice 0's warp of each row, through shared memory
+        // (ks is free once every warp is past the last tile: 8 states of 512 floats fit).
+        __syncthreads();
+        float* states = reinterpret_cast<float*>(&ks[0][0]);
+        if (live && slice > 0) {
+#pragma unroll
+            for (int i = 0; i < DIMS_PER_LANE; ++i) states[warp * D_LATENT + lane + i * WARP] = acc[i];
+            if (lane == 0) {
+                slice_m[warp] = m;
+                slice_l[warp] = l;
+            }
+        }
+        __syncthreads();
+        if (live && slice == 0) {
+            float big = m;
+            for (int k = 1; k < slices; ++k) big = fmaxf(big, slice_m[r + k * rows_cap]);
+            if (big != neg_inf()) {  // else no slice saw a key: the empty state stands
+                const float a0 = expf(m - big);
+                l *= a0;
+#pragma unroll
+                for (int i = 0; i < DIMS_PER_LANE; ++i) acc[i] *= a0;
+                for (int k = 1; k < slices; ++k) {
+                    const int w = r + k * rows_cap;
+                    const float a = expf(slice_m[w] - big);  // 0 for a slice with no key
+                    l = fmaf(a, slice_l[w], l);
+#pragma unroll
+                    for (int i = 0; i < DIMS_PER_LANE; ++i)
+                        acc[i] = fmaf(a, states[w * D_LATENT + lane + i * WARP], acc[i]);
+                }
+                m = big;
+            }
+        }
+    }
+
+    if (live && slice == 0) {
+        const long long at = (long long)blockIdx.x * mq + row0 + r;
 #pragma unroll
         for (int i = 0; i < DIMS_PER_LANE; ++i) ws_o[at * D_LATENT + lane + i * WARP] = acc[i];
         if (lane == 0) {
@@ -177,61 +227,123 @@ extern "C" __global__ void __launch_bounds__(PARTIAL_THREADS) mla_partial(
     }
 }
 
-// Combines `parts` partial states per row into one normalised partial, exactly as
-// merge.rs combine_row: parts with l = 0 are skipped (never -inf - -inf), weights
-// exp(m_p - max m) and sums in f64, one division at the end. `normalized` says whether o is
-// already divided by l (a peer's partial: weight w l) or not (a split's state: weight w).
-// One block of 128 threads per row, 4 dims each.
+// Combines `parts` partial states per row into one normalised partial, as merge.rs
+// combine_row does: parts with l = 0 are skipped (never -inf - -inf, and their o is never
+// read), weights exp(m_p - max m) and sums in f64, one division at the end. `normalized`
+// says whether o is already divided by l (a peer's partial: weight w l) or not (a split's
+// state: weight w).
+//
+// grid = (rows, D_LATENT / COMBINE_DIMS): a block finishes COMBINE_DIMS dims of one row. Its
+// threads are COMBINE_GROUPS groups of COMBINE_DIMS, one dim per thread; group g sums parts
+// g, g + COMBINE_GROUPS, ... eight loads at a time, and the groups' sums are added in group
+// order at the end. A split-K finish has one part per split, up to 256 of them: taken one
+// after another, each load waited for, they took about 50 of the 62 us of a one-row call at
+// ct = 2048 on an H200, so the loads of many parts must be in flight together. The sums are f64, so their order moves the
+// result by about 1e-16 relative, far below the f32 it is rounded to.
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) mla_combine(
     const float* __restrict__ o, const float* __restrict__ m, const float* __restrict__ l,
     int parts, int mq, int normalized,
     float* __restrict__ out_o, float* __restrict__ out_m, float* __restrict__ out_l)
 {
+    // A chunk's weights for o; -1 marks a skipped part (a live part's weight is >= 0).
+    __shared__ double w_value[COMBINE_THREADS];
+    __shared__ double group_sum[COMBINE_GROUPS][COMBINE_DIMS];
+    __shared__ double warp_l[COMBINE_THREADS / WARP];
+    __shared__ float warp_big[COMBINE_THREADS / WARP];
     const int row = blockIdx.x;
+    const int dim = threadIdx.x % COMBINE_DIMS, group = threadIdx.x / COMBINE_DIMS;
+    const long long out_at = (long long)row * D_LATENT + blockIdx.y * COMBINE_DIMS + dim;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const bool writes_ml = blockIdx.y == 0 && threadIdx.x == 0;
+
+    // Pass 1: the largest m over live parts, and whether any state is non-finite. A NaN or
+    // infinite state (non-finite inputs or scores) poisons the row: skipping it as empty
+    // would give a finite, wrong result.
     float big = neg_inf();
-    bool poisoned = false;
-    for (int p = 0; p < parts; ++p) {
+    int poisoned = 0;
+    for (int p = threadIdx.x; p < parts; p += COMBINE_THREADS) {
         const long long at = (long long)p * mq + row;
-        // A NaN or infinite state (non-finite inputs or scores) poisons the row: skipping it
-        // as empty would give a finite, wrong result.
-        if (isnan(m[at]) || m[at] == -neg_inf() || !isfinite(l[at])) poisoned = true;
-        if (l[at] > 0.0f) big = fmaxf(big, m[at]);
+        const float mp = m[at], lp = l[at];
+        if (isnan(mp) || mp == -neg_inf() || !isfinite(lp)) poisoned = 1;
+        if (lp > 0.0f) big = fmaxf(big, mp);
     }
+    poisoned = __syncthreads_or(poisoned);
+    for (int off = WARP / 2; off > 0; off >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, off));
+    if (lane == 0) warp_big[warp] = big;
+    __syncthreads();
+    big = warp_big[0];
+    for (int i = 1; i < COMBINE_THREADS / WARP; ++i) big = fmaxf(big, warp_big[i]);
+
     if (poisoned) {
-        for (int d = threadIdx.x; d < D_LATENT; d += COMBINE_THREADS) out_o[(long long)row * D_LATENT + d] = __int_as_float(0x7fc00000);
-        if (threadIdx.x == 0) {
+        if (group == 0) out_o[out_at] = __int_as_float(0x7fc00000);
+        if (writes_ml) {
             out_m[row] = __int_as_float(0x7fc00000);
             out_l[row] = __int_as_float(0x7fc00000);
         }
         return;
     }
     if (big == neg_inf()) {
-        for (int d = threadIdx.x; d < D_LATENT; d += COMBINE_THREADS) out_o[(long long)row * D_LATENT + d] = 0.0f;
-        if (threadIdx.x == 0) {
+        if (group == 0) out_o[out_at] = 0.0f;
+        if (writes_ml) {
             out_m[row] = neg_inf();
             out_l[row] = 0.0f;
         }
         return;
     }
-    double sum_l = 0.0;
-    double acc[D_LATENT / COMBINE_THREADS];
+
+    // Pass 2, COMBINE_THREADS parts at a time: each thread weighs one part, then each group
+    // sums its share of the chunk's parts for its dim.
+    double my_l = 0.0;  // the weighted l of the parts this thread weighed
+    double acc = 0.0;
+    const float* col = o + (long long)row * D_LATENT + blockIdx.y * COMBINE_DIMS + dim;
+    const long long part_stride = (long long)mq * D_LATENT;
+    for (int p0 = 0; p0 < parts; p0 += COMBINE_THREADS) {
+        const int n = min(COMBINE_THREADS, parts - p0);
+        if (threadIdx.x < n) {
+            const long long at = (long long)(p0 + threadIdx.x) * mq + row;
+            const float lp = l[at];
+            double wv = -1.0;
+            if (lp > 0.0f) {
+                const double w = exp((double)m[at] - (double)big);
+                my_l += w * (double)lp;
+                wv = normalized ? w * (double)lp : w;
+            }
+            w_value[threadIdx.x] = wv;
+        }
+        __syncthreads();
+        const float* base = col + (long long)p0 * part_stride;
+        int j = group;
+        for (; j + 7 * COMBINE_GROUPS < n; j += 8 * COMBINE_GROUPS) {
+            float v[8];
 #pragma unroll
-    for (int i = 0; i < D_LATENT / COMBINE_THREADS; ++i) acc[i] = 0.0;
-    for (int p = 0; p < parts; ++p) {
-        const long long at = (long long)p * mq + row;
-        const float lp = l[at];
-        if (!(lp > 0.0f)) continue;
-        const double w = exp((double)m[at] - (double)big);
-        sum_l += w * (double)lp;
-        const double wv = normalized ? w * (double)lp : w;
+            for (int u = 0; u < 8; ++u) v[u] = base[(long long)(j + u * COMBINE_GROUPS) * part_stride];
 #pragma unroll
-        for (int i = 0; i < D_LATENT / COMBINE_THREADS; ++i)
-            acc[i] += wv * (double)o[at * D_LATENT + threadIdx.x + i * COMBINE_THREADS];
+            for (int u = 0; u < 8; ++u) {
+                const double w = w_value[j + u * COMBINE_GROUPS];
+                if (w >= 0.0) acc += w * (double)v[u];
+            }
+        }
+        for (; j < n; j += COMBINE_GROUPS) {
+            const double w = w_value[j];
+            if (w >= 0.0) acc += w * (double)base[(long long)j * part_stride];
+        }
+        __syncthreads();  // the chunk's weights are read before the next chunk's are written
     }
+
+    // The denominator: every thread's weighted l, summed over the block in a fixed order.
+    for (int off = WARP / 2; off > 0; off >>= 1) my_l += __shfl_xor_sync(0xffffffffu, my_l, off);
+    if (lane == 0) warp_l[warp] = my_l;
+    group_sum[group][dim] = acc;
+    __syncthreads();
+    double sum_l = 0.0;
+    for (int i = 0; i < COMBINE_THREADS / WARP; ++i) sum_l += warp_l[i];
+    if (group == 0) {
+        double total = 0.0;
 #pragma unroll
-    for (int i = 0; i < D_LATENT / COMBINE_THREADS; ++i)
-        out_o[(long long)row * D_LATENT + threadIdx.x + i * COMBINE_THREADS] = (float)(acc[i] / sum_l);
-    if (threadIdx.x == 0) {
+        for (int g = 0; g < COMBINE_GROUPS; ++g) total += group_sum[g][dim];
+        out_o[out_at] = (float)(total / sum_l);
+    }
+    if (writes_ml) {
         out_m[row] = big;
         out_l[row] = (float)sum_l;
     }

@@ -38,10 +38,18 @@ const ROWS: usize = 8;
 const TILE: usize = 16;
 /// Threads per block of `mla_partial`, `mla_combine`, `mla_splice`.
 const PARTIAL_THREADS: u32 = (ROWS * 32) as u32;
-const COMBINE_THREADS: u32 = 128;
+const COMBINE_THREADS: u32 = 512;
+/// Output dims one `mla_combine` block finishes (`COMBINE_DIMS` in kernels.cu).
+const COMBINE_DIMS: usize = 128;
 const SPLICE_THREADS: u32 = 256;
-/// Blocks per SM the split-K planner aims for (two resident blocks hide a tile's load).
-const BLOCKS_PER_SM: usize = 2;
+/// Blocks per SM the split-K planner aims for. A block works through its tiles one load
+/// after another, so the loads in flight come from many blocks: with 80 registers per
+/// thread three are resident per SM, and about eight per SM (queued ones start as others
+/// finish) was the fastest split at Mq = 64-256 on an H200 (docs/kernels.md).
+const BLOCKS_PER_SM: usize = 8;
+/// The most splits the planner makes: each is a part the combine reads back (2 KB a row),
+/// and past about 256 of them the combine cost more than the extra splits gained.
+const MAX_SPLITS: usize = 256;
 /// CUDA's grid.y limit.
 const MAX_GRID_Y: usize = 65_535;
 
@@ -244,6 +252,20 @@ impl Gpu {
         sel: Option<&Selection<'_>>,
         scale: f32,
     ) -> Result<PreparedPartial, KernelError> {
+        self.prepare_partial_split(q, cache, sel, scale, None)
+    }
+
+    /// [`Gpu::prepare_partial`] with the split chosen by the caller: `tiles_per_split`
+    /// tiles of 16 keys per block (at least one), or `None` for the planner's choice. For
+    /// measuring the planner against the alternatives.
+    pub fn prepare_partial_split(
+        &self,
+        q: &Queries<'_>,
+        cache: &Cache<'_>,
+        sel: Option<&Selection<'_>>,
+        scale: f32,
+        tiles_per_split: Option<usize>,
+    ) -> Result<PreparedPartial, KernelError> {
         crate::check_scale(scale)?;
         if q.is_empty() {
             return Err(KernelError::Empty("query rows"));
@@ -264,12 +286,10 @@ impl Gpu {
                 why: "at most 65535 groups of 8 rows per launch",
             });
         }
-        // Split the keys so that the grid fills every SM about twice, in whole tiles.
         let tiles = keys.div_ceil(TILE).max(1);
-        let want = (self.info.sms * BLOCKS_PER_SM)
-            .div_ceil(groups)
-            .clamp(1, tiles);
-        let keys_per_split = tiles.div_ceil(want) * TILE;
+        let keys_per_split = tiles_per_split
+            .map_or_else(|| plan_tiles_per_split(tiles, groups, self.info.sms), |t| t.clamp(1, tiles))
+            * TILE;
         let splits = keys.div_ceil(keys_per_split).max(1);
         let to_i32 = |what: &'static str, v: usize| {
             i32::try_from(v).map_err(|_| KernelError::Parameter {
@@ -342,8 +362,8 @@ impl Gpu {
             .arg(&mut p.o)
             .arg(&mut p.m)
             .arg(&mut p.l);
-        // SAFETY: as above; one block per row, parts x mq states in the workspace.
-        unsafe { c.launch(config((p.mq as u32, 1, 1), COMBINE_THREADS)) }
+        // SAFETY: as above; parts x mq states in the workspace, mq rows out.
+        unsafe { c.launch(config(combine_grid(p.mq as u32), COMBINE_THREADS)) }
             .map_err(driver("mla_combine"))?;
         Ok(())
     }
@@ -416,7 +436,7 @@ impl Gpu {
             .arg(&mut out_m)
             .arg(&mut out_l);
         // SAFETY: matches mla_combine; parts x mq rows uploaded, mq rows out.
-        unsafe { c.launch(config((mq as u32, 1, 1), COMBINE_THREADS)) }
+        unsafe { c.launch(config(combine_grid(mq as u32), COMBINE_THREADS)) }
             .map_err(driver("mla_combine"))?;
         Ok(Partial {
             o: self.download(&out_o, mq * D_LATENT)?,
@@ -525,6 +545,20 @@ impl Gpu {
     }
 }
 
+/// The split-K planner: how many tiles of keys each block of `mla_partial` takes, given
+/// `tiles` tiles of keys and `groups` row groups on `sms` SMs. Enough blocks for about
+/// `BLOCKS_PER_SM` per SM, but no more than `MAX_SPLITS` splits, in whole tiles.
+fn plan_tiles_per_split(tiles: usize, groups: usize, sms: usize) -> usize {
+    let for_blocks = (tiles * groups.max(1)).div_ceil((sms * BLOCKS_PER_SM).max(1));
+    let for_combine = tiles.div_ceil(MAX_SPLITS);
+    for_blocks.max(for_combine).clamp(1, tiles.max(1))
+}
+
+/// `mla_combine`'s grid for `rows` rows: one block per row and `COMBINE_DIMS` dims.
+fn combine_grid(rows: u32) -> (u32, u32, u32) {
+    (rows, (D_LATENT / COMBINE_DIMS) as u32, 1)
+}
+
 fn config(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: grid,
@@ -584,5 +618,49 @@ impl PreparedSplice {
     pub fn bytes_moved(&self) -> usize {
         let per_row = if self.src.is_some() { D_QK } else { D_ROPE };
         2 * self.layers as usize * self.tokens as usize * per_row * 2
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The planner picks, at each operating point swept on an H200 (132 SMs), the split
+    /// that was fastest there or within the sweep's run-to-run noise of it (docs/kernels.md:
+    /// tiles per split 1, 2, 4, 8, 16, 64 against the planner, partial and combine timed
+    /// together).
+    #[test]
+    fn the_split_planner_picks_the_h200_sweeps_fastest_splits() {
+        let h200 = 132;
+        let tiles = |keys: usize| keys.div_ceil(TILE);
+        // (keys, row groups of 8, tiles per split measured fastest)
+        for (keys, groups, best) in [
+            (2048, 1, 1),   // Mq = 1
+            (2048, 2, 1),   // Mq = 16, and sparse top-2048 x 16 heads
+            (2048, 32, 4),  // Mq = 256: 152 us against 205 at the old planner's 15
+            (8192, 1, 2),   // Mq = 1: 19.8 us against 27.1 with 512 splits
+            (8192, 16, 8),  // Mq = 128: 281 us against 404 at the old planner's 31
+            (2048, 16, 2),  // sparse top-2048 x 128 heads
+            (512, 2, 1),    // sparse top-512 x 16 heads
+        ] {
+            assert_eq!(
+                plan_tiles_per_split(tiles(keys), groups, h200),
+                best,
+                "{keys} keys, {groups} groups"
+            );
+        }
+    }
+
+    #[test]
+    fn the_split_planner_stays_in_whole_tiles_of_the_keys() {
+        for tiles in [1, 2, 7, 128, 100_000] {
+            for groups in [0, 1, 3, 65_535] {
+                for sms in [0, 1, 132] {
+                    let t = plan_tiles_per_split(tiles, groups, sms);
+                    assert!((1..=tiles).contains(&t), "{tiles} {groups} {sms}: {t}");
+                    assert!(tiles.div_ceil(t) <= MAX_SPLITS);
+                }
+            }
+        }
     }
 }
