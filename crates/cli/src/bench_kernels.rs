@@ -217,9 +217,14 @@ fn bound(r: &DenseRow) -> f64 {
 /// reads and writes 63.7 MB, which no copy on an H100 or H200 moves in 30 us).
 fn gpu_targets(m: &KernelBench) -> Vec<Target> {
     let target = |i: usize, what: &'static str| {
-        let (us, floor) = m.splice.get(i).map_or((f64::NAN, f64::NAN), |r| (r.us, r.floor_us));
+        let (us, floor) = m
+            .splice
+            .get(i)
+            .map_or((f64::NAN, f64::NAN), |r| (r.us, r.floor_us));
         Target {
-            bound: Some(format!("a device copy of the bytes it moves takes {floor:.1} us")),
+            bound: Some(format!(
+                "a device copy of the bytes it moves takes {floor:.1} us"
+            )),
             ..Target::new(what, "< 30", us, us < 30.0)
         }
     };

@@ -34,7 +34,12 @@ const POINTS: [(usize, usize, usize); 10] = [
 
 fn main() -> Result<(), KernelError> {
     let gpu = Gpu::global()?;
-    println!("{} ({}, {} SMs), us per call", gpu.info().name, gpu.info().arch, gpu.info().sms);
+    println!(
+        "{} ({}, {} SMs), us per call",
+        gpu.info().name,
+        gpu.info().arch,
+        gpu.info().sms
+    );
     print!("{:>5} {:>6} {:>6}", "mq", "ct", "top-k");
     for t in TILES_PER_SPLIT {
         print!(" {:>8}", t.map_or("auto".to_owned(), |t| format!("t{t}")));

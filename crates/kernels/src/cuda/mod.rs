@@ -145,8 +145,11 @@ impl Gpu {
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver("SM count"))?;
-        let (partial, combine, splice) =
-            (load("mla_partial")?, load("mla_combine")?, load("mla_splice")?);
+        let (partial, combine, splice) = (
+            load("mla_partial")?,
+            load("mla_combine")?,
+            load("mla_splice")?,
+        );
         let loaded = [
             ("mla_partial", &partial),
             ("mla_combine", &combine),
@@ -161,7 +164,10 @@ impl Gpu {
             };
             Ok(LoadedKernel {
                 name: name.to_owned(),
-                registers: get("registers", CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
+                registers: get(
+                    "registers",
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS,
+                )?,
                 shared_bytes: get(
                     "shared memory",
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
@@ -287,9 +293,10 @@ impl Gpu {
             });
         }
         let tiles = keys.div_ceil(TILE).max(1);
-        let keys_per_split = tiles_per_split
-            .map_or_else(|| plan_tiles_per_split(tiles, groups, self.info.sms), |t| t.clamp(1, tiles))
-            * TILE;
+        let keys_per_split = tiles_per_split.map_or_else(
+            || plan_tiles_per_split(tiles, groups, self.info.sms),
+            |t| t.clamp(1, tiles),
+        ) * TILE;
         let splits = keys.div_ceil(keys_per_split).max(1);
         let to_i32 = |what: &'static str, v: usize| {
             i32::try_from(v).map_err(|_| KernelError::Parameter {
@@ -635,13 +642,13 @@ mod tests {
         let tiles = |keys: usize| keys.div_ceil(TILE);
         // (keys, row groups of 8, tiles per split measured fastest)
         for (keys, groups, best) in [
-            (2048, 1, 1),   // Mq = 1
-            (2048, 2, 1),   // Mq = 16, and sparse top-2048 x 16 heads
-            (2048, 32, 4),  // Mq = 256: 152 us against 205 at the old planner's 15
-            (8192, 1, 2),   // Mq = 1: 19.8 us against 27.1 with 512 splits
-            (8192, 16, 8),  // Mq = 128: 281 us against 404 at the old planner's 31
-            (2048, 16, 2),  // sparse top-2048 x 128 heads
-            (512, 2, 1),    // sparse top-512 x 16 heads
+            (2048, 1, 1),  // Mq = 1
+            (2048, 2, 1),  // Mq = 16, and sparse top-2048 x 16 heads
+            (2048, 32, 4), // Mq = 256: 152 us against 205 at the old planner's 15
+            (8192, 1, 2),  // Mq = 1: 19.8 us against 27.1 with 512 splits
+            (8192, 16, 8), // Mq = 128: 281 us against 404 at the old planner's 31
+            (2048, 16, 2), // sparse top-2048 x 128 heads
+            (512, 2, 1),   // sparse top-512 x 16 heads
         ] {
             assert_eq!(
                 plan_tiles_per_split(tiles(keys), groups, h200),
