@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail, ensure};
 use kvroute_kernels::layout::{D_QK, PAGE_TOKENS};
 use kvroute_kernels::{
-    Backend, Cache, Partial, Queries, Rope, RopeLayout, Selection, SpliceJob, Yarn, cuda,
+    Backend, Cache, Call, Partial, Queries, Rope, RopeLayout, Selection, SpliceJob, Yarn, cuda,
 };
 use serde::Serialize;
 
@@ -45,10 +45,15 @@ impl fmt::Display for KernelReport {
     }
 }
 
-fn backend(name: &str) -> Result<(Backend, String)> {
-    let backend: Backend = name.parse().with_context(|| format!("--backend {name}"))?;
+/// `--backend NAME` for `call`: the backend that runs it (`auto` resolved per call) and what
+/// that is, in words.
+fn backend(name: &str, call: Call) -> Result<(Backend, String)> {
+    let backend = name
+        .parse::<Backend>()
+        .with_context(|| format!("--backend {name}"))?
+        .resolve(call);
     let described =
-        kvroute_kernels::describe(backend).with_context(|| format!("--backend {name}"))?;
+        kvroute_kernels::describe(backend, call).with_context(|| format!("--backend {name}"))?;
     Ok((backend, described))
 }
 
@@ -89,9 +94,12 @@ fn read_indices(path: &Path, mq: usize, ct: usize) -> Result<(Vec<i32>, usize, u
 
 /// `kvroute kernel partial`.
 pub(crate) fn partial(args: &KernelPartialArgs) -> Result<KernelReport> {
-    let (backend, described) = backend(&args.backend)?;
+    args.backend
+        .parse::<Backend>()
+        .with_context(|| format!("--backend {}", args.backend))?;
     let q = Array::read(&args.q)?;
     let mq = rows_of(&q, "--q", D_QK)?;
+    let (backend, described) = backend(&args.backend, Call::Partial { rows: mq })?;
     let c = Array::read(&args.cache)?;
     let ct = rows_of(&c, "--cache", D_QK)?;
     let (q_bits, c_bits) = (q.to_bf16().context("--q")?, c.to_bf16().context("--cache")?);
@@ -124,7 +132,7 @@ pub(crate) fn partial(args: &KernelPartialArgs) -> Result<KernelReport> {
 
 /// `kvroute kernel merge`.
 pub(crate) fn merge(args: &KernelMergeArgs) -> Result<KernelReport> {
-    let (backend, described) = backend(&args.backend)?;
+    let (backend, described) = backend(&args.backend, Call::Merge)?;
     let parts = args
         .parts
         .iter()
@@ -155,7 +163,7 @@ fn positions(path: &Path, what: &str, n: usize) -> Result<Vec<i64>> {
 
 /// `kvroute kernel splice`: the rows re-rotated from `--from` to `--to` positions.
 pub(crate) fn splice(args: &KernelSpliceArgs) -> Result<KernelReport> {
-    let (backend, described) = backend(&args.backend)?;
+    let (backend, described) = backend(&args.backend, Call::Splice)?;
     let c = Array::read(&args.cache)?;
     let n = rows_of(&c, "--cache", D_QK)?;
     ensure!(n > 0, "--cache has no rows");

@@ -17,7 +17,7 @@ use serde::Serialize;
 use crate::cuda::Gpu;
 use crate::layout::{D_QK, PARTIAL_ROW_BYTES};
 use crate::workload::{self as w, SCALE, rows};
-use crate::{Backend, Cache, KernelError, Partial, Queries, Selection, WireOut, WirePartial};
+use crate::{Backend, Cache, Call, KernelError, Partial, Queries, Selection, WireOut, WirePartial};
 
 type Result<T, E = KernelError> = std::result::Result<T, E>;
 
@@ -124,9 +124,17 @@ pub fn dense_flops(mq: usize) -> f64 {
     2.0 * mq as f64 * w::DENSE_CT as f64 * (D_QK + crate::layout::D_LATENT) as f64
 }
 
-/// The CPU kernels of `backend`.
+/// The CPU kernels of `backend` (a CPU backend: [`Backend::Auto`] would move calls between
+/// the CPU and a GPU by their size).
 pub fn cpu(budget: &Budget, backend: Backend) -> Result<KernelBench> {
-    let described = crate::describe(backend)?;
+    if !matches!(backend, Backend::Cpu | Backend::CpuWith(_)) {
+        return Err(KernelError::Parameter {
+            what: "bench backend",
+            value: f64::NAN,
+            why: "the CPU bench takes cpu or an instruction set",
+        });
+    }
+    let described = crate::describe(backend, Call::Merge)?;
     let dram_bytes = 256usize << 20;
     let big: Vec<u64> = (0..dram_bytes / 8).map(|i| i as u64).collect();
     let read_us = median_us(budget.iters, budget.time, || {
@@ -402,7 +410,7 @@ pub fn gpu(budget: &Budget, gpu: &Gpu) -> Result<KernelBench> {
         });
     }
     Ok(KernelBench {
-        backend: crate::describe(Backend::Cuda)?,
+        backend: crate::describe(Backend::Cuda, Call::Merge)?,
         read_gbps,
         chunk_read_gbps: None,
         fma_gflops: None,

@@ -61,7 +61,11 @@ use serde::{Deserialize, Serialize};
 /// Which implementation runs a kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum Backend {
-    /// [`Backend::Cuda`] when a GPU is usable here, else [`Backend::Cpu`].
+    /// Per call ([`Backend::resolve`]): [`Backend::Cuda`] for a partial of at least
+    /// [`AUTO_GPU_MIN_ROWS`] query rows when a GPU is usable here, [`Backend::Cpu`] for
+    /// everything else. The calls take and return host memory, so a GPU call pays for
+    /// moving its inputs, and for merges, splices and short partials that costs more than
+    /// the CPU's whole call.
     #[default]
     Auto,
     /// The CPU fast path with the widest available [`Isa`].
@@ -96,6 +100,50 @@ impl std::str::FromStr for Backend {
     }
 }
 
+/// What a call is, for [`Backend::Auto`]'s choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Call {
+    /// A dense or sparse partial of `rows` query rows.
+    Partial {
+        /// Query rows.
+        rows: usize,
+    },
+    /// A merge of partials.
+    Merge,
+    /// A splice of a pool.
+    Splice,
+}
+
+/// The fewest query rows for which [`Backend::Auto`] runs a partial on the GPU.
+///
+/// Measured host to host on an H100 machine with 16 Xeon cores (docs/kernels.md, "Host to
+/// host"): the GPU partial costs about 200 us plus 73 us per MB of cache to upload, so at
+/// ct = 2048 it took 222 us at 1 row against the CPU's 64, was even at 16 rows (244 against
+/// 259) and 2.5x faster at 64 (292 against 728); at ct = 8192, 737 against 126 at 1 row, 722
+/// against 460 at 16, 886 against 1692 at 64. A merge of host partials was 5-20x slower on
+/// the GPU at every size tried (8 x 256 rows: 2180 us against 343), and a splice uploads and
+/// downloads its whole pool (63.7 MB each way for 27 x 2048 rows, several ms at that rate,
+/// against 0.3-0.7 ms on two CPU cores), so [`Backend::Auto`] runs those on the CPU.
+pub const AUTO_GPU_MIN_ROWS: usize = 64;
+
+impl Backend {
+    /// The backend that runs `call` here: [`Backend::Auto`] resolved to [`Backend::Cuda`] or
+    /// [`Backend::Cpu`] (the GPU is opened only for a call it would run); any other backend
+    /// as it is.
+    pub fn resolve(self, call: Call) -> Backend {
+        match self {
+            Backend::Auto if auto_on_gpu(call) && cuda::Gpu::global().is_ok() => Backend::Cuda,
+            Backend::Auto => Backend::Cpu,
+            other => other,
+        }
+    }
+}
+
+/// Whether [`Backend::Auto`] runs `call` on a GPU, where there is one.
+fn auto_on_gpu(call: Call) -> bool {
+    matches!(call, Call::Partial { rows } if rows >= AUTO_GPU_MIN_ROWS)
+}
+
 /// What runs a call.
 enum Engine {
     Cpu(Isa),
@@ -103,12 +151,9 @@ enum Engine {
     Cuda(&'static cuda::Gpu),
 }
 
-fn engine(backend: Backend) -> Result<Engine, KernelError> {
-    match backend {
-        Backend::Auto => {
-            Ok(cuda::Gpu::global().map_or_else(|_| Engine::Cpu(Isa::detect()), Engine::Cuda))
-        }
-        Backend::Cpu => Ok(Engine::Cpu(Isa::detect())),
+fn engine(backend: Backend, call: Call) -> Result<Engine, KernelError> {
+    match backend.resolve(call) {
+        Backend::Auto | Backend::Cpu => Ok(Engine::Cpu(Isa::detect())),
         Backend::CpuWith(isa) if isa.is_available() => Ok(Engine::Cpu(isa)),
         Backend::CpuWith(isa) => Err(KernelError::Parameter {
             what: "instruction set",
@@ -124,10 +169,10 @@ fn engine(backend: Backend) -> Result<Engine, KernelError> {
     }
 }
 
-/// What `backend` runs on here, in words (`cpu avx512`, `reference`, `cuda NVIDIA H100 (sm_90)`),
-/// or why it cannot run.
-pub fn describe(backend: Backend) -> Result<String, KernelError> {
-    Ok(match engine(backend)? {
+/// What `backend` runs `call` on here, in words (`cpu avx512`, `reference`, `cuda NVIDIA H100
+/// (sm_90)`), or why it cannot run.
+pub fn describe(backend: Backend, call: Call) -> Result<String, KernelError> {
+    Ok(match engine(backend, call)? {
         Engine::Cpu(isa) => format!("cpu {isa}"),
         Engine::Reference => "reference".to_owned(),
         Engine::Cuda(gpu) => format!("cuda {} ({})", gpu.info().name, gpu.info().arch),
@@ -158,7 +203,7 @@ pub fn partial_dense(
     if q.is_empty() {
         return Err(KernelError::Empty("query rows"));
     }
-    let p = match engine(backend)? {
+    let p = match engine(backend, Call::Partial { rows: q.len() })? {
         Engine::Cpu(isa) => cpu::partial_dense(q, cache, scale, isa),
         Engine::Reference => reference::partial_dense(q, cache, scale),
         Engine::Cuda(gpu) => gpu.partial_dense(q, cache, scale)?,
@@ -181,7 +226,7 @@ pub fn partial_sparse(
         return Err(KernelError::Empty("query rows"));
     }
     let sel = selection_for(sel, q, cache)?;
-    let p = match engine(backend)? {
+    let p = match engine(backend, Call::Partial { rows: q.len() })? {
         Engine::Cpu(isa) => cpu::partial_sparse(q, cache, &sel, scale, isa),
         Engine::Reference => reference::partial_sparse(q, cache, &sel, scale),
         Engine::Cuda(gpu) => gpu.partial_sparse(q, cache, &sel, scale)?,
@@ -223,7 +268,8 @@ pub fn partial_dense_wire(
     out: &mut WireOut<'_>,
 ) -> Result<(), KernelError> {
     check_wire_rows(q, out)?;
-    match engine(backend)? {
+    let backend = backend.resolve(Call::Partial { rows: q.len() });
+    match engine(backend, Call::Partial { rows: q.len() })? {
         Engine::Cpu(isa) => {
             check_scale(scale)?;
             cpu::partial_dense_wire(q, cache, scale, isa, out)?;
@@ -243,7 +289,8 @@ pub fn partial_sparse_wire(
     out: &mut WireOut<'_>,
 ) -> Result<(), KernelError> {
     check_wire_rows(q, out)?;
-    match engine(backend)? {
+    let backend = backend.resolve(Call::Partial { rows: q.len() });
+    match engine(backend, Call::Partial { rows: q.len() })? {
         Engine::Cpu(isa) => {
             check_scale(scale)?;
             let sel = selection_for(sel, q, cache)?;
@@ -264,7 +311,7 @@ fn check_wire_rows(q: &Queries<'_>, out: &WireOut<'_>) -> Result<(), KernelError
 
 /// The delta-rotation splice of `job` (all layers of a chunk in one call).
 pub fn splice(backend: Backend, mut job: SpliceJob<'_>) -> Result<(), KernelError> {
-    match engine(backend)? {
+    match engine(backend, Call::Splice)? {
         Engine::Cpu(isa) => cpu::splice(&mut job, isa),
         Engine::Reference => reference::splice(&mut job),
         Engine::Cuda(gpu) => gpu.splice(&mut job)?,
@@ -273,10 +320,41 @@ pub fn splice(backend: Backend, mut job: SpliceJob<'_>) -> Result<(), KernelErro
 }
 
 /// The exact merge ([`merge`]) on a chosen backend: the CPU and the reference run the same f64
-/// combine; CUDA runs it on the GPU (the combine that also finishes its split-K partials).
+/// combine; CUDA runs it on the GPU (the combine that also finishes its split-K partials),
+/// uploading the parts first. [`Backend::Auto`] merges on the CPU.
 pub fn merge_with(backend: Backend, parts: &[&Partial]) -> Result<Partial, KernelError> {
-    match engine(backend)? {
+    match engine(backend, Call::Merge)? {
         Engine::Cpu(_) | Engine::Reference => merge(parts),
         Engine::Cuda(gpu) => gpu.merge(parts),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Auto` sends a partial to a GPU from `AUTO_GPU_MIN_ROWS` rows on, and never a merge or
+    /// a splice; without a GPU everything resolves to the CPU, and named backends stay.
+    #[test]
+    fn auto_takes_the_gpu_only_for_partials_of_many_rows() {
+        assert!(!auto_on_gpu(Call::Partial {
+            rows: AUTO_GPU_MIN_ROWS - 1
+        }));
+        assert!(auto_on_gpu(Call::Partial {
+            rows: AUTO_GPU_MIN_ROWS
+        }));
+        assert!(!auto_on_gpu(Call::Merge));
+        assert!(!auto_on_gpu(Call::Splice));
+        let big = Call::Partial { rows: 1 << 20 };
+        let want = if cuda::Gpu::global().is_ok() {
+            Backend::Cuda
+        } else {
+            Backend::Cpu
+        };
+        assert_eq!(Backend::Auto.resolve(big), want);
+        assert_eq!(Backend::Auto.resolve(Call::Merge), Backend::Cpu);
+        for named in [Backend::Cpu, Backend::Reference, Backend::Cuda] {
+            assert_eq!(named.resolve(big), named);
+        }
     }
 }

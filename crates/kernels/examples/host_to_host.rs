@@ -1,0 +1,61 @@
+//! The library's calls on host memory, CUDA against the CPU path: the figures behind
+//! `Backend::Auto`'s choice (`AUTO_GPU_MIN_ROWS`). A CUDA call here uploads its inputs,
+//! runs, and downloads its result; the CPU call runs in place.
+//!
+//! ```sh
+//! cargo run --release -p kvroute-kernels --example host_to_host
+//! ```
+//!
+//! Each figure is the median of 15 calls after one untimed call, in microseconds.
+
+use std::time::Instant;
+
+use kvroute_kernels::workload::rows;
+use kvroute_kernels::{Backend, Cache, KernelError, Partial, Queries, merge_with, partial_dense};
+
+const SCALE: f32 = 0.1147;
+
+fn median_us(mut call: impl FnMut() -> Result<(), KernelError>) -> Result<f64, KernelError> {
+    call()?;
+    let mut times = Vec::with_capacity(15);
+    for _ in 0..15 {
+        let start = Instant::now();
+        call()?;
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn main() -> Result<(), KernelError> {
+    println!("dense partial, us per call");
+    println!("{:>5} {:>6} {:>10} {:>10}", "Mq", "ct", "cuda", "cpu");
+    for ct in [2048usize, 8192] {
+        let c = rows(ct, 2);
+        let cache = Cache::contiguous(&c)?;
+        for mq in [1usize, 16, 64, 128, 256] {
+            let q = rows(mq, 1);
+            let q = Queries::new(&q)?;
+            let on = |backend| median_us(|| partial_dense(backend, &q, &cache, SCALE).map(drop));
+            let (gpu, cpu) = (on(Backend::Cuda)?, on(Backend::Cpu)?);
+            println!("{mq:>5} {ct:>6} {gpu:>10.1} {cpu:>10.1}");
+        }
+    }
+    println!("merge, us per call");
+    println!("{:>6} {:>5} {:>10} {:>10}", "parts", "rows", "cuda", "cpu");
+    for (n, mq) in [(2usize, 16usize), (8, 16), (8, 128), (8, 256), (32, 256)] {
+        let q = rows(mq, 1);
+        let q = Queries::new(&q)?;
+        let parts = (0..n)
+            .map(|i| {
+                let c = rows(64, 10 + i as u64);
+                partial_dense(Backend::Cpu, &q, &Cache::contiguous(&c)?, SCALE)
+            })
+            .collect::<Result<Vec<Partial>, KernelError>>()?;
+        let refs: Vec<&Partial> = parts.iter().collect();
+        let on = |backend| median_us(|| merge_with(backend, &refs).map(drop));
+        let (gpu, cpu) = (on(Backend::Cuda)?, on(Backend::Cpu)?);
+        println!("{n:>6} {mq:>5} {gpu:>10.1} {cpu:>10.1}");
+    }
+    Ok(())
+}
