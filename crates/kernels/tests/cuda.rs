@@ -82,6 +82,11 @@ const TESTS: &[(&str, Needs, fn())] = &[
         Needs::Gpu,
         bad_input_is_typed,
     ),
+    (
+        "gpu_non_finite_input_is_refused_naming_the_row",
+        Needs::Gpu,
+        non_finite_is_refused,
+    ),
 ];
 
 fn flag(name: &str) -> bool {
@@ -371,4 +376,47 @@ fn bad_input_is_typed() {
         merge_with(Backend::Cuda, &[]),
         Err(KernelError::Empty(_))
     ));
+}
+
+/// A NaN or infinity in a cache or query row poisons the splits that see it, and the combine
+/// turns them into a non-finite row, which is refused naming the first such row, as on the
+/// CPU (tests/non_finite.rs): never dropped as an empty split.
+fn non_finite_is_refused() {
+    const NAN: u16 = 0x7fc0;
+    const INF: u16 = 0x7f80;
+    let mut rng = Rng::new(23);
+    let (mq, ct) = (6, 1500); // several splits of the keys
+    let q = rng.rows(mq);
+    let idx: Vec<i32> = (0..mq).flat_map(|_| 0..ct as i32).collect();
+    let refused = |q: &[u16], c: &[u16], row: usize, case: &str| {
+        let (q, cache) = (Queries::new(q).unwrap(), Cache::contiguous(c).unwrap());
+        let sel = Selection::new(&idx, ct, 1, mq, ct).unwrap();
+        for (entry, got) in [
+            (
+                "dense",
+                partial_dense(Backend::Cuda, &q, &cache, SCALE).map(drop),
+            ),
+            (
+                "sparse",
+                partial_sparse(Backend::Cuda, &q, &cache, &sel, SCALE).map(drop),
+            ),
+        ] {
+            assert!(
+                matches!(got, Err(KernelError::NonFinite { row: r, .. }) if r == row),
+                "{case}: {entry} gave {got:?}, not NonFinite at row {row}"
+            );
+        }
+    };
+    for (value, at) in [(NAN, 700usize), (INF, 3), (INF | 0x8000, 1499)] {
+        let mut c = rng.rows(ct);
+        c[at * D_QK + 17] = value;
+        refused(&q, &c, 0, &format!("cache row {at} = {value:#06x}"));
+    }
+    let c = rng.rows(ct);
+    for (value, row) in [(NAN, 3usize), (INF, 5)] {
+        let mut bad = q.clone();
+        bad[row * D_QK + 100] = value;
+        refused(&bad, &c, row, &format!("query row {row} = {value:#06x}"));
+    }
+    println!("  NaN and infinities in cache and query rows: refused at the first bad row");
 }
