@@ -53,7 +53,7 @@ fn backend(name: &str, call: Call) -> Result<(Backend, String)> {
         .with_context(|| format!("--backend {name}"))?
         .resolve(call);
     let described =
-        kvroute_kernels::describe(backend, call).with_context(|| format!("--backend {name}"))?;
+        kvroute_kernels::describe(backend).with_context(|| format!("--backend {name}"))?;
     Ok((backend, described))
 }
 
@@ -94,6 +94,8 @@ fn read_indices(path: &Path, mq: usize, ct: usize) -> Result<(Vec<i32>, usize, u
 
 /// `kvroute kernel partial`.
 pub(crate) fn partial(args: &KernelPartialArgs) -> Result<KernelReport> {
+    // A misspelt backend is reported before any file is read; which one runs depends on the
+    // query's rows.
     args.backend
         .parse::<Backend>()
         .with_context(|| format!("--backend {}", args.backend))?;

@@ -17,7 +17,7 @@ use serde::Serialize;
 use crate::cuda::Gpu;
 use crate::layout::{D_QK, PARTIAL_ROW_BYTES};
 use crate::workload::{self as w, SCALE, rows};
-use crate::{Backend, Cache, Call, KernelError, Partial, Queries, Selection, WireOut, WirePartial};
+use crate::{Backend, Cache, KernelError, Partial, Queries, Selection, WireOut, WirePartial};
 
 type Result<T, E = KernelError> = std::result::Result<T, E>;
 
@@ -134,7 +134,7 @@ pub fn cpu(budget: &Budget, backend: Backend) -> Result<KernelBench> {
             why: "the CPU bench takes cpu or an instruction set",
         });
     }
-    let described = crate::describe(backend, Call::Merge)?;
+    let described = crate::describe(backend)?;
     let dram_bytes = 256usize << 20;
     let big: Vec<u64> = (0..dram_bytes / 8).map(|i| i as u64).collect();
     let read_us = median_us(budget.iters, budget.time, || {
@@ -410,7 +410,7 @@ pub fn gpu(budget: &Budget, gpu: &Gpu) -> Result<KernelBench> {
         });
     }
     Ok(KernelBench {
-        backend: crate::describe(Backend::Cuda, Call::Merge)?,
+        backend: crate::describe(Backend::Cuda)?,
         read_gbps,
         chunk_read_gbps: None,
         fma_gflops: None,

@@ -169,13 +169,25 @@ fn engine(backend: Backend, call: Call) -> Result<Engine, KernelError> {
     }
 }
 
-/// What `backend` runs `call` on here, in words (`cpu avx512`, `reference`, `cuda NVIDIA H100
-/// (sm_90)`), or why it cannot run.
-pub fn describe(backend: Backend, call: Call) -> Result<String, KernelError> {
-    Ok(match engine(backend, call)? {
+/// What `backend` runs on here, in words (`cpu avx512`, `reference`, `cuda NVIDIA H100
+/// (sm_90)`), or why it cannot run. [`Backend::Auto`] where a GPU is usable names both and
+/// when each runs (`Backend::resolve` gives the one for a given call).
+pub fn describe(backend: Backend) -> Result<String, KernelError> {
+    let one = |engine: Engine| match engine {
         Engine::Cpu(isa) => format!("cpu {isa}"),
         Engine::Reference => "reference".to_owned(),
         Engine::Cuda(gpu) => format!("cuda {} ({})", gpu.info().name, gpu.info().arch),
+    };
+    let big = Call::Partial {
+        rows: AUTO_GPU_MIN_ROWS,
+    };
+    Ok(match backend {
+        Backend::Auto if backend.resolve(big) == Backend::Cuda => format!(
+            "auto: {} for partials of {AUTO_GPU_MIN_ROWS} rows or more, {} for the rest",
+            one(engine(Backend::Cuda, big)?),
+            one(engine(Backend::Cpu, big)?)
+        ),
+        _ => one(engine(backend, big)?),
     })
 }
 
@@ -268,7 +280,6 @@ pub fn partial_dense_wire(
     out: &mut WireOut<'_>,
 ) -> Result<(), KernelError> {
     check_wire_rows(q, out)?;
-    let backend = backend.resolve(Call::Partial { rows: q.len() });
     match engine(backend, Call::Partial { rows: q.len() })? {
         Engine::Cpu(isa) => {
             check_scale(scale)?;
@@ -289,7 +300,6 @@ pub fn partial_sparse_wire(
     out: &mut WireOut<'_>,
 ) -> Result<(), KernelError> {
     check_wire_rows(q, out)?;
-    let backend = backend.resolve(Call::Partial { rows: q.len() });
     match engine(backend, Call::Partial { rows: q.len() })? {
         Engine::Cpu(isa) => {
             check_scale(scale)?;
