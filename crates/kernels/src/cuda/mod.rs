@@ -561,7 +561,7 @@ fn plan_tiles_per_split(tiles: usize, groups: usize, sms: usize) -> usize {
     for_blocks.max(for_combine).clamp(1, tiles.max(1))
 }
 
-/// `mla_combine`'s grid for `rows` rows: one block per row and `COMBINE_DIMS` dims.
+/// `mla_combine`'s grid for `rows` rows: a block for each `COMBINE_DIMS` dims of each row.
 fn combine_grid(rows: u32) -> (u32, u32, u32) {
     (rows, (D_LATENT / COMBINE_DIMS) as u32, 1)
 }
