@@ -1,31 +1,57 @@
 #!/usr/bin/env bash
 # The GPU half of `cargo xtask gpu-test`, runnable with prebuilt binaries on a GPU machine
 # that has no Rust toolchain:
-#   LD_LIBRARY_PATH=/usr/local/cuda/lib64 scripts/gpu-test.sh KVROUTE CUDA_TEST_BINARY OUT_DIR
+#   LD_LIBRARY_PATH=/usr/local/cuda/lib64 scripts/gpu-test.sh KVROUTE CUDA_TEST_BINARY OUT_DIR [EXAMPLES_DIR]
 # KVROUTE is target/release/kvroute; CUDA_TEST_BINARY is the `cuda` test executable
-# (cargo test --release -p kvroute-kernels --test cuda --no-run prints its path).
-# Writes OUT_DIR/{gpu.txt, tests.txt, bench.json, bench.txt, sdpa.json, sdpa.txt}.
-set -euo pipefail
+# (cargo test --release -p kvroute-kernels --test cuda --no-run prints its path); EXAMPLES_DIR,
+# if given, holds kvroute-kernels' release examples split_sweep and host_to_host
+# (target/release/examples after cargo build --release -p kvroute-kernels --examples).
+# Writes OUT_DIR/{gpu.txt, tests.txt, bench.json, bench.txt, sdpa.json, sdpa.txt} and, with
+# EXAMPLES_DIR, {split_sweep.txt, host_to_host.txt}. Every step runs even if one before it
+# failed (a GPU machine is a rare thing to have); the script fails at the end if any did.
+set -uo pipefail
 kvroute=$1
 tests=$2
 out=$3
+examples=${4:-}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
+failed=()
 
-echo "== device and kernel resources"
-"$kvroute" kernel gpu-info | tee "$out/gpu.txt"
+gpu_info() { "$kvroute" kernel gpu-info | tee "$out/gpu.txt"; }
+cuda_tests() { KVROUTE_REQUIRE_GPU=1 KVROUTE_REQUIRE_NVRTC=1 "$tests" | tee "$out/tests.txt"; }
+bench() {
+    "$kvroute" --json bench kernels --backend cuda > "$out/bench.json" &&
+        "$kvroute" bench kernels --backend cuda --quick | tee "$out/bench.txt"
+}
+split_sweep() { "$examples/split_sweep" | tee "$out/split_sweep.txt"; }
+host_to_host() { "$examples/host_to_host" | tee "$out/host_to_host.txt"; }
+sdpa() {
+    python3 "$here/sdpa_compare.py" --kvroute "$kvroute" --bench "$out/bench.json" --out "$out" |
+        tee "$out/sdpa.txt"
+}
 
-echo "== CUDA kernels against the reference and the CPU path"
-KVROUTE_REQUIRE_GPU=1 KVROUTE_REQUIRE_NVRTC=1 "$tests" | tee "$out/tests.txt"
+step() {
+    echo "== $1"
+    if ! "$2"; then
+        echo "FAILED: $1"
+        failed+=("$1")
+    fi
+}
 
-echo "== kvroute bench kernels --backend cuda"
-"$kvroute" --json bench kernels --backend cuda > "$out/bench.json"
-"$kvroute" bench kernels --backend cuda --quick | tee "$out/bench.txt"
-
-echo "== the CUDA dense partial against PyTorch SDPA on the same bf16 inputs"
+step "device and kernel resources" gpu_info
+step "CUDA kernels against the reference and the CPU path" cuda_tests
+step "kvroute bench kernels --backend cuda" bench
+if [ -n "$examples" ]; then
+    step "the split planner against every split (examples/split_sweep.rs)" split_sweep
+    step "host-to-host calls, CUDA against the CPU (examples/host_to_host.rs)" host_to_host
+fi
 if python3 -c 'import torch, numpy' 2>/dev/null; then
-    python3 "$here/sdpa_compare.py" --kvroute "$kvroute" --bench "$out/bench.json" --out "$out" \
-        | tee "$out/sdpa.txt"
+    step "the CUDA dense partial against PyTorch SDPA on the same bf16 inputs" sdpa
 else
     echo "SKIPPED: python3 with torch and numpy is not available" | tee "$out/sdpa.txt"
+fi
+if [ ${#failed[@]} -gt 0 ]; then
+    printf 'gpu-test: failed: %s\n' "${failed[@]}"
+    exit 1
 fi

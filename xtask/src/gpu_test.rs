@@ -1,11 +1,13 @@
-//! `cargo xtask gpu-test [--require-gpu]`: builds the CLI and the CUDA test binary in release
-//! mode, then runs `scripts/gpu-test.sh` with them: the device and its kernels' resources, the
-//! CUDA tests against the reference and the CPU path, `kvroute bench kernels --backend cuda`,
+//! `cargo xtask gpu-test [--require-gpu]`: builds the CLI, the CUDA test binary and the
+//! kernels' examples in release mode, then runs `scripts/gpu-test.sh` with them: the device and
+//! its kernels' resources, the CUDA tests against the reference and the CPU path, `kvroute
+//! bench kernels --backend cuda`, the split planner against every split
+//! (`examples/split_sweep.rs`), host-to-host calls against the CPU (`examples/host_to_host.rs`)
 //! and PyTorch's SDPA on the same bf16 inputs (`scripts/sdpa_compare.py`). Results land in
 //! `target/gpu-test`. Without a GPU it says so and succeeds, unless `--require-gpu`.
 //!
 //! On a GPU machine without a Rust toolchain, build here and run the script there with the
-//! two binaries (docs/kernels.md has the commands).
+//! binaries (docs/kernels.md has the commands).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -57,6 +59,21 @@ pub(crate) fn run(root: &Path, require_gpu: bool) -> Result<()> {
         &["build", "--release", "--locked", "-p", "kvroute"],
         &[],
     )?;
+    cargo_step(
+        "gpu-test examples",
+        &[
+            "build",
+            "--release",
+            "--locked",
+            "-p",
+            "kvroute-kernels",
+            "--example",
+            "split_sweep",
+            "--example",
+            "host_to_host",
+        ],
+        &[],
+    )?;
     let tests = cuda_test_binary(root)?;
     let kvroute = root.join("target").join("release").join("kvroute");
     let probe = Command::new(&kvroute)
@@ -78,6 +95,7 @@ pub(crate) fn run(root: &Path, require_gpu: bool) -> Result<()> {
         .arg(&kvroute)
         .arg(&tests)
         .arg(&out)
+        .arg(root.join("target").join("release").join("examples"))
         .current_dir(root)
         .status()
         .context("running scripts/gpu-test.sh")?;
