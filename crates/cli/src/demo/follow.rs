@@ -282,7 +282,8 @@ impl Follower {
         }
     }
 
-    /// Notes that holder `h` was found dead by other means (its control connection).
+    /// Notes that holder `h` was found dead by other means than the directory (its control
+    /// connection, or a failed route or fetch); the first such note stands.
     pub(super) fn dead(&mut self, h: usize, why: &str) {
         if let Some(u) = self.report.holders.iter_mut().find(|u| u.index == h)
             && u.dropped.is_none()

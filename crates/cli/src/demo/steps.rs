@@ -180,6 +180,13 @@ impl Run<'_> {
         let Some(follower) = self.follower.as_mut() else {
             return Ok(());
         };
+        // A route or fetch that failed since the last step took its holder out of use inside
+        // the requester; the report notes when (the earliest way it was found dead wins).
+        for h in 0..self.req.holders() {
+            if !self.req.is_alive(h) {
+                follower.dead(h, "a route or fetch to it failed");
+            }
+        }
         // Applies the newest view first.
         follower.await_chunks(&mut self.req, self.spec.chunks, step)?;
         for h in 0..self.req.holders() {
