@@ -1,6 +1,9 @@
 //! The library's calls on host memory, CUDA against the CPU path: the figures behind
-//! `Backend::Auto`'s choice (`AUTO_GPU_MIN_ROWS`). A CUDA call here uploads its inputs,
-//! runs, and downloads its result; the CPU call runs in place.
+//! `Backend::Auto`'s choices (`AUTO_GPU_MIN_ROWS`, `AUTO_RESIDENT_MIN_ROWS`). A CUDA call
+//! here uploads its inputs, runs, and downloads its result; the CPU call runs in place. The
+//! resident table is a holder's call: the cache uploaded once beforehand
+//! (`Gpu::upload_rows`), each call taking host query rows and writing the wire partial into
+//! host memory (`partial_resident_wire`), against the CPU's `partial_dense_wire`.
 //!
 //! ```sh
 //! cargo run --release -p kvroute-kernels --example host_to_host
@@ -10,8 +13,13 @@
 
 use std::time::Instant;
 
+use kvroute_kernels::cuda::Gpu;
+use kvroute_kernels::layout::PARTIAL_ROW_BYTES;
 use kvroute_kernels::workload::rows;
-use kvroute_kernels::{Backend, Cache, KernelError, Partial, Queries, merge_with, partial_dense};
+use kvroute_kernels::{
+    Backend, Cache, KernelError, Partial, Queries, WireOut, merge_with, partial_dense,
+    partial_dense_wire, partial_resident_wire,
+};
 
 const SCALE: f32 = 0.1147;
 
@@ -39,6 +47,28 @@ fn main() -> Result<(), KernelError> {
             let on = |backend| median_us(|| partial_dense(backend, &q, &cache, SCALE).map(drop));
             let (gpu, cpu) = (on(Backend::Cuda)?, on(Backend::Cpu)?);
             println!("{mq:>5} {ct:>6} {gpu:>10.1} {cpu:>10.1}");
+        }
+    }
+    println!("a holder's dense partial into its wire rows, us per call");
+    println!("{:>5} {:>6} {:>10} {:>10}", "Mq", "ct", "resident", "cpu");
+    let gpu = Gpu::global()?;
+    for ct in [2048usize, 8192] {
+        let c = rows(ct, 2);
+        let cache = Cache::contiguous(&c)?;
+        let resident = gpu.upload_rows(&c)?;
+        for mq in [1usize, 2, 4, 8, 16, 32, 64, 256] {
+            let q = rows(mq, 1);
+            let q = Queries::new(&q)?;
+            let mut out = vec![0u8; mq * PARTIAL_ROW_BYTES];
+            let on_gpu = median_us(|| {
+                let mut wire = WireOut::new([&mut out[..]])?;
+                partial_resident_wire(gpu, &resident, 0..ct, &q, None, SCALE, &mut wire)
+            })?;
+            let on_cpu = median_us(|| {
+                let mut wire = WireOut::new([&mut out[..]])?;
+                partial_dense_wire(Backend::Cpu, &q, &cache, SCALE, &mut wire)
+            })?;
+            println!("{mq:>5} {ct:>6} {on_gpu:>10.1} {on_cpu:>10.1}");
         }
     }
     println!("merge, us per call");

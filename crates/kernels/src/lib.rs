@@ -108,6 +108,12 @@ pub enum Call {
         /// Query rows.
         rows: usize,
     },
+    /// A partial of `rows` query rows over cache rows already on the GPU
+    /// ([`partial_resident`]): only the query rows go up and the partial comes down.
+    ResidentPartial {
+        /// Query rows.
+        rows: usize,
+    },
     /// A merge of partials.
     Merge,
     /// A splice of a pool.
@@ -126,6 +132,15 @@ pub enum Call {
 /// against 0.3-0.7 ms on two CPU cores), so [`Backend::Auto`] runs those on the CPU.
 pub const AUTO_GPU_MIN_ROWS: usize = 64;
 
+/// The fewest query rows for which [`Backend::Auto`] runs a partial over resident cache rows
+/// ([`Call::ResidentPartial`]) on the GPU rather than over the host copy on the CPU: every
+/// call. Measured as a holder runs it (host query rows in, wire rows out) on an H200 machine
+/// with 16 Xeon cores (docs/kernels.md, "Chunks resident on the GPU"): at ct = 2048 the GPU
+/// took 37-38 us at 1 row against the CPU's 73-94, 60-67 against 284-324 at 16 and 357-436
+/// against 1708-1732 at 256; at ct = 8192, 45-46 against 120-121 at 1 row. With nothing to
+/// upload but the queries, no row count was faster on the CPU.
+pub const AUTO_RESIDENT_MIN_ROWS: usize = 1;
+
 impl Backend {
     /// The backend that runs `call` here: [`Backend::Auto`] resolved to [`Backend::Cuda`] or
     /// [`Backend::Cpu`] (the GPU is opened only for a call it would run); any other backend
@@ -141,7 +156,11 @@ impl Backend {
 
 /// Whether [`Backend::Auto`] runs `call` on a GPU, where there is one.
 fn auto_on_gpu(call: Call) -> bool {
-    matches!(call, Call::Partial { rows } if rows >= AUTO_GPU_MIN_ROWS)
+    match call {
+        Call::Partial { rows } => rows >= AUTO_GPU_MIN_ROWS,
+        Call::ResidentPartial { rows } => rows >= AUTO_RESIDENT_MIN_ROWS,
+        Call::Merge | Call::Splice => false,
+    }
 }
 
 /// What runs a call.
@@ -311,6 +330,43 @@ pub fn partial_sparse_wire(
     }
 }
 
+/// A dense (`sel` = `None`) or sparse partial over cache rows kept on the GPU: tokens
+/// `tokens` of `rows` ([`cuda::Gpu::upload_rows`]) are the cache, and `sel` indexes them
+/// from `tokens.start`. Only the query rows (and the selection) travel to the GPU, and the
+/// partial back; checked and refused as [`partial_dense`] / [`partial_sparse`] are, NaN and
+/// infinities included.
+pub fn partial_resident(
+    gpu: &cuda::Gpu,
+    rows: &cuda::DeviceRows,
+    tokens: std::ops::Range<usize>,
+    q: &Queries<'_>,
+    sel: Option<&Selection<'_>>,
+    scale: f32,
+) -> Result<Partial, KernelError> {
+    let attended = !tokens.is_empty();
+    let p = gpu.partial_resident(rows, tokens, q, sel, scale)?;
+    match sel {
+        None => p.check_finite(|_| attended)?,
+        // Checked against the query rows and the range by `partial_resident`.
+        Some(sel) => p.check_finite(|r| attends(sel, r))?,
+    }
+    Ok(p)
+}
+
+/// [`partial_resident`] written into its wire encoding, as [`partial_dense_wire`].
+pub fn partial_resident_wire(
+    gpu: &cuda::Gpu,
+    rows: &cuda::DeviceRows,
+    tokens: std::ops::Range<usize>,
+    q: &Queries<'_>,
+    sel: Option<&Selection<'_>>,
+    scale: f32,
+    out: &mut WireOut<'_>,
+) -> Result<(), KernelError> {
+    check_wire_rows(q, out)?;
+    out.write(&partial_resident(gpu, rows, tokens, q, sel, scale)?)
+}
+
 /// A wire partial has as many rows as its queries, and at least one.
 fn check_wire_rows(q: &Queries<'_>, out: &WireOut<'_>) -> Result<(), KernelError> {
     if q.is_empty() {
@@ -343,8 +399,9 @@ pub fn merge_with(backend: Backend, parts: &[&Partial]) -> Result<Partial, Kerne
 mod tests {
     use super::*;
 
-    /// `Auto` sends a partial to a GPU from `AUTO_GPU_MIN_ROWS` rows on, and never a merge or
-    /// a splice; without a GPU everything resolves to the CPU, and named backends stay.
+    /// `Auto` sends a partial to a GPU from `AUTO_GPU_MIN_ROWS` rows on, a partial over
+    /// resident rows from `AUTO_RESIDENT_MIN_ROWS` (every one), and never a merge or a
+    /// splice; without a GPU everything resolves to the CPU, and named backends stay.
     #[test]
     fn auto_takes_the_gpu_only_for_partials_of_many_rows() {
         assert!(!auto_on_gpu(Call::Partial {
@@ -353,6 +410,8 @@ mod tests {
         assert!(auto_on_gpu(Call::Partial {
             rows: AUTO_GPU_MIN_ROWS
         }));
+        assert!(auto_on_gpu(Call::ResidentPartial { rows: 1 }));
+        assert!(!auto_on_gpu(Call::ResidentPartial { rows: 0 }));
         assert!(!auto_on_gpu(Call::Merge));
         assert!(!auto_on_gpu(Call::Splice));
         let big = Call::Partial { rows: 1 << 20 };
@@ -362,6 +421,10 @@ mod tests {
             Backend::Cpu
         };
         assert_eq!(Backend::Auto.resolve(big), want);
+        assert_eq!(
+            Backend::Auto.resolve(Call::ResidentPartial { rows: 1 }),
+            want
+        );
         assert_eq!(Backend::Auto.resolve(Call::Merge), Backend::Cpu);
         for named in [Backend::Cpu, Backend::Reference, Backend::Cuda] {
             assert_eq!(named.resolve(big), named);

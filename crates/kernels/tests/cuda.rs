@@ -30,8 +30,9 @@ use common::{Rng, SCALE, assert_close, max_abs};
 use kvroute_kernels::cuda::{Gpu, nvrtc};
 use kvroute_kernels::layout::{D_QK, PAGE_TOKENS};
 use kvroute_kernels::{
-    Backend, Cache, KernelError, Partial, Queries, Rope, RopeLayout, Selection, SpliceJob, Yarn,
-    merge, merge_with, partial_dense, partial_sparse, splice,
+    Backend, Cache, KernelError, Partial, Queries, Rope, RopeLayout, Selection, SpliceJob, WireOut,
+    Yarn, merge, merge_with, partial_dense, partial_dense_wire, partial_resident,
+    partial_resident_wire, partial_sparse, splice,
 };
 
 /// What a test needs before it can run.
@@ -86,6 +87,16 @@ const TESTS: &[(&str, Needs, fn())] = &[
         "gpu_non_finite_input_is_refused_naming_the_row",
         Needs::Gpu,
         non_finite_is_refused,
+    ),
+    (
+        "gpu_resident_rows_answer_as_the_same_cache_uploaded_per_call",
+        Needs::Gpu,
+        resident_rows_answer_as_uploaded,
+    ),
+    (
+        "gpu_resident_ranges_and_selections_are_checked",
+        Needs::Gpu,
+        resident_ranges_are_checked,
     ),
 ];
 
@@ -419,4 +430,122 @@ fn non_finite_is_refused() {
         refused(&bad, &c, row, &format!("query row {row} = {value:#06x}"));
     }
     println!("  NaN and infinities in cache and query rows: refused at the first bad row");
+}
+
+/// Three layers of 1000 tokens, each padded to 1024 rows as a full block lays them out,
+/// uploaded once: every layer's range attended on the GPU gives what the same rows uploaded
+/// with each call give (the same kernels and plan, so bit for bit), dense and sparse, and
+/// within the f32 bounds of the reference; the wire form is the same bytes.
+fn resident_rows_answer_as_uploaded() {
+    let gpu = Gpu::global().unwrap();
+    let mut rng = Rng::new(29);
+    let (layers, tokens, padded) = (3, 1000, 1024);
+    let rows = rng.rows(layers * padded);
+    let resident = gpu.upload_rows(&rows).unwrap();
+    assert_eq!(resident.tokens(), layers * padded);
+    assert_eq!(resident.bytes(), rows.len() * 2);
+    for (layer, mq) in [(0, 1), (1, 16), (2, 256)] {
+        let start = layer * padded;
+        let layer_rows = &rows[start * D_QK..(start + tokens) * D_QK];
+        let cache = Cache::contiguous(layer_rows).unwrap();
+        let qr = rng.rows(mq);
+        let q = Queries::new(&qr).unwrap();
+        let got = partial_resident(gpu, &resident, start..start + tokens, &q, None, SCALE).unwrap();
+        let host = partial_dense(Backend::Cuda, &q, &cache, SCALE).unwrap();
+        assert_eq!(got, host, "dense, layer {layer}, mq {mq}");
+        let want = partial_dense(Backend::Reference, &q, &cache, SCALE).unwrap();
+        assert_close(
+            &got,
+            &want,
+            &format!("resident dense layer {layer} mq {mq}"),
+        );
+
+        let mut wire = vec![0u8; mq * kvroute_kernels::layout::PARTIAL_ROW_BYTES];
+        let mut host_wire = wire.clone();
+        partial_resident_wire(
+            gpu,
+            &resident,
+            start..start + tokens,
+            &q,
+            None,
+            SCALE,
+            &mut WireOut::new([&mut wire[..]]).unwrap(),
+        )
+        .unwrap();
+        partial_dense_wire(
+            Backend::Cuda,
+            &q,
+            &cache,
+            SCALE,
+            &mut WireOut::new([&mut host_wire[..]]).unwrap(),
+        )
+        .unwrap();
+        assert!(wire == host_wire, "wire rows, layer {layer}, mq {mq}");
+
+        let (per_token, k) = (16, 300);
+        let sq = rng.rows(2 * per_token);
+        let sq = Queries::new(&sq).unwrap();
+        let idx = rng.selection(2, k, tokens);
+        let sel = Selection::new(&idx, k, per_token, sq.len(), tokens).unwrap();
+        let got = partial_resident(
+            gpu,
+            &resident,
+            start..start + tokens,
+            &sq,
+            Some(&sel),
+            SCALE,
+        )
+        .unwrap();
+        let host = partial_sparse(Backend::Cuda, &sq, &cache, &sel, SCALE).unwrap();
+        assert_eq!(got, host, "sparse, layer {layer}");
+        let want = partial_sparse(Backend::Reference, &sq, &cache, &sel, SCALE).unwrap();
+        assert_close(&got, &want, &format!("resident sparse layer {layer}"));
+    }
+    println!("  3 layers x 1000 tokens resident: equal to per-call uploads, dense and sparse");
+}
+
+/// A range past the uploaded rows, a reversed range and a selection indexing past the range
+/// are typed errors; an empty range gives the empty partial; a NaN in the resident rows is
+/// refused naming the first row it reaches.
+fn resident_ranges_are_checked() {
+    let gpu = Gpu::global().unwrap();
+    let mut rng = Rng::new(31);
+    let mut rows = rng.rows(300);
+    let resident = gpu.upload_rows(&rows).unwrap();
+    let qr = rng.rows(4);
+    let q = Queries::new(&qr).unwrap();
+    #[allow(clippy::reversed_empty_ranges)]
+    for range in [0..301, 299..301, 200..100] {
+        let got = partial_resident(gpu, &resident, range.clone(), &q, None, SCALE);
+        assert!(
+            matches!(got, Err(KernelError::Parameter { .. })),
+            "{range:?} gave {got:?}"
+        );
+    }
+    assert_eq!(
+        partial_resident(gpu, &resident, 100..100, &q, None, SCALE).unwrap(),
+        Partial::empty(4)
+    );
+    // Index 150 is inside the upload but past a 100-token range (one query token of 4 rows,
+    // k = 1).
+    let idx = vec![150i32];
+    assert!(Selection::new(&idx, 1, 4, 4, 100).is_err());
+    let sel = Selection::new(&idx, 1, 4, 4, 300).unwrap();
+    let got = partial_resident(gpu, &resident, 0..100, &q, Some(&sel), SCALE);
+    assert!(
+        matches!(got, Err(KernelError::IndexOutOfRange { .. })),
+        "{got:?}"
+    );
+    assert!(matches!(
+        gpu.upload_rows(&rows[..D_QK + 1]),
+        Err(KernelError::Shape { .. })
+    ));
+    rows[120 * D_QK + 5] = 0x7fc0;
+    let poisoned = gpu.upload_rows(&rows).unwrap();
+    let got = partial_resident(gpu, &poisoned, 100..200, &q, None, SCALE);
+    assert!(
+        matches!(got, Err(KernelError::NonFinite { row: 0, .. })),
+        "{got:?}"
+    );
+    assert!(partial_resident(gpu, &poisoned, 0..100, &q, None, SCALE).is_ok());
 }

@@ -10,16 +10,19 @@
 //! - the host API ([`Gpu::partial_dense`], [`Gpu::partial_sparse`], [`Gpu::merge`],
 //!   [`Gpu::splice`], and [`crate::Backend::Cuda`]): host slices in, host results out, every
 //!   transfer included;
-//! - resident inputs ([`Gpu::prepare_partial`], [`Gpu::prepare_splice`]): uploaded once and
-//!   launched many times, which is how a holder that keeps its chunks on the GPU runs, and how
-//!   the benchmarks time the kernels alone.
+//! - resident cache rows ([`Gpu::upload_rows`], [`Gpu::partial_resident`]): a holder's chunks
+//!   uploaded once, each call moving only its query rows up and its partial down;
+//! - resident inputs ([`Gpu::prepare_partial`], [`Gpu::prepare_splice`]): everything uploaded
+//!   once and launched many times, which is how the benchmarks time the kernels alone.
 
 pub mod nvrtc;
 
-use std::sync::{Arc, OnceLock};
+use std::ops::Range;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DriverError, LaunchConfig,
+    PushKernelArg,
     sys::{CUdevice_attribute, CUfunction_attribute},
 };
 use cudarc::nvrtc::Ptx;
@@ -101,6 +104,8 @@ pub struct Gpu {
     combine: CudaFunction,
     splice: CudaFunction,
     info: GpuInfo,
+    /// [`Gpu::partial_resident`]'s buffers, kept between calls (one call at a time).
+    scratch: Mutex<Scratch>,
 }
 
 /// Why no GPU can be used here, or `Ok` with nothing when one can (without opening it).
@@ -195,6 +200,7 @@ impl Gpu {
             stream: ctx.new_stream().map_err(driver("stream"))?,
             ctx,
             info,
+            scratch: Mutex::new(Scratch::default()),
         })
     }
 
@@ -241,12 +247,39 @@ impl Gpu {
         dev: &CudaSlice<T>,
         n: usize,
     ) -> Result<Vec<T>, KernelError> {
+        self.download_view(&dev.slice(..n.min(dev.len())))
+    }
+
+    fn download_view<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaView<'_, T>,
+    ) -> Result<Vec<T>, KernelError> {
         let mut host = vec![T::default(); dev.len()];
         self.stream
             .memcpy_dtoh(dev, &mut host)
             .map_err(driver("download"))?;
-        host.truncate(n);
         Ok(host)
+    }
+
+    /// `host` copied into the front of `slot`, which grows (new, zeroed) when too small.
+    fn stage<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        slot: &'a mut Option<CudaSlice<T>>,
+        host: &[T],
+    ) -> Result<CudaView<'a, T>, KernelError> {
+        let n = host.len().max(1);
+        if slot.as_ref().is_none_or(|s| s.len() < n) {
+            *slot = Some(self.zeros(n)?);
+        }
+        let Some(dev) = slot.as_mut() else {
+            unreachable!("filled above")
+        };
+        if !host.is_empty() {
+            self.stream
+                .memcpy_htod(host, &mut dev.slice_mut(..host.len()))
+                .map_err(driver("upload"))?;
+        }
+        Ok(dev.slice(..n))
     }
 
     /// Uploads a dense or sparse partial's inputs (checked as by [`crate::partial_dense`] /
@@ -272,15 +305,37 @@ impl Gpu {
         scale: f32,
         tiles_per_split: Option<usize>,
     ) -> Result<PreparedPartial, KernelError> {
+        let plan = self.plan(q, cache.tokens(), sel, scale, tiles_per_split)?;
+        let (pool, table) = cache.parts();
+        Ok(PreparedPartial {
+            q: self.upload(q.as_slice())?,
+            cache: self.upload(pool)?,
+            table: table.map(|t| self.upload(t)).transpose()?,
+            sel: sel.map(|s| self.upload(s.raw())).transpose()?,
+            ws: self.workspace(&plan)?,
+            plan,
+        })
+    }
+
+    /// Checks a partial's shape (as [`crate::partial_dense`] / [`crate::partial_sparse`]
+    /// do, the selection against `tokens` cache tokens) and plans its split-K grid.
+    fn plan(
+        &self,
+        q: &Queries<'_>,
+        tokens: usize,
+        sel: Option<&Selection<'_>>,
+        scale: f32,
+        tiles_per_split: Option<usize>,
+    ) -> Result<SplitK, KernelError> {
         crate::check_scale(scale)?;
         if q.is_empty() {
             return Err(KernelError::Empty("query rows"));
         }
         let mq = q.len();
         let (keys, groups_per_token, groups) = match sel {
-            None => (cache.tokens(), 1, mq.div_ceil(ROWS)),
+            None => (tokens, 1, mq.div_ceil(ROWS)),
             Some(sel) => {
-                Selection::new(sel.raw(), sel.k(), sel.rows_per_token(), mq, cache.tokens())?;
+                Selection::new(sel.raw(), sel.k(), sel.rows_per_token(), mq, tokens)?;
                 let per_token = sel.rows_per_token().div_ceil(ROWS);
                 (sel.k(), per_token, mq / sel.rows_per_token() * per_token)
             }
@@ -305,8 +360,7 @@ impl Gpu {
                 why: "exceeds the kernel's 32-bit index",
             })
         };
-        let (pool, table) = cache.parts();
-        Ok(PreparedPartial {
+        Ok(SplitK {
             mq: to_i32("query rows", mq)?,
             keys: to_i32("keys", keys)?,
             rows_per_token: to_i32("rows per token", sel.map_or(1, |s| s.rows_per_token()))?,
@@ -315,77 +369,195 @@ impl Gpu {
             groups,
             splits,
             scale,
-            q: self.upload(q.as_slice())?,
-            cache: self.upload(pool)?,
-            table: table.map(|t| self.upload(t)).transpose()?,
-            sel: sel.map(|s| self.upload(s.raw())).transpose()?,
-            ws_o: self.zeros(splits * mq * D_LATENT)?,
-            ws_m: self.zeros(splits * mq)?,
-            ws_l: self.zeros(splits * mq)?,
-            o: self.zeros(mq * D_LATENT)?,
-            m: self.zeros(mq)?,
-            l: self.zeros(mq)?,
+        })
+    }
+
+    /// The split states and the finished partial of `plan`, in device memory.
+    fn workspace(&self, plan: &SplitK) -> Result<Workspace, KernelError> {
+        let (states, out) = plan.workspace_lens();
+        Ok(Workspace {
+            states: self.zeros(states)?,
+            out: self.zeros(out)?,
         })
     }
 
     /// Launches a prepared partial (split-K pass, then the combine) without waiting.
     pub fn launch_partial(&self, p: &mut PreparedPartial) -> Result<(), KernelError> {
-        if p.keys == 0 {
+        let (q, cache, sel) = (
+            p.q.slice(..),
+            p.cache.slice(..),
+            p.sel.as_ref().map(|s| s.slice(..)),
+        );
+        let inputs = SplitKInputs {
+            q: &q,
+            cache: &cache,
+            table: p.table.as_ref(),
+            sel: sel.as_ref(),
+        };
+        self.launch_split_k(&p.plan, &inputs, &mut p.ws)
+    }
+
+    /// Launches `mla_partial` and `mla_combine` for `plan` on `inputs`, into `ws`.
+    fn launch_split_k(
+        &self,
+        plan: &SplitK,
+        inputs: &SplitKInputs<'_, '_>,
+        ws: &mut Workspace,
+    ) -> Result<(), KernelError> {
+        if plan.keys == 0 {
             // A dense partial over an empty cache: the empty partial, nothing to launch.
             return Ok(());
         }
         const NULL: u64 = 0;
         let mut b = self.stream.launch_builder(&self.partial);
-        b.arg(&p.q).arg(&p.mq).arg(&p.cache);
-        match &p.table {
+        b.arg(inputs.q).arg(&plan.mq).arg(inputs.cache);
+        match inputs.table {
             Some(t) => b.arg(t),
             None => b.arg(&NULL),
         };
-        match &p.sel {
+        match inputs.sel {
             Some(s) => b.arg(s),
             None => b.arg(&NULL),
         };
-        b.arg(&p.keys)
-            .arg(&p.rows_per_token)
-            .arg(&p.groups_per_token)
-            .arg(&p.keys_per_split)
-            .arg(&p.scale)
-            .arg(&mut p.ws_o)
-            .arg(&mut p.ws_m)
-            .arg(&mut p.ws_l);
-        let grid = (p.splits as u32, p.groups as u32, 1);
+        b.arg(&plan.keys)
+            .arg(&plan.rows_per_token)
+            .arg(&plan.groups_per_token)
+            .arg(&plan.keys_per_split)
+            .arg(&plan.scale);
+        let (mq, states) = (plan.mq as usize, plan.splits * plan.mq as usize);
+        let (mut ws_o, mut ws_ml) = ws.states.split_at_mut(states * D_LATENT);
+        let (mut ws_m, mut ws_l) = ws_ml.split_at_mut(states);
+        b.arg(&mut ws_o).arg(&mut ws_m).arg(&mut ws_l);
+        let grid = (plan.splits as u32, plan.groups as u32, 1);
         // SAFETY: the arguments match mla_partial's signature in order and type; every index
-        // the kernel forms was bounded by prepare_partial (Selection checked against the
-        // cache, the block table against the pool), and the workspace holds splits x mq rows.
+        // the kernel forms was bounded by `plan` (Selection checked against the cache's
+        // tokens, the block table against the pool), and the workspace holds splits x mq rows.
         unsafe { b.launch(config(grid, PARTIAL_THREADS)) }.map_err(driver("mla_partial"))?;
-        let (parts, normalized) = (p.splits as i32, 0i32);
+        let (parts, normalized) = (plan.splits as i32, 0i32);
+        let (ws_o, ws_ml) = ws.states.split_at(states * D_LATENT);
+        let (ws_m, ws_l) = ws_ml.split_at(states);
+        let (mut o, mut ml) = ws.out.split_at_mut(mq * D_LATENT);
+        let (mut m, mut l) = ml.split_at_mut(mq);
         let mut c = self.stream.launch_builder(&self.combine);
-        c.arg(&p.ws_o)
-            .arg(&p.ws_m)
-            .arg(&p.ws_l)
+        c.arg(&ws_o)
+            .arg(&ws_m)
+            .arg(&ws_l)
             .arg(&parts)
-            .arg(&p.mq)
+            .arg(&plan.mq)
             .arg(&normalized)
-            .arg(&mut p.o)
-            .arg(&mut p.m)
-            .arg(&mut p.l);
+            .arg(&mut o)
+            .arg(&mut m)
+            .arg(&mut l);
         // SAFETY: as above; parts x mq states in the workspace, mq rows out.
-        unsafe { c.launch(config(combine_grid(p.mq as u32), COMBINE_THREADS)) }
+        unsafe { c.launch(config(combine_grid(plan.mq as u32), COMBINE_THREADS)) }
             .map_err(driver("mla_combine"))?;
         Ok(())
     }
 
     /// The last launched result of `p`, downloaded (waits for it).
     pub fn read_partial(&self, p: &PreparedPartial) -> Result<Partial, KernelError> {
-        let mq = p.mq as usize;
-        if p.keys == 0 {
+        self.read_split_k(&p.plan, &p.ws)
+    }
+
+    fn read_split_k(&self, plan: &SplitK, ws: &Workspace) -> Result<Partial, KernelError> {
+        let mq = plan.mq as usize;
+        if plan.keys == 0 {
             return Ok(Partial::empty(mq));
         }
-        Ok(Partial {
-            o: self.download(&p.o, mq * D_LATENT)?,
-            m: self.download(&p.m, mq)?,
-            l: self.download(&p.l, mq)?,
+        // One copy: o, then m, then l (a kept workspace may be longer).
+        let mut o = self.download(&ws.out, mq * (D_LATENT + 2))?;
+        let l = o.split_off(mq * (D_LATENT + 1));
+        let m = o.split_off(mq * D_LATENT);
+        Ok(Partial { o, m, l })
+    }
+
+    /// Uploads contiguous cache rows (`[tokens, 576]` bf16, as [`Cache::contiguous`] takes
+    /// them) to stay on this GPU: a holder's chunks, attended by
+    /// [`Gpu::partial_resident`] without being moved again.
+    pub fn upload_rows(&self, rows: &[u16]) -> Result<DeviceRows, KernelError> {
+        let tokens = Cache::contiguous(rows)?.tokens();
+        Ok(DeviceRows {
+            rows: self.upload(rows)?,
+            tokens,
         })
+    }
+
+    /// A dense (`sel` = `None`) or sparse partial over tokens `tokens` of `rows`, which stay
+    /// on the GPU: only the query rows (and the selection) go up and the partial comes down.
+    /// `sel` indexes the range (token 0 is `tokens.start`). Checked as
+    /// [`crate::partial_dense`] / [`crate::partial_sparse`] check their inputs, and `rows`
+    /// must have been uploaded to this GPU. The device buffers a call needs are kept for the
+    /// next one, so calls on one GPU run one at a time.
+    pub fn partial_resident(
+        &self,
+        rows: &DeviceRows,
+        tokens: Range<usize>,
+        q: &Queries<'_>,
+        sel: Option<&Selection<'_>>,
+        scale: f32,
+    ) -> Result<Partial, KernelError> {
+        if !Arc::ptr_eq(rows.rows.context(), &self.ctx) {
+            return Err(KernelError::Cuda(
+                "resident rows uploaded to another GPU context".into(),
+            ));
+        }
+        if tokens.start > tokens.end || tokens.end > rows.tokens {
+            return Err(KernelError::Parameter {
+                what: "resident token range end",
+                value: tokens.end as f64,
+                why: "must lie within the uploaded rows, start <= end",
+            });
+        }
+        let plan = self.plan(q, tokens.len(), sel, scale, None)?;
+        if plan.keys == 0 {
+            return Ok(Partial::empty(q.len()));
+        }
+        let mut scratch = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
+        let Scratch {
+            states,
+            out,
+            q: q_slot,
+            sel: sel_slot,
+        } = &mut *scratch;
+        let (states_len, out_len) = plan.workspace_lens();
+        let mut ws = Workspace {
+            states: self.grown(states, states_len)?,
+            out: self.grown(out, out_len)?,
+        };
+        let q = self.stage(q_slot, q.as_slice())?;
+        let sel = sel.map(|s| self.stage(sel_slot, s.raw())).transpose()?;
+        // An empty range attends nothing (sparse: every index is padding), and a view of no
+        // elements cannot be made: the whole upload stands in, unread.
+        let cache = if tokens.is_empty() {
+            rows.rows.slice(..)
+        } else {
+            rows.rows.slice(tokens.start * D_QK..tokens.end * D_QK)
+        };
+        let inputs = SplitKInputs {
+            q: &q,
+            cache: &cache,
+            table: None,
+            sel: sel.as_ref(),
+        };
+        let result = self
+            .launch_split_k(&plan, &inputs, &mut ws)
+            .and_then(|()| self.read_split_k(&plan, &ws));
+        // Kept for the next call, whatever happened to this one.
+        (*states, *out) = (Some(ws.states), Some(ws.out));
+        result
+    }
+
+    /// `slot`'s buffer if it holds `n` elements, else a new zeroed one of `n`; the slot is
+    /// left empty (the caller puts the buffer back).
+    fn grown<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        slot: &mut Option<CudaSlice<T>>,
+        n: usize,
+    ) -> Result<CudaSlice<T>, KernelError> {
+        match slot.take() {
+            Some(s) if s.len() >= n => Ok(s),
+            _ => self.zeros(n),
+        }
     }
 
     /// Dense partial attention on the GPU, host to host.
@@ -574,9 +746,9 @@ fn config(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
     }
 }
 
-/// A partial's inputs and outputs resident on the GPU (see [`Gpu::prepare_partial`]).
+/// A partial's split-K shape, checked and planned.
 #[derive(Debug)]
-pub struct PreparedPartial {
+struct SplitK {
     mq: i32,
     keys: i32,
     rows_per_token: i32,
@@ -585,22 +757,78 @@ pub struct PreparedPartial {
     groups: usize,
     splits: usize,
     scale: f32,
+}
+
+impl SplitK {
+    /// Floats of the workspace's states and of its result: `o`, `m` and `l` of every
+    /// (split, row), and of every row.
+    fn workspace_lens(&self) -> (usize, usize) {
+        let mq = self.mq as usize;
+        (self.splits * mq * (D_LATENT + 2), mq * (D_LATENT + 2))
+    }
+}
+
+/// The split-K pass's states (`o` of every split and row, then their `m`, then their `l`)
+/// and the combine's result (`o`, `m`, `l` of every row, likewise), one allocation each.
+#[derive(Debug)]
+struct Workspace {
+    states: CudaSlice<f32>,
+    out: CudaSlice<f32>,
+}
+
+/// What `mla_partial` reads.
+struct SplitKInputs<'a, 'b> {
+    q: &'a CudaView<'b, u16>,
+    cache: &'a CudaView<'b, u16>,
+    table: Option<&'a CudaSlice<u32>>,
+    sel: Option<&'a CudaView<'b, i32>>,
+}
+
+/// Device buffers [`Gpu::partial_resident`] keeps between calls (grown, never shrunk), so
+/// that a call allocates nothing once the largest shape has been seen: the split-K
+/// workspace, and room for the query rows and the selection.
+#[derive(Debug, Default)]
+struct Scratch {
+    states: Option<CudaSlice<f32>>,
+    out: Option<CudaSlice<f32>>,
+    q: Option<CudaSlice<u16>>,
+    sel: Option<CudaSlice<i32>>,
+}
+
+/// A partial's inputs and outputs resident on the GPU (see [`Gpu::prepare_partial`]).
+#[derive(Debug)]
+pub struct PreparedPartial {
+    plan: SplitK,
     q: CudaSlice<u16>,
     cache: CudaSlice<u16>,
     table: Option<CudaSlice<u32>>,
     sel: Option<CudaSlice<i32>>,
-    ws_o: CudaSlice<f32>,
-    ws_m: CudaSlice<f32>,
-    ws_l: CudaSlice<f32>,
-    o: CudaSlice<f32>,
-    m: CudaSlice<f32>,
-    l: CudaSlice<f32>,
+    ws: Workspace,
+}
+
+/// Contiguous cache rows kept on a GPU ([`Gpu::upload_rows`]), freed when dropped.
+#[derive(Debug)]
+pub struct DeviceRows {
+    rows: CudaSlice<u16>,
+    tokens: usize,
+}
+
+impl DeviceRows {
+    /// Cache tokens (rows of 576) held.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Device bytes held.
+    pub fn bytes(&self) -> usize {
+        self.tokens * D_QK * 2
+    }
 }
 
 impl PreparedPartial {
     /// The split-K grid: (splits of the keys, row groups).
     pub fn grid(&self) -> (usize, usize) {
-        (self.splits, self.groups)
+        (self.plan.splits, self.plan.groups)
     }
 }
 
