@@ -202,6 +202,19 @@ impl KernelRate {
 /// prices. The sparse premium stays paper 000's (a dense calibration cannot see the indexed
 /// gather).
 pub fn calibrate(backend: Backend, rows: &[u16], scale: f32) -> Result<HolderCompute, RemoteError> {
+    calibrate_with(rows, |q, tokens, out| {
+        let cache = Cache::contiguous(&rows[..tokens * D_QK])?;
+        Ok(partial_dense_wire(backend, q, &cache, scale, out)?)
+    })
+}
+
+/// [`calibrate`] with the kernel call given: `run(q, tokens, out)` attends the first `tokens`
+/// of the layer's `rows` with `q`, writing `out` (a holder whose layer is also resident on a
+/// GPU times the call it serves with).
+pub fn calibrate_with(
+    rows: &[u16],
+    mut run: impl FnMut(&Queries<'_>, usize, &mut WireOut<'_>) -> Result<(), RemoteError>,
+) -> Result<HolderCompute, RemoteError> {
     let tokens = rows.len() / D_QK;
     if tokens == 0 {
         return Err(RemoteError::Config(
@@ -213,12 +226,11 @@ pub fn calibrate(backend: Backend, rows: &[u16], scale: f32) -> Result<HolderCom
     let mut out = vec![0u8; most * PARTIAL_ROW_BYTES];
     let mut time = |r: usize, t: usize| -> Result<f64, RemoteError> {
         let q = Queries::new(&queries[..r * D_QK])?;
-        let cache = Cache::contiguous(&rows[..t * D_QK])?;
         let mut best = f64::INFINITY;
         for _ in 0..REPS {
             let mut wire = WireOut::new([&mut out[..r * PARTIAL_ROW_BYTES]])?;
             let started = Instant::now();
-            partial_dense_wire(backend, &q, &cache, scale, &mut wire)?;
+            run(&q, t, &mut wire)?;
             best = best.min(started.elapsed().as_secs_f64() * 1e6);
         }
         Ok(best)

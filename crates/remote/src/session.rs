@@ -118,6 +118,12 @@ pub struct HolderStats {
     /// with `kernel_us`, the holder's achieved rate.
     #[serde(default)]
     pub row_tokens: u64,
+    /// Of `rows`, those attended on a GPU, over chunks resident there.
+    #[serde(default)]
+    pub gpu_rows: u64,
+    /// Bytes of held chunks resident on a GPU (0: the partials run on the CPU).
+    #[serde(default)]
+    pub gpu_resident_bytes: u64,
     /// Time in kernels, microseconds.
     pub kernel_us: f64,
     /// The holder's kernel roofline, measured on its machine at start and refitted from the

@@ -25,10 +25,12 @@ use kvroute_transport::{Access, NetAddr, RegisteredBuffer, TransferEngine};
 
 use crate::chunks::HeldChunks;
 use crate::error::RemoteError;
-use crate::kernel_rate::{KernelRate, calibrate};
+use crate::kernel_rate::{KernelRate, calibrate_with};
 use crate::session::{Hello, HolderStats};
 use crate::wire;
+use compute::Compute;
 
+mod compute;
 mod control;
 mod serve;
 mod transfer;
@@ -49,7 +51,11 @@ pub struct HolderConfig {
     /// Bytes of each requester's gather staging: the selected rows of one request's gather
     /// segments, packed so that each destination page takes one write (1152 B per row).
     pub gather_bytes: usize,
-    /// Which kernels run the partials.
+    /// Which kernels run the partials. [`Backend::Cuda`] uploads every held chunk to the GPU
+    /// when the holder starts (failing the start if it cannot) and attends them there, each
+    /// call moving only its query rows and its partial; [`Backend::Auto`] does the same where
+    /// a GPU is usable (else it serves from host memory) and runs a call on the GPU when
+    /// [`Backend::resolve`] says so for a [`kvroute_kernels::Call::ResidentPartial`].
     pub backend: Backend,
     /// How long the serving thread keeps polling for arrivals after its last batch before it
     /// blocks (with worker threads; under manual progress it polls while any session is open,
@@ -204,20 +210,27 @@ fn check_hello(hello: &Hello) -> Result<(), String> {
 }
 
 /// The kernel roofline measured on the first held chunk's first layer, with the softmax
-/// scale of DeepSeek-V2-Lite (any finite scale times the same).
-fn calibrate_on(chunks: &HeldChunks, backend: Backend) -> Result<HolderCompute, RemoteError> {
+/// scale of DeepSeek-V2-Lite (any finite scale times the same), through the calls the holder
+/// serves with (on the GPU where its chunks are resident there).
+fn calibrate_on(chunks: &HeldChunks, compute: &Compute) -> Result<HolderCompute, RemoteError> {
     let first = chunks
         .chunks()
         .first()
         .ok_or_else(|| RemoteError::Config("a holder needs chunks".into()))?;
     let layer = chunks.block(first)?.layer(0)?;
-    calibrate(backend, layer.rows(), 0.1147)
+    calibrate_with(layer.rows(), |q, tokens, out| {
+        compute
+            .partial_wire(chunks, first, (0, Some(tokens)), q, None, 0.1147, out)
+            .map(drop)
+    })
 }
 
 struct Shared {
     engine: TransferEngine,
     config: HolderConfig,
     chunks: HeldChunks,
+    /// Where the partials run, and the chunks' copies on a GPU.
+    compute: Compute,
     staging: RegisteredBuffer,
     /// Per session, `gather_bytes` of packed gathered rows.
     gather_staging: RegisteredBuffer,
@@ -279,7 +292,8 @@ impl Holder {
                 .ok_or_else(|| RemoteError::Config("staging larger than memory".into()))
         };
         let entries = chunks.entries(&engine.main_address());
-        let kernel = KernelRate::new(calibrate_on(&chunks, config.backend)?);
+        let compute = Compute::new(&chunks, config.backend)?;
+        let kernel = KernelRate::new(calibrate_on(&chunks, &compute)?);
         let staging = engine.alloc_mr_with(staging_bytes(config.reply_bytes)?, Access::Local)?;
         let gather_staging =
             engine.alloc_mr_with(staging_bytes(config.gather_bytes)?.max(1), Access::Local)?;
@@ -300,6 +314,7 @@ impl Holder {
             proofs,
             config,
             chunks,
+            compute,
             staging,
             gather_staging,
             entries,
@@ -387,6 +402,7 @@ impl Shared {
         s.active = lock(&self.sessions).iter().flatten().count() as u64;
         s.kernel = Some(lock(&self.kernel).current());
         s.cap = self.config.max_requesters as u64;
+        s.gpu_resident_bytes = self.compute.resident_bytes() as u64;
         s
     }
 

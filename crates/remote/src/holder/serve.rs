@@ -8,9 +8,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use kvroute_kernels::layout::{D_QK, PARTIAL_ROW_BYTES};
-use kvroute_kernels::{
-    Cache, Queries, Selection, WireOut, partial_dense_wire, partial_sparse_wire,
-};
+use kvroute_kernels::{Queries, WireOut};
 use kvroute_transport::{MrDesc, OnDone};
 
 use super::{Session, Shared, lock};
@@ -375,6 +373,9 @@ impl Shared {
                 Ok(entries) => {
                     let rows = queries.len() / D_QK;
                     stats.rows += rows as u64;
+                    if self.compute.on_gpu(rows) {
+                        stats.gpu_rows += rows as u64;
+                    }
                     stats.row_tokens += (rows * entries) as u64;
                     stats.segments += segs.len() as u64;
                     let us = kernel_started.elapsed().as_secs_f64() * 1e6;
@@ -404,6 +405,9 @@ impl Shared {
                         match served {
                             Ok(entries) => {
                                 stats.rows += seg.rows as u64;
+                                if self.compute.on_gpu(seg.rows) {
+                                    stats.gpu_rows += seg.rows as u64;
+                                }
                                 stats.row_tokens += (seg.rows * entries) as u64;
                                 stats.segments += 1;
                             }
@@ -446,6 +450,7 @@ impl Shared {
         total.segments += stats.segments;
         total.kernel_calls += stats.kernel_calls;
         total.rows += stats.rows;
+        total.gpu_rows += stats.gpu_rows;
         total.kernel_us += stats.kernel_us;
         total.serve_us += stats.serve_us;
         total.encode_us += stats.encode_us;
@@ -470,23 +475,17 @@ impl Shared {
                 chunk: kvroute_kvstore::ChunkId(chunk),
                 why: "not held".into(),
             })?;
-        let block = self.chunks.block(held)?.layer(u32::from(layer))?;
-        let cache: Cache<'_> = block.cache()?;
         let q = Queries::new(queries)?;
-        if k == 0 {
-            partial_dense_wire(self.config.backend, &q, &cache, scale, out)?;
-            Ok(cache.tokens())
-        } else {
-            let sel = Selection::new(
-                indices,
-                k as usize,
-                rows_per_token as usize,
-                q.len(),
-                cache.tokens(),
-            )?;
-            partial_sparse_wire(self.config.backend, &q, &cache, &sel, scale, out)?;
-            Ok(k as usize)
-        }
+        let sel = (k > 0).then_some((indices, k as usize, rows_per_token as usize));
+        self.compute.partial_wire(
+            &self.chunks,
+            held,
+            (u32::from(layer), None),
+            &q,
+            sel,
+            scale,
+            out,
+        )
     }
 
     /// Finishes one request's reply in the session's staging (the kernels wrote the rows of
