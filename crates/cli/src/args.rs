@@ -863,6 +863,10 @@ pub struct DemoArgs {
     /// requester is given their addresses).
     #[command(flatten)]
     pub directory: DirectoryArgs,
+    /// The holders' kernels (`kvroute holder --backend`): cpu, cuda (chunks resident on the
+    /// GPU), auto, or a CPU instruction set.
+    #[arg(long, default_value = "cpu")]
+    pub holder_backend: String,
 }
 
 /// Which synthetic corpus: a `CorpusSpec` as JSON, or DeepSeek-V2-Lite's of the sizes given.
@@ -919,6 +923,12 @@ pub struct HolderArgs {
     /// lowest number first.
     #[arg(long, default_value_t = 0)]
     pub replica: u32,
+    /// Which kernels serve the partials: cpu (the widest instruction set here), cuda (every
+    /// chunk uploaded to the GPU at start and attended there; the start fails without one),
+    /// auto (resident on the GPU where one is usable, else cpu), reference, avx512bf16,
+    /// avx512, avx2 or scalar.
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
 }
 
 /// What keeps a holder serving.

@@ -412,3 +412,46 @@ fn a_requester_process_runs_against_holder_processes_from_a_peer_file() {
         assert!(left.is_empty(), "holder {pid} left shm regions {left:?}");
     }
 }
+
+/// `kvroute holder --backend` names the holder's kernels. A name that is not a backend is
+/// refused before anything starts; `cuda` where no GPU is usable refuses to start, naming
+/// why (where one is, `route_mem`'s `a_gpu_holder_serves_what_a_cpu_holder_serves` runs the
+/// holder on it); `auto` without a GPU serves from host memory.
+#[test]
+fn a_holder_refuses_a_backend_it_cannot_run() {
+    let run = |backend: &str| {
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["holder", "--provider", "tcp", "--tokens", "512"])
+            .args(["--doc-chunks", "2", "--chunks", "0", "--lifeline", "stdin"])
+            .args(["--backend", backend])
+            .stdin(Stdio::null())
+            .output()
+            .expect("running kvroute holder")
+    };
+    let said = |out: &std::process::Output| String::from_utf8_lossy(&out.stderr).into_owned();
+    let bogus = run("tpu");
+    assert!(!bogus.status.success());
+    assert!(said(&bogus).contains("--backend"), "{}", said(&bogus));
+    let gpu = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["kernel", "gpu-info"])
+        .output()
+        .expect("running kvroute kernel gpu-info");
+    if gpu.status.success() {
+        kvroute_testkit::skip!("a GPU is usable here: a CUDA holder would start");
+        return;
+    }
+    let cuda = run("cuda");
+    assert!(
+        !cuda.status.success(),
+        "a CUDA holder started without a GPU"
+    );
+    assert!(
+        said(&cuda).contains("CUDA backend unavailable"),
+        "{}",
+        said(&cuda)
+    );
+    let auto = run("auto");
+    let text = String::from_utf8_lossy(&auto.stdout);
+    assert!(auto.status.success(), "{text}\n{}", said(&auto));
+    assert!(text.contains("\"listen\""), "{text}");
+}

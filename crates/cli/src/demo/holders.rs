@@ -128,6 +128,7 @@ pub(crate) fn v2_lite_corpus(tokens: u32, chunks: u32, seed: u64) -> Result<Corp
 /// `kvroute holder`.
 pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
     let started_unix_ms = kvroute_kvstore::directory::unix_ms();
+    let backend: kvroute_kernels::Backend = args.backend.parse().context("--backend")?;
     let spec = corpus_of(&args.corpus)?;
     let chunks = args
         .chunks
@@ -151,6 +152,7 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
     };
     let (engine, _) = fabric_engine_with(&args.provider.parse()?, args.progress)?;
     let config = HolderConfig {
+        backend,
         max_requesters: args.max_requesters,
         slot_bytes: args.slot_bytes,
         reply_bytes: args.slot_bytes,
@@ -160,6 +162,12 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
     let listener =
         TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
     let holder = Holder::start(engine, listener, held, config)?;
+    let resident = holder.stats().gpu_resident_bytes;
+    tracing::info!(
+        backend = %args.backend,
+        gpu_resident_mb = resident as f64 / 1e6,
+        "serving"
+    );
     // Registered before the address is printed: a parent that reads it knows the directory
     // offers this holder.
     let registration = match &args.directory.directory {
@@ -236,7 +244,9 @@ pub(super) fn spawn_holders(
             let chunks: Vec<u32> = (0..args.replicas)
                 .map(|r| ((h + n - r) % n) as u32)
                 .collect();
-            spawn_holder(spec, provider, &chunks, &directory_flags(&args.directory))
+            let mut extra = directory_flags(&args.directory);
+            extra.extend(["--backend".to_owned(), args.holder_backend.clone()]);
+            spawn_holder(spec, provider, &chunks, &extra)
         })
         .collect()
 }
