@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # The GPU half of `cargo xtask gpu-test`, runnable with prebuilt binaries on a GPU machine
 # that has no Rust toolchain:
-#   LD_LIBRARY_PATH=/usr/local/cuda/lib64 scripts/gpu-test.sh KVROUTE CUDA_TEST_BINARY OUT_DIR [EXAMPLES_DIR]
+#   LD_LIBRARY_PATH=/usr/local/cuda/lib64 scripts/gpu-test.sh KVROUTE CUDA_TEST_BINARY OUT_DIR [EXAMPLES_DIR [ROUTE_TEST_BINARY]]
 # KVROUTE is target/release/kvroute; CUDA_TEST_BINARY is the `cuda` test executable
 # (cargo test --release -p kvroute-kernels --test cuda --no-run prints its path); EXAMPLES_DIR,
 # if given, holds kvroute-kernels' release examples split_sweep and host_to_host
-# (target/release/examples after cargo build --release -p kvroute-kernels --examples).
-# Writes OUT_DIR/{gpu.txt, tests.txt, bench.json, bench.txt, sdpa.json, sdpa.txt} and, with
-# EXAMPLES_DIR, {split_sweep.txt, host_to_host.txt}. Every step runs even if one before it
-# failed (a GPU machine is a rare thing to have); the script fails at the end if any did.
+# (target/release/examples after cargo build --release -p kvroute-kernels --examples);
+# ROUTE_TEST_BINARY, if given, is kvroute-remote's `route_mem` test executable (cargo test
+# --release -p kvroute-remote --test route_mem --no-run), whose GPU holder test runs.
+# Writes OUT_DIR/{gpu.txt, tests.txt, bench.json, bench.txt, sdpa.json, sdpa.txt}, with
+# EXAMPLES_DIR {split_sweep.txt, host_to_host.txt}, and with ROUTE_TEST_BINARY gpu_holder.txt.
+# Every step runs even if one before it failed (a GPU machine is a rare thing to have); the
+# script fails at the end if any did.
 set -uo pipefail
 kvroute=$1
 tests=$2
 out=$3
 examples=${4:-}
+route_tests=${5:-}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 failed=()
@@ -26,6 +30,10 @@ bench() {
 }
 split_sweep() { "$examples/split_sweep" | tee "$out/split_sweep.txt"; }
 host_to_host() { "$examples/host_to_host" | tee "$out/host_to_host.txt"; }
+gpu_holder() {
+    KVROUTE_REQUIRE_GPU=1 "$route_tests" --exact a_gpu_holder_serves_what_a_cpu_holder_serves \
+        --nocapture 2>&1 | tee "$out/gpu_holder.txt"
+}
 sdpa() {
     python3 "$here/sdpa_compare.py" --kvroute "$kvroute" --bench "$out/bench.json" --out "$out" |
         tee "$out/sdpa.txt"
@@ -45,6 +53,9 @@ step "kvroute bench kernels --backend cuda" bench
 if [ -n "$examples" ]; then
     step "the split planner against every split (examples/split_sweep.rs)" split_sweep
     step "host-to-host calls, CUDA against the CPU (examples/host_to_host.rs)" host_to_host
+fi
+if [ -n "$route_tests" ]; then
+    step "a holder with its chunks resident on the GPU against a CPU holder (route_mem)" gpu_holder
 fi
 if python3 -c 'import torch, numpy' 2>/dev/null; then
     step "the CUDA dense partial against PyTorch SDPA on the same bf16 inputs" sdpa

@@ -2,8 +2,9 @@
 //! kernels' examples in release mode, then runs `scripts/gpu-test.sh` with them: the device and
 //! its kernels' resources, the CUDA tests against the reference and the CPU path, `kvroute
 //! bench kernels --backend cuda`, the split planner against every split
-//! (`examples/split_sweep.rs`), host-to-host calls against the CPU (`examples/host_to_host.rs`)
-//! and PyTorch's SDPA on the same bf16 inputs (`scripts/sdpa_compare.py`). Results land in
+//! (`examples/split_sweep.rs`), host-to-host calls against the CPU (`examples/host_to_host.rs`),
+//! a holder serving routes from chunks resident on the GPU against a CPU holder (the
+//! `route_mem` test `a_gpu_holder_serves_what_a_cpu_holder_serves`) and PyTorch's SDPA on the same bf16 inputs (`scripts/sdpa_compare.py`). Results land in
 //! `target/gpu-test`. Without a GPU it says so and succeeds, unless `--require-gpu`.
 //!
 //! On a GPU machine without a Rust toolchain, build here and run the script there with the
@@ -16,8 +17,9 @@ use anyhow::{Context, Result, bail};
 
 use crate::cargo_step;
 
-/// The path of the release `cuda` test binary (cargo prints it as an artifact message).
-fn cuda_test_binary(root: &Path) -> Result<PathBuf> {
+/// The path of release test binary `test` of `package` (cargo prints it as an artifact
+/// message).
+fn test_binary(root: &Path, package: &str, test: &str) -> Result<PathBuf> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let out = Command::new(cargo)
         .args([
@@ -25,32 +27,31 @@ fn cuda_test_binary(root: &Path) -> Result<PathBuf> {
             "--release",
             "--locked",
             "-p",
-            "kvroute-kernels",
+            package,
             "--test",
-            "cuda",
+            test,
             "--no-run",
             "--message-format=json",
         ])
         .current_dir(root)
         .output()
-        .context("building the cuda test binary")?;
+        .with_context(|| format!("building the {test} test binary"))?;
     if !out.status.success() {
         bail!(
-            "building the cuda test binary failed:\n{}",
+            "building the {test} test binary failed:\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
     let text = String::from_utf8_lossy(&out.stdout);
+    let name = format!("\"name\":\"{test}\"");
     text.lines()
-        .filter(|l| {
-            l.contains("\"reason\":\"compiler-artifact\"") && l.contains("\"name\":\"cuda\"")
-        })
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\"") && l.contains(&name))
         .find_map(|l| {
             let at = l.find("\"executable\":\"")? + "\"executable\":\"".len();
             let end = l[at..].find('"')?;
             Some(PathBuf::from(&l[at..at + end]))
         })
-        .context("cargo did not report the cuda test executable")
+        .with_context(|| format!("cargo did not report the {test} test executable"))
 }
 
 pub(crate) fn run(root: &Path, require_gpu: bool) -> Result<()> {
@@ -74,7 +75,8 @@ pub(crate) fn run(root: &Path, require_gpu: bool) -> Result<()> {
         ],
         &[],
     )?;
-    let tests = cuda_test_binary(root)?;
+    let tests = test_binary(root, "kvroute-kernels", "cuda")?;
+    let route_tests = test_binary(root, "kvroute-remote", "route_mem")?;
     let kvroute = root.join("target").join("release").join("kvroute");
     let probe = Command::new(&kvroute)
         .args(["kernel", "gpu-info"])
@@ -96,6 +98,7 @@ pub(crate) fn run(root: &Path, require_gpu: bool) -> Result<()> {
         .arg(&tests)
         .arg(&out)
         .arg(root.join("target").join("release").join("examples"))
+        .arg(&route_tests)
         .current_dir(root)
         .status()
         .context("running scripts/gpu-test.sh")?;
