@@ -1031,4 +1031,9 @@ pub struct VerifyArgs {
     /// Seed of the corpus and the queries.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// The holders' kernels (`kvroute holder --backend`): cpu, cuda (chunks resident on the
+    /// GPU), auto, or a CPU instruction set. The requester's own (local, fetch's splice and
+    /// the merge) stay on the CPU.
+    #[arg(long, default_value = "cpu")]
+    pub holder_backend: String,
 }

@@ -152,6 +152,8 @@ pub struct VerifyReport {
     pub machine: String,
     /// Holder processes per chunk size.
     pub holders: usize,
+    /// The holders' kernels (`--holder-backend`).
+    pub holder_backend: String,
     /// Repetitions per primitive per point.
     pub reps: usize,
     /// Each chunk size's calibration.
@@ -178,6 +180,9 @@ pub(crate) fn run(args: &VerifyArgs) -> Result<VerifyReport> {
     if args.mq.is_empty() || args.mq.contains(&0) || args.ct.is_empty() || args.reps == 0 {
         bail!("--mq and --ct need positive values, --reps at least 1");
     }
+    args.holder_backend
+        .parse::<kvroute_kernels::Backend>()
+        .context("--holder-backend")?;
     if let Some(ct) = args.ct.iter().find(|&&ct| ct < 64) {
         bail!("--ct {ct}: chunks of at least 64 tokens");
     }
@@ -204,6 +209,8 @@ pub(crate) fn run(args: &VerifyArgs) -> Result<VerifyReport> {
                         "2".into(),
                         "--slot-bytes".into(),
                         slot_bytes.to_string(),
+                        "--backend".into(),
+                        args.holder_backend.clone(),
                     ],
                 )
             })
@@ -317,6 +324,7 @@ pub(crate) fn run(args: &VerifyArgs) -> Result<VerifyReport> {
         provider: provider_name,
         machine: crate::bench::machine(),
         holders: args.holders,
+        holder_backend: args.holder_backend.clone(),
         reps: args.reps,
         calibrations,
         points,
@@ -490,8 +498,8 @@ impl std::fmt::Display for VerifyReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "kvroute verify-predicate: {} holder processes per chunk size over libfabric {}, {} reps, {}",
-            self.holders, self.provider, self.reps, self.machine
+            "kvroute verify-predicate: {} holder processes per chunk size ({} kernels) over libfabric {}, {} reps, {}",
+            self.holders, self.holder_backend, self.provider, self.reps, self.machine
         )?;
         for (ct, c) in &self.calibrations {
             write!(f, "ct = {ct}: {c}")?;
