@@ -3,7 +3,9 @@
 //! here uploads its inputs, runs, and downloads its result; the CPU call runs in place. The
 //! resident table is a holder's call: the cache uploaded once beforehand
 //! (`Gpu::upload_rows`), each call taking host query rows and writing the wire partial into
-//! host memory (`partial_resident_wire`), against the CPU's `partial_dense_wire`.
+//! host memory (`partial_resident_wire`), against the CPU's `partial_dense_wire`; then the
+//! same call timed after the GPU sat idle for 1-50 ms, as a holder's GPU does between
+//! requests.
 //!
 //! ```sh
 //! cargo run --release -p kvroute-kernels --example host_to_host
@@ -11,7 +13,7 @@
 //!
 //! Each figure is the median of 15 calls after one untimed call, in microseconds.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvroute_kernels::cuda::Gpu;
 use kvroute_kernels::layout::PARTIAL_ROW_BYTES;
@@ -23,10 +25,22 @@ use kvroute_kernels::{
 
 const SCALE: f32 = 0.1147;
 
-fn median_us(mut call: impl FnMut() -> Result<(), KernelError>) -> Result<f64, KernelError> {
+fn median_us(call: impl FnMut() -> Result<(), KernelError>) -> Result<f64, KernelError> {
+    median_after_idle_us(Duration::ZERO, call)
+}
+
+/// The median of 15 calls, each timed after `idle` with nothing running (one untimed call
+/// first).
+fn median_after_idle_us(
+    idle: Duration,
+    mut call: impl FnMut() -> Result<(), KernelError>,
+) -> Result<f64, KernelError> {
     call()?;
     let mut times = Vec::with_capacity(15);
     for _ in 0..15 {
+        if !idle.is_zero() {
+            std::thread::sleep(idle);
+        }
         let start = Instant::now();
         call()?;
         times.push(start.elapsed().as_secs_f64() * 1e6);
@@ -69,6 +83,22 @@ fn main() -> Result<(), KernelError> {
                 partial_dense_wire(Backend::Cpu, &q, &cache, SCALE, &mut wire)
             })?;
             println!("{mq:>5} {ct:>6} {on_gpu:>10.1} {on_cpu:>10.1}");
+        }
+    }
+    println!("the same call after the GPU sat idle, ct = 2048, us per call");
+    println!("{:>5} {:>8} {:>10}", "Mq", "idle us", "resident");
+    let c = rows(2048, 2);
+    let resident = gpu.upload_rows(&c)?;
+    for mq in [1usize, 16, 256] {
+        let q = rows(mq, 1);
+        let q = Queries::new(&q)?;
+        let mut out = vec![0u8; mq * PARTIAL_ROW_BYTES];
+        for idle_us in [0u64, 1_000, 10_000, 50_000] {
+            let us = median_after_idle_us(Duration::from_micros(idle_us), || {
+                let mut wire = WireOut::new([&mut out[..]])?;
+                partial_resident_wire(gpu, &resident, 0..2048, &q, None, SCALE, &mut wire)
+            })?;
+            println!("{mq:>5} {idle_us:>8} {us:>10.1}");
         }
     }
     println!("merge, us per call");
