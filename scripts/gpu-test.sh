@@ -9,7 +9,8 @@
 # ROUTE_TEST_BINARY, if given, is kvroute-remote's `route_mem` test executable (cargo test
 # --release -p kvroute-remote --test route_mem --no-run), whose GPU holder test runs.
 # Writes OUT_DIR/{gpu.txt, tests.txt, bench.json, bench.txt, sdpa.json, sdpa.txt}, with
-# EXAMPLES_DIR {split_sweep.txt, host_to_host.txt}, and with ROUTE_TEST_BINARY gpu_holder.txt.
+# EXAMPLES_DIR {split_sweep.txt, host_to_host.txt}, with ROUTE_TEST_BINARY gpu_holder.txt,
+# and where libfabric loads {demo_cuda.txt, verify_cuda.txt, verify_cpu.txt}.
 # Every step runs even if one before it failed (a GPU machine is a rare thing to have); the
 # script fails at the end if any did.
 set -uo pipefail
@@ -53,6 +54,30 @@ step "kvroute bench kernels --backend cuda" bench
 if [ -n "$examples" ]; then
     step "the split planner against every split (examples/split_sweep.rs)" split_sweep
     step "host-to-host calls, CUDA against the CPU (examples/host_to_host.rs)" host_to_host
+fi
+# libfabric on the library path (the GPU machines lent so far had none: carrying
+# libfabric.so.1 and the libraries `ldd` names for it into a folder on LD_LIBRARY_PATH works).
+has_libfabric() {
+    local d
+    for d in ${LD_LIBRARY_PATH//:/ }; do
+        [ -e "$d/libfabric.so.1" ] && return 0
+    done
+    ldconfig -p 2>/dev/null | grep -q 'libfabric\.so\.1 '
+}
+gpu_holders_demo() {
+    "$kvroute" demo --provider shm --holder-backend cuda | tee "$out/demo_cuda.txt"
+}
+gpu_holders_verify() {
+    "$kvroute" verify-predicate --provider shm --holder-backend cuda | tee "$out/verify_cuda.txt" &&
+        "$kvroute" verify-predicate --provider shm --holder-backend cpu | tee "$out/verify_cpu.txt"
+}
+
+if has_libfabric; then
+    step "the demo with holder processes serving from the GPU, over shm" gpu_holders_demo
+    step "verify-predicate with CUDA holders, then CPU holders, over shm" gpu_holders_verify
+else
+    echo "SKIPPED: libfabric.so.1 is not on the library path (no GPU holders between processes)" |
+        tee "$out/demo_cuda.txt"
 fi
 if [ -n "$route_tests" ]; then
     step "a holder with its chunks resident on the GPU against a CPU holder (route_mem)" gpu_holder
