@@ -4,8 +4,10 @@
 //! bench kernels --backend cuda`, the split planner against every split
 //! (`examples/split_sweep.rs`), host-to-host calls against the CPU (`examples/host_to_host.rs`),
 //! a holder serving routes from chunks resident on the GPU against a CPU holder (the
-//! `route_mem` test `a_gpu_holder_serves_what_a_cpu_holder_serves`) and PyTorch's SDPA on the same bf16 inputs (`scripts/sdpa_compare.py`). Results land in
-//! `target/gpu-test`. Without a GPU it says so and succeeds, unless `--require-gpu`.
+//! `route_mem` test `a_gpu_holder_serves_what_a_cpu_holder_serves`), where libfabric loads the
+//! demo and `verify-predicate` with holder processes on the GPU, and PyTorch's SDPA on the
+//! same bf16 inputs (`scripts/sdpa_compare.py`). Results land in `target/gpu-test`. Without a
+//! GPU it says so and succeeds, unless `--require-gpu`.
 //!
 //! On a GPU machine without a Rust toolchain, build here and run the script there with the
 //! binaries (docs/kernels.md has the commands).
