@@ -353,7 +353,8 @@ pub fn partial_resident(
     Ok(p)
 }
 
-/// [`partial_resident`] written into its wire encoding, as [`partial_dense_wire`].
+/// [`partial_resident`] written into its wire encoding, as [`partial_dense_wire`]: encoded on
+/// the GPU, so the rows come down at half the bytes of the f32 partial, the same bits.
 pub fn partial_resident_wire(
     gpu: &cuda::Gpu,
     rows: &cuda::DeviceRows,
@@ -364,7 +365,13 @@ pub fn partial_resident_wire(
     out: &mut WireOut<'_>,
 ) -> Result<(), KernelError> {
     check_wire_rows(q, out)?;
-    out.write(&partial_resident(gpu, rows, tokens, q, sel, scale)?)
+    let attended = !tokens.is_empty();
+    gpu.partial_resident_wire(rows, tokens, q, sel, scale, out)?;
+    match sel {
+        None => out.check_finite(|_| attended),
+        // Checked against the query rows and the range by `partial_resident_wire`.
+        Some(sel) => out.check_finite(|r| attends(sel, r)),
+    }
 }
 
 /// A wire partial has as many rows as its queries, and at least one.

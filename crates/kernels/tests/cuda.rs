@@ -32,7 +32,7 @@ use kvroute_kernels::layout::{D_QK, PAGE_TOKENS};
 use kvroute_kernels::{
     Backend, Cache, KernelError, Partial, Queries, Rope, RopeLayout, Selection, SpliceJob, WireOut,
     Yarn, merge, merge_with, partial_dense, partial_dense_wire, partial_resident,
-    partial_resident_wire, partial_sparse, splice,
+    partial_resident_wire, partial_sparse, partial_sparse_wire, splice,
 };
 
 /// What a test needs before it can run.
@@ -435,7 +435,8 @@ fn non_finite_is_refused() {
 /// Three layers of 1000 tokens, each padded to 1024 rows as a full block lays them out,
 /// uploaded once: every layer's range attended on the GPU gives what the same rows uploaded
 /// with each call give (the same kernels and plan, so bit for bit), dense and sparse, and
-/// within the f32 bounds of the reference; the wire form is the same bytes.
+/// within the f32 bounds of the reference; the wire rows encoded on the GPU are the bytes the
+/// CPU encodes from the f32 partial.
 fn resident_rows_answer_as_uploaded() {
     let gpu = Gpu::global().unwrap();
     let mut rng = Rng::new(29);
@@ -498,6 +499,28 @@ fn resident_rows_answer_as_uploaded() {
         .unwrap();
         let host = partial_sparse(Backend::Cuda, &sq, &cache, &sel, SCALE).unwrap();
         assert_eq!(got, host, "sparse, layer {layer}");
+        let mut wire = vec![0u8; sq.len() * kvroute_kernels::layout::PARTIAL_ROW_BYTES];
+        let mut host_wire = wire.clone();
+        partial_resident_wire(
+            gpu,
+            &resident,
+            start..start + tokens,
+            &sq,
+            Some(&sel),
+            SCALE,
+            &mut WireOut::new([&mut wire[..]]).unwrap(),
+        )
+        .unwrap();
+        partial_sparse_wire(
+            Backend::Cuda,
+            &sq,
+            &cache,
+            &sel,
+            SCALE,
+            &mut WireOut::new([&mut host_wire[..]]).unwrap(),
+        )
+        .unwrap();
+        assert!(wire == host_wire, "sparse wire rows, layer {layer}");
         let want = partial_sparse(Backend::Reference, &sq, &cache, &sel, SCALE).unwrap();
         assert_close(&got, &want, &format!("resident sparse layer {layer}"));
     }
@@ -540,6 +563,20 @@ fn resident_ranges_are_checked() {
         gpu.upload_rows(&rows[..D_QK + 1]),
         Err(KernelError::Shape { .. })
     ));
+    let mut wire = vec![0xffu8; 4 * kvroute_kernels::layout::PARTIAL_ROW_BYTES];
+    let mut want = wire.clone();
+    let wire_of = |range: std::ops::Range<usize>, rows, out: &mut [u8]| {
+        let mut out = WireOut::new([out]).unwrap();
+        partial_resident_wire(gpu, rows, range, &q, None, SCALE, &mut out)
+    };
+    wire_of(100..100, &resident, &mut wire).unwrap();
+    let none = Cache::contiguous(&[]).unwrap();
+    let mut empty = WireOut::new([&mut want[..]]).unwrap();
+    partial_dense_wire(Backend::Cpu, &q, &none, SCALE, &mut empty).unwrap();
+    assert!(
+        wire == want,
+        "an empty range's wire rows are the empty partial's"
+    );
     rows[120 * D_QK + 5] = 0x7fc0;
     let poisoned = gpu.upload_rows(&rows).unwrap();
     let got = partial_resident(gpu, &poisoned, 100..200, &q, None, SCALE);
@@ -547,5 +584,11 @@ fn resident_ranges_are_checked() {
         matches!(got, Err(KernelError::NonFinite { row: 0, .. })),
         "{got:?}"
     );
+    let got = wire_of(100..200, &poisoned, &mut wire);
+    assert!(
+        matches!(got, Err(KernelError::NonFinite { row: 0, .. })),
+        "wire rows: {got:?}"
+    );
     assert!(partial_resident(gpu, &poisoned, 0..100, &q, None, SCALE).is_ok());
+    assert!(wire_of(0..100, &poisoned, &mut wire).is_ok());
 }

@@ -25,6 +25,8 @@ typedef unsigned short bf16_t;
 #define COMBINE_THREADS 512
 #define COMBINE_DIMS 128
 #define COMBINE_GROUPS (COMBINE_THREADS / COMBINE_DIMS)
+// A partial row on the wire: 512 bf16 of o, then m and l as f32 (partial.rs).
+#define WIRE_ROW_BYTES (D_LATENT * 2 + 8)
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -231,7 +233,9 @@ extern "C" __global__ void __launch_bounds__(PARTIAL_THREADS) mla_partial(
 // combine_row does: parts with l = 0 are skipped (never -inf - -inf, and their o is never
 // read), weights exp(m_p - max m) and sums in f64, one division at the end. `normalized`
 // says whether o is already divided by l (a peer's partial: weight w l) or not (a split's
-// state: weight w).
+// state: weight w). With `wire` set, each row goes there in its 1032-byte wire form instead
+// of to out_o / out_m / out_l: o as bf16 (rounded as bf16.rs from_f32 rounds), then m and l
+// as f32, so that a holder's reply comes down at half the bytes, already encoded.
 //
 // grid = (rows, D_LATENT / COMBINE_DIMS): a block finishes COMBINE_DIMS dims of one row. Its
 // threads are COMBINE_GROUPS groups of COMBINE_DIMS, one dim per thread; group g sums parts
@@ -243,7 +247,8 @@ extern "C" __global__ void __launch_bounds__(PARTIAL_THREADS) mla_partial(
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) mla_combine(
     const float* __restrict__ o, const float* __restrict__ m, const float* __restrict__ l,
     int parts, int mq, int normalized,
-    float* __restrict__ out_o, float* __restrict__ out_m, float* __restrict__ out_l)
+    float* __restrict__ out_o, float* __restrict__ out_m, float* __restrict__ out_l,
+    unsigned char* __restrict__ wire)
 {
     // A chunk's weights for o; -1 marks a skipped part (a live part's weight is >= 0).
     __shared__ double w_value[COMBINE_THREADS];
@@ -255,6 +260,22 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) mla_combine(
     const long long out_at = (long long)row * D_LATENT + blockIdx.y * COMBINE_DIMS + dim;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const bool writes_ml = blockIdx.y == 0 && threadIdx.x == 0;
+    unsigned char* const wire_row = wire ? wire + (long long)row * WIRE_ROW_BYTES : 0;
+    // Row `row`'s o value at this thread's dim, and its (m, l), to whichever output is set.
+    auto put_o = [&](float v) {
+        if (wire_row) reinterpret_cast<bf16_t*>(wire_row)[blockIdx.y * COMBINE_DIMS + dim] = f32_to_bf16(v);
+        else out_o[out_at] = v;
+    };
+    auto put_ml = [&](float mv, float lv) {
+        if (wire_row) {
+            float* ml = reinterpret_cast<float*>(wire_row + D_LATENT * 2);
+            ml[0] = mv;
+            ml[1] = lv;
+        } else {
+            out_m[row] = mv;
+            out_l[row] = lv;
+        }
+    };
 
     // Pass 1: the largest m over live parts, and whether any state is non-finite. A NaN or
     // infinite state (non-finite inputs or scores) poisons the row: skipping it as empty
@@ -275,19 +296,13 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) mla_combine(
     for (int i = 1; i < COMBINE_THREADS / WARP; ++i) big = fmaxf(big, warp_big[i]);
 
     if (poisoned) {
-        if (group == 0) out_o[out_at] = __int_as_float(0x7fc00000);
-        if (writes_ml) {
-            out_m[row] = __int_as_float(0x7fc00000);
-            out_l[row] = __int_as_float(0x7fc00000);
-        }
+        if (group == 0) put_o(__int_as_float(0x7fc00000));
+        if (writes_ml) put_ml(__int_as_float(0x7fc00000), __int_as_float(0x7fc00000));
         return;
     }
     if (big == neg_inf()) {
-        if (group == 0) out_o[out_at] = 0.0f;
-        if (writes_ml) {
-            out_m[row] = neg_inf();
-            out_l[row] = 0.0f;
-        }
+        if (group == 0) put_o(0.0f);
+        if (writes_ml) put_ml(neg_inf(), 0.0f);
         return;
     }
 
@@ -341,12 +356,9 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) mla_combine(
         double total = 0.0;
 #pragma unroll
         for (int g = 0; g < COMBINE_GROUPS; ++g) total += group_sum[g][dim];
-        out_o[out_at] = (float)(total / sum_l);
+        put_o((float)(total / sum_l));
     }
-    if (writes_ml) {
-        out_m[row] = big;
-        out_l[row] = (float)sum_l;
-    }
+    if (writes_ml) put_ml(big, (float)sum_l);
 }
 
 // The delta-rotation splice of every layer of a chunk in one launch: one warp per

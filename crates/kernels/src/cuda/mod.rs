@@ -21,16 +21,16 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DriverError, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError,
+    LaunchConfig, PushKernelArg,
     sys::{CUdevice_attribute, CUfunction_attribute},
 };
 use cudarc::nvrtc::Ptx;
 use serde::Serialize;
 
 use crate::error::KernelError;
-use crate::layout::{Cache, D_LATENT, D_QK, D_ROPE, Queries, Selection};
-use crate::partial::Partial;
+use crate::layout::{Cache, D_LATENT, D_QK, D_ROPE, PARTIAL_ROW_BYTES, Queries, Selection};
+use crate::partial::{Partial, WireOut};
 use crate::rope::PAIRS;
 use crate::splice::SpliceJob;
 pub use nvrtc::KernelResources;
@@ -55,6 +55,8 @@ const BLOCKS_PER_SM: usize = 8;
 const MAX_SPLITS: usize = 256;
 /// CUDA's grid.y limit.
 const MAX_GRID_Y: usize = 65_535;
+/// `mla_combine`'s `wire` argument when its rows go to `out_o` / `out_m` / `out_l`.
+const NULL_WIRE: u64 = 0;
 
 fn driver(what: &'static str) -> impl Fn(DriverError) -> KernelError {
     move |e| KernelError::Cuda(format!("CUDA driver, {what}: {e:?}"))
@@ -394,7 +396,7 @@ impl Gpu {
             table: p.table.as_ref(),
             sel: sel.as_ref(),
         };
-        self.launch_split_k(&p.plan, &inputs, &mut p.ws)
+        self.launch_split_k(&p.plan, &inputs, &mut p.ws, None)
     }
 
     /// Launches `mla_partial` and `mla_combine` for `plan` on `inputs`, into `ws`.
@@ -403,6 +405,7 @@ impl Gpu {
         plan: &SplitK,
         inputs: &SplitKInputs<'_, '_>,
         ws: &mut Workspace,
+        wire: Option<&mut CudaViewMut<'_, u8>>,
     ) -> Result<(), KernelError> {
         if plan.keys == 0 {
             // A dense partial over an empty cache: the empty partial, nothing to launch.
@@ -448,7 +451,12 @@ impl Gpu {
             .arg(&mut o)
             .arg(&mut m)
             .arg(&mut l);
-        // SAFETY: as above; parts x mq states in the workspace, mq rows out.
+        match wire {
+            Some(w) => c.arg(w),
+            None => c.arg(&NULL_WIRE),
+        };
+        // SAFETY: as above; parts x mq states in the workspace, mq rows out (to `wire`, which
+        // holds mq rows of 1032 bytes, when given).
         unsafe { c.launch(config(combine_grid(plan.mq as u32), COMBINE_THREADS)) }
             .map_err(driver("mla_combine"))?;
         Ok(())
@@ -496,6 +504,52 @@ impl Gpu {
         sel: Option<&Selection<'_>>,
         scale: f32,
     ) -> Result<Partial, KernelError> {
+        let call = ResidentCall {
+            tokens,
+            q,
+            sel,
+            scale,
+        };
+        let partial = self.run_resident(rows, call, None)?;
+        partial.ok_or(KernelError::Cuda("no partial came back".into()))
+    }
+
+    /// [`Gpu::partial_resident`] into its wire rows (`out`, one per query row), encoded on the
+    /// GPU: the rows come down in their 1032-byte form (half the bytes of the f32 partial) and
+    /// are copied into `out`'s runs. Bit for bit what [`WireOut`] encodes from the f32
+    /// partial on the CPU.
+    pub fn partial_resident_wire(
+        &self,
+        rows: &DeviceRows,
+        tokens: Range<usize>,
+        q: &Queries<'_>,
+        sel: Option<&Selection<'_>>,
+        scale: f32,
+        out: &mut WireOut<'_>,
+    ) -> Result<(), KernelError> {
+        crate::error::check_len("partial wire rows", q.len(), out.rows())?;
+        let call = ResidentCall {
+            tokens,
+            q,
+            sel,
+            scale,
+        };
+        self.run_resident(rows, call, Some(out)).map(drop)
+    }
+
+    /// A resident call: the partial, or `None` with `out`'s rows written.
+    fn run_resident(
+        &self,
+        rows: &DeviceRows,
+        call: ResidentCall<'_, '_>,
+        out: Option<&mut WireOut<'_>>,
+    ) -> Result<Option<Partial>, KernelError> {
+        let ResidentCall {
+            tokens,
+            q,
+            sel,
+            scale,
+        } = call;
         if !Arc::ptr_eq(rows.rows.context(), &self.ctx) {
             return Err(KernelError::Cuda(
                 "resident rows uploaded to another GPU context".into(),
@@ -510,19 +564,25 @@ impl Gpu {
         }
         let plan = self.plan(q, tokens.len(), sel, scale, None)?;
         if plan.keys == 0 {
-            return Ok(Partial::empty(q.len()));
+            let empty = Partial::empty(q.len());
+            return match out {
+                None => Ok(Some(empty)),
+                Some(out) => out.write(&empty).map(|()| None),
+            };
         }
         let mut scratch = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
         let Scratch {
             states,
-            out,
+            out: result,
+            wire,
+            host_wire,
             q: q_slot,
             sel: sel_slot,
         } = &mut *scratch;
         let (states_len, out_len) = plan.workspace_lens();
         let mut ws = Workspace {
             states: self.grown(states, states_len)?,
-            out: self.grown(out, out_len)?,
+            out: self.grown(result, out_len)?,
         };
         let q = self.stage(q_slot, q.as_slice())?;
         let sel = sel.map(|s| self.stage(sel_slot, s.raw())).transpose()?;
@@ -539,12 +599,47 @@ impl Gpu {
             table: None,
             sel: sel.as_ref(),
         };
-        let result = self
-            .launch_split_k(&plan, &inputs, &mut ws)
-            .and_then(|()| self.read_split_k(&plan, &ws));
+        let done = match out {
+            None => self
+                .launch_split_k(&plan, &inputs, &mut ws, None)
+                .and_then(|()| self.read_split_k(&plan, &ws))
+                .map(Some),
+            Some(out) => {
+                let bytes = plan.mq as usize * PARTIAL_ROW_BYTES;
+                self.grown(wire, bytes).and_then(|mut dev| {
+                    let mut rows_view = dev.slice_mut(..bytes);
+                    let ran = self
+                        .launch_split_k(&plan, &inputs, &mut ws, Some(&mut rows_view))
+                        .and_then(|()| self.copy_wire_rows(&dev.slice(..bytes), host_wire, out));
+                    *wire = Some(dev);
+                    ran.map(|()| None)
+                })
+            }
+        };
         // Kept for the next call, whatever happened to this one.
-        (*states, *out) = (Some(ws.states), Some(ws.out));
-        result
+        (*states, *result) = (Some(ws.states), Some(ws.out));
+        done
+    }
+
+    /// Wire rows from the device into `out`'s runs, through `host` (grown as needed).
+    fn copy_wire_rows(
+        &self,
+        dev: &CudaView<'_, u8>,
+        host: &mut Vec<u8>,
+        out: &mut WireOut<'_>,
+    ) -> Result<(), KernelError> {
+        host.resize(dev.len(), 0);
+        self.stream
+            .memcpy_dtoh(dev, host.as_mut_slice())
+            .map_err(driver("download"))?;
+        for (row, src) in out
+            .row_slices()
+            .iter_mut()
+            .zip(host.chunks_exact(PARTIAL_ROW_BYTES))
+        {
+            row.copy_from_slice(src);
+        }
+        Ok(())
     }
 
     /// `slot`'s buffer if it holds `n` elements, else a new zeroed one of `n`; the slot is
@@ -613,8 +708,10 @@ impl Gpu {
             .arg(&normalized)
             .arg(&mut out_o)
             .arg(&mut out_m)
-            .arg(&mut out_l);
-        // SAFETY: matches mla_combine; parts x mq rows uploaded, mq rows out.
+            .arg(&mut out_l)
+            .arg(&NULL_WIRE);
+        // SAFETY: matches mla_combine (no wire rows: a null pointer); parts x mq rows
+        // uploaded, mq rows out.
         unsafe { c.launch(config(combine_grid(mq as u32), COMBINE_THREADS)) }
             .map_err(driver("mla_combine"))?;
         Ok(Partial {
@@ -791,8 +888,19 @@ struct SplitKInputs<'a, 'b> {
 struct Scratch {
     states: Option<CudaSlice<f32>>,
     out: Option<CudaSlice<f32>>,
+    /// Wire rows, on the device and on their way to the caller's runs.
+    wire: Option<CudaSlice<u8>>,
+    host_wire: Vec<u8>,
     q: Option<CudaSlice<u16>>,
     sel: Option<CudaSlice<i32>>,
+}
+
+/// A resident call's arguments besides the rows.
+struct ResidentCall<'q, 's> {
+    tokens: Range<usize>,
+    q: &'q Queries<'q>,
+    sel: Option<&'s Selection<'s>>,
+    scale: f32,
 }
 
 /// A partial's inputs and outputs resident on the GPU (see [`Gpu::prepare_partial`]).
