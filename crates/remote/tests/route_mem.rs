@@ -507,6 +507,70 @@ fn sparse_scattered_selection_matches_one_instance() -> Result<()> {
     Ok(())
 }
 
+/// `Requester::prefer` sends a chunk's routes and fetches to the replica a selector chose,
+/// while that holder is live and holds the chunk (a holder without it, or an unknown one, is
+/// passed over for the first live replica, as is a dead one); a fetch from either replica
+/// gives the same rows.
+#[test]
+fn a_preferred_replica_serves_the_chunks_routes_and_fetches() -> Result<()> {
+    let fabric = MemFabric::new();
+    let s = spec();
+    let rope = s.rope()?;
+    let a = holder(&fabric, &[1], 8)?;
+    let b = holder(&fabric, &[1], 8)?;
+    let c = holder(&fabric, &[2], 8)?;
+    let mut req = requester(&fabric, &[&a, &b, &c])?;
+    let one = ChunkId(1);
+    assert_eq!(req.holder_for(one)?, 0, "the first replica by default");
+    for (preferred, used) in [
+        (Some(1), 1),
+        (Some(2), 0),
+        (Some(7), 0),
+        (None, 0),
+        (Some(1), 1),
+    ] {
+        req.prefer(one, preferred);
+        assert_eq!(req.holder_for(one)?, used, "preferring {preferred:?}");
+    }
+    let q = queries(16, 5300, &rope, 9);
+    for part in req.route(&dense_calls(&q, 0, 1..2)) {
+        part?;
+    }
+    assert_eq!(
+        (req.holder_stats(0)?.requests, req.holder_stats(1)?.requests),
+        (0, 1),
+        "the route went to the preferred replica"
+    );
+    // Fetched from each replica to the same positions: the same chunk there.
+    let to: Vec<i64> = (5000..5200).collect();
+    let fetched_cache_partials = |req: &mut Requester| -> Result<Vec<kvroute_kernels::Partial>> {
+        let fetched = req.fetch(one, &to, rope, Backend::Cpu)?;
+        let parts = (0..3)
+            .map(|layer| {
+                Ok(partial_dense(
+                    Backend::Reference,
+                    &Queries::new(&q)?,
+                    &req.fetched_cache(&fetched, layer)?,
+                    SCALE,
+                )?)
+            })
+            .collect::<Result<Vec<_>>>();
+        req.release(fetched)?;
+        parts
+    };
+    let from_b = fetched_cache_partials(&mut req)?;
+    assert_eq!(req.holder_stats(1)?.fetches, 1);
+    req.prefer(one, None);
+    let from_a = fetched_cache_partials(&mut req)?;
+    assert_eq!(req.holder_stats(0)?.fetches, 1);
+    assert_eq!(from_b, from_a, "the same rows from either replica");
+    // A dead preferred replica is passed over.
+    req.prefer(one, Some(1));
+    req.mark_dead(1)?;
+    assert_eq!(req.holder_for(one)?, 0);
+    Ok(())
+}
+
 #[test]
 fn fetch_splices_to_the_requesters_positions() -> Result<()> {
     let fabric = MemFabric::new();

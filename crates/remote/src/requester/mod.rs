@@ -7,6 +7,7 @@
 //! in time, or whose writes fail, is marked dead and its calls fail with
 //! [`RouteError::HolderFailed`]; calling again sends them to the chunk's next replica.
 
+use std::collections::BTreeMap;
 use std::io::BufReader;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
@@ -133,6 +134,9 @@ pub struct Requester {
     /// The most links this requester opens (its staging and reply regions hold this many).
     capacity: usize,
     registry: ChunkRegistry,
+    /// Chunks whose routes and fetches go to a chosen replica ([`Requester::prefer`]) rather
+    /// than to the first live one.
+    preferred: BTreeMap<ChunkId, usize>,
     codec: CodecTimes,
 }
 
@@ -212,6 +216,7 @@ impl Requester {
             links: Vec::with_capacity(capacity),
             capacity,
             registry: ChunkRegistry::new(),
+            preferred: BTreeMap::new(),
             codec: CodecTimes::default(),
         };
         for &addr in holders {
@@ -473,9 +478,21 @@ impl Requester {
     }
 
     /// The holder (an index into the holders given to [`Requester::connect`]) that a route
-    /// of `chunk` goes to now: the first live one holding it.
+    /// of `chunk` goes to now: the preferred one ([`Requester::prefer`]) while it is live and
+    /// holds the chunk, else the first live one holding it.
     pub fn holder_for(&self, chunk: ChunkId) -> Result<usize, RouteError> {
         self.link_for(chunk)
+    }
+
+    /// Sends `chunk`'s routes and fetches to holder `holder` (a selector's choice among the
+    /// chunk's replicas: a faster kernel, a lighter load) for as long as it is live and holds
+    /// the chunk, and to the first live replica after; `None` goes back to the first live
+    /// replica. A holder that does not hold the chunk is never used for it, preferred or not.
+    pub fn prefer(&mut self, chunk: ChunkId, holder: Option<usize>) {
+        match holder {
+            Some(h) => self.preferred.insert(chunk, h),
+            None => self.preferred.remove(&chunk),
+        };
     }
 
     /// The live holders of `chunk` (indices into the holders given to
@@ -584,17 +601,24 @@ impl Requester {
             .registry
             .holders(chunk)
             .map_err(|_| RouteError::NoHolder(chunk))?;
+        let serves = |link: usize, e: &ChunkEntry| {
+            self.links
+                .get(link)
+                .is_some_and(|l| l.usable() && l.welcome.holder == e.holder)
+        };
+        if let Some(&link) = self.preferred.get(&chunk)
+            && holders.iter().any(|e| serves(link, e))
+        {
+            return Ok(link);
+        }
         holders
             .iter()
-            .find_map(|e| {
-                self.links
-                    .iter()
-                    .position(|l| l.usable() && l.welcome.holder == e.holder)
-            })
+            .find_map(|e| (0..self.links.len()).find(|&link| serves(link, e)))
             .ok_or(RouteError::NoHolder(chunk))
     }
 
     fn entry(&self, chunk: ChunkId) -> Result<&ChunkEntry, RouteError> {
+        // Replicas share layout and positions (the registry refuses one that differs).
         self.registry
             .holders(chunk)
             .ok()
