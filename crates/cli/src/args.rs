@@ -864,7 +864,9 @@ pub struct DemoArgs {
     #[command(flatten)]
     pub directory: DirectoryArgs,
     /// The holders' kernels (`kvroute holder --backend`): cpu, cuda (chunks resident on the
-    /// GPU), auto, or a CPU instruction set.
+    /// GPU), auto, or a CPU instruction set; a comma-separated list gives holder h the
+    /// (h mod length)-th (`cuda,cpu`: a GPU holder beside CPU holders, the selector choosing
+    /// between replicas).
     #[arg(long, default_value = "cpu")]
     pub holder_backend: String,
 }

@@ -158,6 +158,57 @@ fn demo_over_shm_routes_and_checks() {
     );
 }
 
+/// Holders of different kernels (`--holder-backend scalar,cpu,cpu`) with every chunk on two
+/// of them: the scalar holder (several times slower) is the first registered replica of
+/// chunks 0 and 2, yet each chunk's routes go to the replica the selector priced them on, a
+/// CPU holder, and the report names the holder of each decision and of each route.
+#[test]
+fn demo_routes_each_chunk_to_the_replica_the_selector_chose() {
+    let json = assert_passed(&[
+        "--provider",
+        "shm",
+        "--holders",
+        "3",
+        "--replicas",
+        "2",
+        "--holder-backend",
+        "scalar,cpu,cpu",
+        "--steps",
+        "2",
+    ]);
+    let served = json["served"].as_array().cloned().unwrap_or_default();
+    assert_eq!(served.len(), 3, "{served:?}");
+    let scalar = served[0]["holder"].as_str().unwrap_or_default().to_owned();
+    let decisions = json["decisions"].as_array().cloned().unwrap_or_default();
+    // A fetch costs the same from either replica; a route is priced on the holder's kernel.
+    let dense_routes: Vec<_> = decisions
+        .iter()
+        .filter(|d| d["chunk"].as_u64() != Some(u64::from(u32::MAX)) && d["choice"] == "Route")
+        .collect();
+    assert!(!dense_routes.is_empty(), "{decisions:?}");
+    for d in dense_routes {
+        let on = d["holder"].as_str().unwrap_or_default();
+        assert!(!on.is_empty(), "a dense decision names its holder: {d}");
+        assert_ne!(on, scalar, "the scalar replica was chosen to route: {d}");
+    }
+    let timings = json["timings"].as_array().cloned().unwrap_or_default();
+    let routes: Vec<_> = timings
+        .iter()
+        .filter(|t| t["kind"] == "route (one chunk, one layer)")
+        .collect();
+    assert!(!routes.is_empty(), "{timings:?}");
+    for t in routes {
+        let on = t["holder"].as_str().unwrap_or_default();
+        assert!(
+            !on.is_empty() && on != scalar,
+            "a route served by the scalar replica: {t}"
+        );
+    }
+    for s in &served {
+        assert_eq!(s["gpu_rows"], 0, "{s}");
+    }
+}
+
 #[test]
 fn demo_fetch_splices_and_checks() {
     let json = assert_passed(&[

@@ -239,13 +239,15 @@ pub(super) fn spawn_holders(
     provider: &ProviderChoice,
 ) -> Result<Vec<HolderProcess>> {
     let n = args.holders;
+    let backends: Vec<&str> = args.holder_backend.split(',').map(str::trim).collect();
     (0..n)
         .map(|h| {
             let chunks: Vec<u32> = (0..args.replicas)
                 .map(|r| ((h + n - r) % n) as u32)
                 .collect();
             let mut extra = directory_flags(&args.directory);
-            extra.extend(["--backend".to_owned(), args.holder_backend.clone()]);
+            let backend = backends[h % backends.len()];
+            extra.extend(["--backend".to_owned(), backend.to_owned()]);
             spawn_holder(spec, provider, &chunks, &extra)
         })
         .collect()

@@ -87,8 +87,24 @@ pub struct Decided {
     pub mq: u32,
     /// What was chosen.
     pub choice: String,
+    /// The replica the selector priced it on (its control address; none for local and for
+    /// the sparse step, which goes to every holder).
+    pub holder: Option<String>,
     /// Why (the predicate's reason, or "forced").
     pub reason: String,
+}
+
+/// What one holder served over the run, from its own counters.
+#[derive(Debug, Clone, Serialize)]
+pub struct Served {
+    /// Its control address.
+    pub holder: String,
+    /// Query rows it attended (the start-up probe's routes included).
+    pub rows: u64,
+    /// Of `rows`, those attended on a GPU.
+    pub gpu_rows: u64,
+    /// Chunks fetched from it.
+    pub fetches: u64,
 }
 
 /// One prediction beside the measurement of the same thing.
@@ -98,6 +114,8 @@ pub struct Timing {
     pub step: u32,
     /// The kind of thing timed: the unit both sides cover.
     pub kind: &'static str,
+    /// The holder that served it (its control address), for a route or fetch of one chunk.
+    pub holder: Option<String>,
     /// Which one (chunk, layer).
     pub what: String,
     /// The primitive run.
@@ -152,6 +170,8 @@ pub struct DemoReport {
     pub gather_us: Vec<f64>,
     /// Holder failures seen and what was done about them.
     pub failures: Vec<String>,
+    /// What each holder still answering at the end served.
+    pub served: Vec<Served>,
     /// The checks.
     pub checks: Vec<Check>,
     /// Whether every check passed.
@@ -195,9 +215,13 @@ impl fmt::Display for DemoReport {
             } else {
                 format!("chunks {}", spans(&d.chunks))
             };
+            let on = d
+                .holder
+                .as_ref()
+                .map_or_else(String::new, |h| format!(" on {h}"));
             writeln!(
                 f,
-                "  steps {} {what} Mq={}: {} ({})",
+                "  steps {} {what} Mq={}: {}{on} ({})",
                 spans(&d.steps),
                 d.mq,
                 d.choice,
@@ -272,6 +296,13 @@ impl fmt::Display for DemoReport {
         if let Some(d) = &self.directory {
             write!(f, "{d}")?;
         }
+        for s in &self.served {
+            writeln!(
+                f,
+                "holder {}: {} query rows attended ({} on a GPU), {} fetches",
+                s.holder, s.rows, s.gpu_rows, s.fetches
+            )?;
+        }
         writeln!(
             f,
             "checks (max abs of o against single-instance attention over the whole document):"
@@ -336,9 +367,11 @@ pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
     if !(2..=8).contains(&args.holders) || args.replicas == 0 || args.replicas > args.holders {
         bail!("--holders must be 2 to 8 and --replicas 1 to --holders");
     }
-    args.holder_backend
-        .parse::<kvroute_kernels::Backend>()
-        .context("--holder-backend")?;
+    for name in args.holder_backend.split(',') {
+        name.trim()
+            .parse::<kvroute_kernels::Backend>()
+            .with_context(|| format!("--holder-backend {name}"))?;
+    }
     let spec = corpus(args)?;
     let provider = provider_for(&args.provider)?;
     let mut procs = spawn_holders(args, &spec, &provider)?;

@@ -17,7 +17,9 @@ use kvroute_remote::dispatch::{MergedStep, route_merged};
 use kvroute_remote::{Call, Fetched, GatherPart, Requester, RequesterConfig, Sparse};
 use kvroute_transport::ProviderChoice;
 
-use super::{BF16_TOL, Check, Decided, DemoReport, F32_TOL, HEADS, SCALE, TOPK, Timing, check};
+use super::{
+    BF16_TOL, Check, Decided, DemoReport, F32_TOL, HEADS, SCALE, Served, TOPK, Timing, check,
+};
 use crate::args::{PrimitiveArg, StepArgs};
 use kvroute_sched::selector::HolderState;
 
@@ -143,6 +145,7 @@ pub(super) fn decode_steps(
             fetch_us: Vec::new(),
             gather_us: Vec::new(),
             failures: Vec::new(),
+            served: Vec::new(),
             checks: Vec::new(),
             passed: false,
             directory: None,
@@ -167,6 +170,21 @@ pub(super) fn decode_steps(
     run.follow(plan.steps)?;
     run.sparse_step(plan.steps, seed)?;
     run.report.holders = run.req.holders();
+    let live: Vec<usize> = (0..run.req.holders())
+        .filter(|&h| run.req.is_alive(h))
+        .collect();
+    run.report.served = live
+        .into_iter()
+        .filter_map(|h| {
+            let stats = run.req.holder_stats(h).ok()?;
+            Some(Served {
+                holder: run.req.holder_addr(h)?.to_string(),
+                rows: stats.rows,
+                gpu_rows: stats.gpu_rows,
+                fetches: stats.fetches,
+            })
+        })
+        .collect();
     run.report.directory = run.follower.take().map(|f| f.report);
     let report = run.report;
     let passed = report.checks.iter().all(|c| c.passed) && !report.checks.is_empty();
@@ -241,6 +259,17 @@ impl Run<'_> {
             self.req.live_replicas(chunk)
         };
         let chosen = self.cal.selector.decide(&replicas, *request)?;
+        let holder = if sparse {
+            None
+        } else {
+            // The chunk's routes and fetches go where the selector priced them (its holders
+            // are the requester's, index for index).
+            self.req.prefer(chunk, chosen.holder);
+            chosen
+                .holder
+                .and_then(|h| self.req.holder_addr(h))
+                .map(|a| a.to_string())
+        };
         let (choice, reason) = match self.force {
             Some(p) => (p, "forced".to_owned()),
             None => {
@@ -264,11 +293,9 @@ impl Run<'_> {
         let mq = request.mq_rows;
         // The prices move as the calibration refits; the first step's reason stands for the
         // rest (each step's prices are in the timings).
-        let same = self
-            .report
-            .decisions
-            .iter_mut()
-            .find(|d| d.mq == mq && d.chunks == chunks && d.choice == chosen_name);
+        let same = self.report.decisions.iter_mut().find(|d| {
+            d.mq == mq && d.chunks == chunks && d.choice == chosen_name && d.holder == holder
+        });
         match same {
             Some(d) => d.steps.push(step),
             None => self.report.decisions.push(Decided {
@@ -278,6 +305,7 @@ impl Run<'_> {
                 chunks,
                 mq,
                 choice: chosen_name,
+                holder,
                 reason,
             }),
         }
@@ -285,16 +313,22 @@ impl Run<'_> {
     }
 
     /// Records one prediction, term by term as it was priced, beside its measurement.
+    /// `chunk`: the one chunk it routed or fetched, whose holder is noted.
     fn timed(
         &mut self,
         (step, kind): (u32, &'static str),
-        what: String,
+        (what, chunk): (String, Option<u32>),
         primitive: Primitive,
         (predicted, measured_us): (&CostBreakdown, f64),
     ) {
+        let holder = chunk
+            .and_then(|c| self.req.holder_for(ChunkId(c)).ok())
+            .and_then(|h| self.req.holder_addr(h))
+            .map(|a| a.to_string());
         self.report.timings.push(Timing {
             step,
             kind,
+            holder,
             what,
             primitive,
             predicted_us: predicted.total_us(),
@@ -335,7 +369,7 @@ impl Run<'_> {
                 let predicted = priced[c as usize].fetch.breakdown;
                 self.timed(
                     (step, "fetch (one chunk, every layer, spliced)"),
-                    format!("fetch chunk {c}"),
+                    (format!("fetch chunk {c}"), Some(c)),
                     Primitive::Fetch,
                     (&predicted, measured),
                 );
@@ -371,7 +405,7 @@ impl Run<'_> {
                 let predicted = priced[c as usize].route.breakdown;
                 self.timed(
                     (step, "route (one chunk, one layer)"),
-                    format!("route chunk {c} layer {layer}"),
+                    (format!("route chunk {c} layer {layer}"), Some(c)),
                     Primitive::Route,
                     (&predicted, us),
                 );
@@ -552,9 +586,12 @@ impl Run<'_> {
                     step,
                     "sparse fetch (gather from every holder, the checked layers)",
                 ),
-                format!(
-                    "gather top-{sel_k} from {spanned} holders, {} layers",
-                    wanted.len()
+                (
+                    format!(
+                        "gather top-{sel_k} from {spanned} holders, {} layers",
+                        wanted.len()
+                    ),
+                    None,
                 ),
                 Primitive::Fetch,
                 (&predicted, gathered.transfer_us),
@@ -596,7 +633,10 @@ impl Run<'_> {
                 let us = started.elapsed().as_secs_f64() * 1e6;
                 self.timed(
                     (step, "sparse route (every holder at once, one layer)"),
-                    format!("sparse route to {} holders, layer {layer}", calls.len()),
+                    (
+                        format!("sparse route to {} holders, layer {layer}", calls.len()),
+                        None,
+                    ),
                     Primitive::Route,
                     (&priced.route.breakdown, us),
                 );
