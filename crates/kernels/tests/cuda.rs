@@ -447,11 +447,12 @@ fn resident_rows_answer_as_uploaded() {
     assert_eq!(resident.bytes(), rows.len() * 2);
     for (layer, mq) in [(0, 1), (1, 16), (2, 256)] {
         let start = layer * padded;
+        let range = start..start + tokens;
         let layer_rows = &rows[start * D_QK..(start + tokens) * D_QK];
         let cache = Cache::contiguous(layer_rows).unwrap();
         let qr = rng.rows(mq);
         let q = Queries::new(&qr).unwrap();
-        let got = partial_resident(gpu, &resident, start..start + tokens, &q, None, SCALE).unwrap();
+        let got = partial_resident(gpu, &resident, range.clone(), &q, None, SCALE).unwrap();
         let host = partial_dense(Backend::Cuda, &q, &cache, SCALE).unwrap();
         assert_eq!(got, host, "dense, layer {layer}, mq {mq}");
         let want = partial_dense(Backend::Reference, &q, &cache, SCALE).unwrap();
@@ -461,26 +462,12 @@ fn resident_rows_answer_as_uploaded() {
             &format!("resident dense layer {layer} mq {mq}"),
         );
 
-        let mut wire = vec![0u8; mq * kvroute_kernels::layout::PARTIAL_ROW_BYTES];
-        let mut host_wire = wire.clone();
-        partial_resident_wire(
-            gpu,
-            &resident,
-            start..start + tokens,
-            &q,
-            None,
-            SCALE,
-            &mut WireOut::new([&mut wire[..]]).unwrap(),
-        )
-        .unwrap();
-        partial_dense_wire(
-            Backend::Cuda,
-            &q,
-            &cache,
-            SCALE,
-            &mut WireOut::new([&mut host_wire[..]]).unwrap(),
-        )
-        .unwrap();
+        let wire = wire_rows(mq, |out| {
+            partial_resident_wire(gpu, &resident, range.clone(), &q, None, SCALE, out)
+        });
+        let host_wire = wire_rows(mq, |out| {
+            partial_dense_wire(Backend::Cuda, &q, &cache, SCALE, out)
+        });
         assert!(wire == host_wire, "wire rows, layer {layer}, mq {mq}");
 
         let (per_token, k) = (16, 300);
@@ -488,43 +475,30 @@ fn resident_rows_answer_as_uploaded() {
         let sq = Queries::new(&sq).unwrap();
         let idx = rng.selection(2, k, tokens);
         let sel = Selection::new(&idx, k, per_token, sq.len(), tokens).unwrap();
-        let got = partial_resident(
-            gpu,
-            &resident,
-            start..start + tokens,
-            &sq,
-            Some(&sel),
-            SCALE,
-        )
-        .unwrap();
+        let got = partial_resident(gpu, &resident, range.clone(), &sq, Some(&sel), SCALE).unwrap();
         let host = partial_sparse(Backend::Cuda, &sq, &cache, &sel, SCALE).unwrap();
         assert_eq!(got, host, "sparse, layer {layer}");
-        let mut wire = vec![0u8; sq.len() * kvroute_kernels::layout::PARTIAL_ROW_BYTES];
-        let mut host_wire = wire.clone();
-        partial_resident_wire(
-            gpu,
-            &resident,
-            start..start + tokens,
-            &sq,
-            Some(&sel),
-            SCALE,
-            &mut WireOut::new([&mut wire[..]]).unwrap(),
-        )
-        .unwrap();
-        partial_sparse_wire(
-            Backend::Cuda,
-            &sq,
-            &cache,
-            &sel,
-            SCALE,
-            &mut WireOut::new([&mut host_wire[..]]).unwrap(),
-        )
-        .unwrap();
+        let wire = wire_rows(sq.len(), |out| {
+            partial_resident_wire(gpu, &resident, range.clone(), &sq, Some(&sel), SCALE, out)
+        });
+        let host_wire = wire_rows(sq.len(), |out| {
+            partial_sparse_wire(Backend::Cuda, &sq, &cache, &sel, SCALE, out)
+        });
         assert!(wire == host_wire, "sparse wire rows, layer {layer}");
         let want = partial_sparse(Backend::Reference, &sq, &cache, &sel, SCALE).unwrap();
         assert_close(&got, &want, &format!("resident sparse layer {layer}"));
     }
     println!("  3 layers x 1000 tokens resident: equal to per-call uploads, dense and sparse");
+}
+
+/// The wire rows of `rows` query rows that `write` puts into a [`WireOut`] over them.
+fn wire_rows(
+    rows: usize,
+    write: impl FnOnce(&mut WireOut<'_>) -> Result<(), KernelError>,
+) -> Vec<u8> {
+    let mut bytes = vec![0u8; rows * kvroute_kernels::layout::PARTIAL_ROW_BYTES];
+    write(&mut WireOut::new([&mut bytes[..]]).unwrap()).unwrap();
+    bytes
 }
 
 /// A range past the uploaded rows, a reversed range and a selection indexing past the range

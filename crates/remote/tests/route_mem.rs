@@ -77,6 +77,18 @@ fn dense_calls(q: &[u16], layer: u16, chunks: std::ops::Range<u32>) -> Vec<Call<
         .collect()
 }
 
+/// Rows `q` attended over layer `layer` of the whole document (`blocks`, every chunk of
+/// `spec()`), by the f64 reference: what a routed and merged step must match.
+fn dense_whole(blocks: &[Vec<u16>], layer: u16, q: &[u16]) -> Result<kvroute_kernels::Partial> {
+    let doc = spec().document_layer(blocks, u32::from(layer))?;
+    Ok(partial_dense(
+        Backend::Reference,
+        &Queries::new(q)?,
+        &Cache::contiguous(&doc)?,
+        SCALE,
+    )?)
+}
+
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
@@ -154,13 +166,7 @@ fn dense_route_over_two_holders_matches_one_instance() -> Result<()> {
         let calls = dense_calls(&q, layer, 0..4);
         let parts: Vec<_> = req.route(&calls).into_iter().collect::<Result<_, _>>()?;
         let merged = merge(&parts.iter().collect::<Vec<_>>())?;
-        let doc = s.document_layer(&blocks, u32::from(layer))?;
-        let whole = partial_dense(
-            Backend::Reference,
-            &Queries::new(&q)?,
-            &Cache::contiguous(&doc)?,
-            SCALE,
-        )?;
+        let whole = dense_whole(&blocks, layer, &q)?;
         let err = max_abs(&merged.o, &whole.o);
         assert!(
             err < 4e-3,
@@ -190,6 +196,30 @@ fn scattered_selection(k: usize) -> (Vec<i32>, Vec<Vec<i32>>) {
         })
         .collect();
     (global, local)
+}
+
+/// One sparse call per chunk at `layer`: chunk c's rows `q` (`heads` per query token) over
+/// its selection `local[c]`.
+fn sparse_calls<'a>(
+    q: &'a [u16],
+    layer: u16,
+    local: &'a [Vec<i32>],
+    heads: usize,
+) -> Vec<Call<'a>> {
+    local
+        .iter()
+        .enumerate()
+        .map(|(c, idx)| Call {
+            chunk: ChunkId(c as u32),
+            layer,
+            queries: q,
+            sparse: Some(Sparse {
+                indices: idx,
+                k: idx.len() as u32,
+                rows_per_token: heads as u32,
+            }),
+        })
+        .collect()
 }
 
 /// A holder whose chunks are resident on a GPU (`Backend::Cuda`) answers dense routes of 1, 16
@@ -273,13 +303,7 @@ fn a_gpu_holder_serves_what_a_cpu_holder_serves() -> Result<()> {
         let q = queries(mq, 900, &s.rope()?, 5);
         let calls = dense_calls(&q, layer, 0..4);
         let (got, want) = (merged(&mut on_gpu, &calls)?, merged(&mut on_cpu, &calls)?);
-        let doc = s.document_layer(&blocks, u32::from(layer))?;
-        let whole = partial_dense(
-            Backend::Reference,
-            &Queries::new(&q)?,
-            &Cache::contiguous(&doc)?,
-            SCALE,
-        )?;
+        let whole = dense_whole(&blocks, layer, &q)?;
         compare(
             &got,
             &want,
@@ -292,20 +316,7 @@ fn a_gpu_holder_serves_what_a_cpu_holder_serves() -> Result<()> {
     let q = queries(heads, 900, &s.rope()?, 6);
     let (global, local) = scattered_selection(k);
     let layer = 1u16;
-    let calls: Vec<_> = local
-        .iter()
-        .enumerate()
-        .map(|(c, idx)| Call {
-            chunk: ChunkId(c as u32),
-            layer,
-            queries: &q,
-            sparse: Some(Sparse {
-                indices: idx,
-                k: idx.len() as u32,
-                rows_per_token: heads as u32,
-            }),
-        })
-        .collect();
+    let calls = sparse_calls(&q, layer, &local, heads);
     let (got, want) = (merged(&mut on_gpu, &calls)?, merged(&mut on_cpu, &calls)?);
     let doc = s.document_layer(&blocks, u32::from(layer))?;
     let cache = Cache::contiguous(&doc)?;
@@ -482,20 +493,7 @@ fn sparse_scattered_selection_matches_one_instance() -> Result<()> {
     let q = queries(heads, 900, &s.rope()?, 6);
     let (global, calls_idx) = scattered_selection(k);
     let layer = 1u16;
-    let calls: Vec<_> = calls_idx
-        .iter()
-        .enumerate()
-        .map(|(c, idx)| Call {
-            chunk: ChunkId(c as u32),
-            layer,
-            queries: &q,
-            sparse: Some(Sparse {
-                indices: idx,
-                k: idx.len() as u32,
-                rows_per_token: heads as u32,
-            }),
-        })
-        .collect();
+    let calls = sparse_calls(&q, layer, &calls_idx, heads);
     let parts: Vec<_> = req.route(&calls).into_iter().collect::<Result<_, _>>()?;
     let merged = merge(&parts.iter().collect::<Vec<_>>())?;
     let doc = s.document_layer(&blocks, u32::from(layer))?;
