@@ -195,14 +195,25 @@ impl Gpu {
             resources: compiled.resources,
             loaded,
         };
+        let stream = ctx.new_stream().map_err(driver("stream"))?;
+        let scratch = Scratch {
+            ws: Workspace {
+                states: stream.alloc_zeros(1).map_err(driver("allocation"))?,
+                out: stream.alloc_zeros(1).map_err(driver("allocation"))?,
+            },
+            wire: stream.alloc_zeros(1).map_err(driver("allocation"))?,
+            host_wire: Vec::new(),
+            q: stream.alloc_zeros(1).map_err(driver("allocation"))?,
+            sel: stream.alloc_zeros(1).map_err(driver("allocation"))?,
+        };
         Ok(Self {
             partial,
             combine,
             splice,
-            stream: ctx.new_stream().map_err(driver("stream"))?,
+            stream,
             ctx,
             info,
-            scratch: Mutex::new(Scratch::default()),
+            scratch: Mutex::new(scratch),
         })
     }
 
@@ -249,39 +260,43 @@ impl Gpu {
         dev: &CudaSlice<T>,
         n: usize,
     ) -> Result<Vec<T>, KernelError> {
-        self.download_view(&dev.slice(..n.min(dev.len())))
-    }
-
-    fn download_view<T: cudarc::driver::DeviceRepr + Default + Clone>(
-        &self,
-        dev: &CudaView<'_, T>,
-    ) -> Result<Vec<T>, KernelError> {
+        // The first `n` elements (a kept buffer may be longer).
+        let dev = dev.slice(..n.min(dev.len()));
         let mut host = vec![T::default(); dev.len()];
         self.stream
-            .memcpy_dtoh(dev, &mut host)
+            .memcpy_dtoh(&dev, &mut host)
             .map_err(driver("download"))?;
         Ok(host)
     }
 
-    /// `host` copied into the front of `slot`, which grows (new, zeroed) when too small.
+    /// `buf` replaced by a new zeroed buffer of `n` elements if it holds fewer: a kept buffer
+    /// only grows.
+    fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        buf: &mut CudaSlice<T>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        if buf.len() < n {
+            *buf = self.zeros(n)?;
+        }
+        Ok(())
+    }
+
+    /// `host` copied into the front of the kept buffer `buf` (grown first if too small); the
+    /// view of it the kernel reads (one element, unread, for an empty `host`).
     fn stage<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         &self,
-        slot: &'a mut Option<CudaSlice<T>>,
+        buf: &'a mut CudaSlice<T>,
         host: &[T],
     ) -> Result<CudaView<'a, T>, KernelError> {
         let n = host.len().max(1);
-        if slot.as_ref().is_none_or(|s| s.len() < n) {
-            *slot = Some(self.zeros(n)?);
-        }
-        let Some(dev) = slot.as_mut() else {
-            unreachable!("filled above")
-        };
+        self.grow(buf, n)?;
         if !host.is_empty() {
             self.stream
-                .memcpy_htod(host, &mut dev.slice_mut(..host.len()))
+                .memcpy_htod(host, &mut buf.slice_mut(..host.len()))
                 .map_err(driver("upload"))?;
         }
-        Ok(dev.slice(..n))
+        Ok(buf.slice(..n))
     }
 
     /// Uploads a dense or sparse partial's inputs (checked as by [`crate::partial_dense`] /
@@ -510,8 +525,13 @@ impl Gpu {
             sel,
             scale,
         };
-        let partial = self.run_resident(rows, call, None)?;
-        partial.ok_or(KernelError::Cuda("no partial came back".into()))
+        let plan = self.resident_plan(rows, &call)?;
+        if plan.keys == 0 {
+            return Ok(Partial::empty(q.len()));
+        }
+        let mut scratch = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
+        self.launch_resident(&mut scratch, rows, (&plan, &call), false)?;
+        self.read_split_k(&plan, &scratch.ws)
     }
 
     /// [`Gpu::partial_resident`] into its wire rows (`out`, one per query row), encoded on the
@@ -534,27 +554,42 @@ impl Gpu {
             sel,
             scale,
         };
-        self.run_resident(rows, call, Some(out)).map(drop)
+        let plan = self.resident_plan(rows, &call)?;
+        if plan.keys == 0 {
+            return out.write(&Partial::empty(q.len()));
+        }
+        let mut scratch = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
+        self.launch_resident(&mut scratch, rows, (&plan, &call), true)?;
+        let Scratch {
+            wire, host_wire, ..
+        } = &mut *scratch;
+        let dev = wire.slice(..plan.mq as usize * PARTIAL_ROW_BYTES);
+        host_wire.resize(dev.len(), 0);
+        self.stream
+            .memcpy_dtoh(&dev, host_wire.as_mut_slice())
+            .map_err(driver("download"))?;
+        for (row, src) in out
+            .row_slices()
+            .iter_mut()
+            .zip(host_wire.chunks_exact(PARTIAL_ROW_BYTES))
+        {
+            row.copy_from_slice(src);
+        }
+        Ok(())
     }
 
-    /// A resident call: the partial, or `None` with `out`'s rows written.
-    fn run_resident(
+    /// A resident call checked (the rows this GPU's, the range inside them) and planned.
+    fn resident_plan(
         &self,
         rows: &DeviceRows,
-        call: ResidentCall<'_, '_>,
-        out: Option<&mut WireOut<'_>>,
-    ) -> Result<Option<Partial>, KernelError> {
-        let ResidentCall {
-            tokens,
-            q,
-            sel,
-            scale,
-        } = call;
+        call: &ResidentCall<'_, '_>,
+    ) -> Result<SplitK, KernelError> {
         if !Arc::ptr_eq(rows.rows.context(), &self.ctx) {
             return Err(KernelError::Cuda(
                 "resident rows uploaded to another GPU context".into(),
             ));
         }
+        let tokens = &call.tokens;
         if tokens.start > tokens.end || tokens.end > rows.tokens {
             return Err(KernelError::Parameter {
                 what: "resident token range end",
@@ -562,36 +597,38 @@ impl Gpu {
                 why: "must lie within the uploaded rows, start <= end",
             });
         }
-        let plan = self.plan(q, tokens.len(), sel, scale, None)?;
-        if plan.keys == 0 {
-            let empty = Partial::empty(q.len());
-            return match out {
-                None => Ok(Some(empty)),
-                Some(out) => out.write(&empty).map(|()| None),
-            };
-        }
-        let mut scratch = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
+        self.plan(call.q, tokens.len(), call.sel, call.scale, None)
+    }
+
+    /// Stages a planned resident call's query rows and selection in the kept buffers and
+    /// launches it: its result lands in the kept workspace, or with `wire` in the kept wire
+    /// rows.
+    fn launch_resident(
+        &self,
+        scratch: &mut Scratch,
+        rows: &DeviceRows,
+        (plan, call): (&SplitK, &ResidentCall<'_, '_>),
+        wire: bool,
+    ) -> Result<(), KernelError> {
         let Scratch {
-            states,
-            out: result,
-            wire,
-            host_wire,
-            q: q_slot,
-            sel: sel_slot,
-        } = &mut *scratch;
+            ws,
+            wire: wire_rows,
+            q,
+            sel,
+            ..
+        } = scratch;
         let (states_len, out_len) = plan.workspace_lens();
-        let mut ws = Workspace {
-            states: self.grown(states, states_len)?,
-            out: self.grown(result, out_len)?,
-        };
-        let q = self.stage(q_slot, q.as_slice())?;
-        let sel = sel.map(|s| self.stage(sel_slot, s.raw())).transpose()?;
+        self.grow(&mut ws.states, states_len)?;
+        self.grow(&mut ws.out, out_len)?;
+        let q = self.stage(q, call.q.as_slice())?;
+        let sel = call.sel.map(|s| self.stage(sel, s.raw())).transpose()?;
         // An empty range attends nothing (sparse: every index is padding), and a view of no
         // elements cannot be made: the whole upload stands in, unread.
-        let cache = if tokens.is_empty() {
+        let cache = if call.tokens.is_empty() {
             rows.rows.slice(..)
         } else {
-            rows.rows.slice(tokens.start * D_QK..tokens.end * D_QK)
+            rows.rows
+                .slice(call.tokens.start * D_QK..call.tokens.end * D_QK)
         };
         let inputs = SplitKInputs {
             q: &q,
@@ -599,60 +636,12 @@ impl Gpu {
             table: None,
             sel: sel.as_ref(),
         };
-        let done = match out {
-            None => self
-                .launch_split_k(&plan, &inputs, &mut ws, None)
-                .and_then(|()| self.read_split_k(&plan, &ws))
-                .map(Some),
-            Some(out) => {
-                let bytes = plan.mq as usize * PARTIAL_ROW_BYTES;
-                self.grown(wire, bytes).and_then(|mut dev| {
-                    let mut rows_view = dev.slice_mut(..bytes);
-                    let ran = self
-                        .launch_split_k(&plan, &inputs, &mut ws, Some(&mut rows_view))
-                        .and_then(|()| self.copy_wire_rows(&dev.slice(..bytes), host_wire, out));
-                    *wire = Some(dev);
-                    ran.map(|()| None)
-                })
-            }
-        };
-        // Kept for the next call, whatever happened to this one.
-        (*states, *result) = (Some(ws.states), Some(ws.out));
-        done
-    }
-
-    /// Wire rows from the device into `out`'s runs, through `host` (grown as needed).
-    fn copy_wire_rows(
-        &self,
-        dev: &CudaView<'_, u8>,
-        host: &mut Vec<u8>,
-        out: &mut WireOut<'_>,
-    ) -> Result<(), KernelError> {
-        host.resize(dev.len(), 0);
-        self.stream
-            .memcpy_dtoh(dev, host.as_mut_slice())
-            .map_err(driver("download"))?;
-        for (row, src) in out
-            .row_slices()
-            .iter_mut()
-            .zip(host.chunks_exact(PARTIAL_ROW_BYTES))
-        {
-            row.copy_from_slice(src);
+        if !wire {
+            return self.launch_split_k(plan, &inputs, ws, None);
         }
-        Ok(())
-    }
-
-    /// `slot`'s buffer if it holds `n` elements, else a new zeroed one of `n`; the slot is
-    /// left empty (the caller puts the buffer back).
-    fn grown<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-        &self,
-        slot: &mut Option<CudaSlice<T>>,
-        n: usize,
-    ) -> Result<CudaSlice<T>, KernelError> {
-        match slot.take() {
-            Some(s) if s.len() >= n => Ok(s),
-            _ => self.zeros(n),
-        }
+        let bytes = plan.mq as usize * PARTIAL_ROW_BYTES;
+        self.grow(wire_rows, bytes)?;
+        self.launch_split_k(plan, &inputs, ws, Some(&mut wire_rows.slice_mut(..bytes)))
     }
 
     /// Dense partial attention on the GPU, host to host.
@@ -881,18 +870,17 @@ struct SplitKInputs<'a, 'b> {
     sel: Option<&'a CudaView<'b, i32>>,
 }
 
-/// Device buffers [`Gpu::partial_resident`] keeps between calls (grown, never shrunk), so
-/// that a call allocates nothing once the largest shape has been seen: the split-K
-/// workspace, and room for the query rows and the selection.
-#[derive(Debug, Default)]
+/// Buffers [`Gpu::partial_resident`] keeps between calls (grown, never shrunk; one element
+/// each until first used), so that a holder's call allocates nothing once the largest shape
+/// has been seen: the split-K workspace, room for the query rows and the selection, and the
+/// wire rows on the device and on their way to the caller's runs.
+#[derive(Debug)]
 struct Scratch {
-    states: Option<CudaSlice<f32>>,
-    out: Option<CudaSlice<f32>>,
-    /// Wire rows, on the device and on their way to the caller's runs.
-    wire: Option<CudaSlice<u8>>,
+    ws: Workspace,
+    wire: CudaSlice<u8>,
     host_wire: Vec<u8>,
-    q: Option<CudaSlice<u16>>,
-    sel: Option<CudaSlice<i32>>,
+    q: CudaSlice<u16>,
+    sel: CudaSlice<i32>,
 }
 
 /// A resident call's arguments besides the rows.
