@@ -343,13 +343,9 @@ pub fn partial_resident(
     sel: Option<&Selection<'_>>,
     scale: f32,
 ) -> Result<Partial, KernelError> {
-    let attended = !tokens.is_empty();
+    let live = resident_live(&tokens, sel);
     let p = gpu.partial_resident(rows, tokens, q, sel, scale)?;
-    match sel {
-        None => p.check_finite(|_| attended)?,
-        // Checked against the query rows and the range by `partial_resident`.
-        Some(sel) => p.check_finite(|r| attends(sel, r))?,
-    }
+    p.check_finite(live)?;
     Ok(p)
 }
 
@@ -365,13 +361,20 @@ pub fn partial_resident_wire(
     out: &mut WireOut<'_>,
 ) -> Result<(), KernelError> {
     check_wire_rows(q, out)?;
-    let attended = !tokens.is_empty();
+    let live = resident_live(&tokens, sel);
     gpu.partial_resident_wire(rows, tokens, q, sel, scale, out)?;
-    match sel {
-        None => out.check_finite(|_| attended),
-        // Checked against the query rows and the range by `partial_resident_wire`.
-        Some(sel) => out.check_finite(|r| attends(sel, r)),
-    }
+    out.check_finite(live)
+}
+
+/// Which rows of a resident call attend something: every row over a non-empty range, dense;
+/// the rows whose selection names a token, sparse (the selection is checked against the
+/// query rows and the range by the call itself).
+fn resident_live<'a>(
+    tokens: &std::ops::Range<usize>,
+    sel: Option<&'a Selection<'_>>,
+) -> impl Fn(usize) -> bool + 'a {
+    let attended = !tokens.is_empty();
+    move |r| sel.map_or(attended, |sel| attends(sel, r))
 }
 
 /// A wire partial has as many rows as its queries, and at least one.
