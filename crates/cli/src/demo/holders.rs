@@ -239,7 +239,17 @@ pub(super) fn spawn_holders(
     provider: &ProviderChoice,
 ) -> Result<Vec<HolderProcess>> {
     let n = args.holders;
-    let backends: Vec<&str> = args.holder_backend.split(',').map(str::trim).collect();
+    // Every name checked before any holder starts.
+    let backends = args
+        .holder_backend
+        .split(',')
+        .map(|name| {
+            let name = name.trim();
+            name.parse::<kvroute_kernels::Backend>()
+                .map(|_| name)
+                .with_context(|| format!("--holder-backend {name}"))
+        })
+        .collect::<Result<Vec<_>>>()?;
     (0..n)
         .map(|h| {
             let chunks: Vec<u32> = (0..args.replicas)

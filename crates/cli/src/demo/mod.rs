@@ -367,11 +367,6 @@ pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
     if !(2..=8).contains(&args.holders) || args.replicas == 0 || args.replicas > args.holders {
         bail!("--holders must be 2 to 8 and --replicas 1 to --holders");
     }
-    for name in args.holder_backend.split(',') {
-        name.trim()
-            .parse::<kvroute_kernels::Backend>()
-            .with_context(|| format!("--holder-backend {name}"))?;
-    }
     let spec = corpus(args)?;
     let provider = provider_for(&args.provider)?;
     let mut procs = spawn_holders(args, &spec, &provider)?;
