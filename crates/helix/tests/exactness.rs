@@ -171,29 +171,38 @@ fn a_rank_that_vanishes_fails_its_peers_step_with_the_rank_named() {
     };
     let rendezvous = LocalRendezvous::new();
     let started = Instant::now();
-    let results: Vec<Result<u64, HelixError>> = std::thread::scope(|scope| {
+    // Each thread hands back its rank and engine, so that a rank which fails stays reachable
+    // until every thread is done: rank 2 is the only one that vanishes, and no peer can fail
+    // on a rank that merely gave up first.
+    let outcomes: Vec<_> = std::thread::scope(|scope| {
         let handles: Vec<_> = engines(4)
             .into_iter()
             .enumerate()
             .map(|(rank, engine)| {
                 let rendezvous = rendezvous.clone();
                 scope.spawn(move || {
-                    let mut r = HelixRank::start(cfg, rank, engine.clone(), &rendezvous)?;
-                    for _ in 0..2 {
-                        r.step(false)?;
-                    }
-                    if rank == 2 {
-                        // Dies between steps: its engine and regions are gone.
-                        engine.shutdown();
-                        return Ok(r.steps());
-                    }
-                    r.step(true)?;
-                    Ok(r.steps())
+                    let mut kept = None;
+                    let result = (|| {
+                        let r =
+                            kept.insert(HelixRank::start(cfg, rank, engine.clone(), &rendezvous)?);
+                        for _ in 0..2 {
+                            r.step(false)?;
+                        }
+                        if rank == 2 {
+                            // Dies between steps: its engine and regions are gone.
+                            engine.shutdown();
+                            return Ok(r.steps());
+                        }
+                        r.step(true)?;
+                        Ok(r.steps())
+                    })();
+                    (result, kept, engine)
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
+    let results: Vec<Result<u64, HelixError>> = outcomes.into_iter().map(|o| o.0).collect();
     // Start-up, two steps, then one timeout: seconds even on a loaded machine; a hang is not.
     assert!(
         started.elapsed() < timeout * 4 + Duration::from_secs(20),
