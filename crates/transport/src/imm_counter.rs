@@ -17,6 +17,11 @@ use crate::sync::{Mutex, lock};
 
 /// Shards: enough that workers and app threads rarely contend, few enough to stay small.
 const SHARDS: usize = 16;
+/// Slots a shard keeps once their value has nothing counted or waiting, so a value used
+/// again (every round trip's immediate) finds its slot and its queue's buffer instead of
+/// inserting and allocating them anew; beyond this, idle slots are removed. Values are chosen
+/// by peers, so the idle slots must stay bounded: at most `SHARDS * KEEP_IDLE` in all.
+const KEEP_IDLE: usize = 8;
 
 #[derive(Debug)]
 struct Slot<T> {
@@ -24,6 +29,20 @@ struct Slot<T> {
     arrived: u64,
     /// Expectations still short of arrivals, oldest first: (arrivals needed, token).
     waiting: VecDeque<(u64, T)>,
+}
+
+impl<T> Slot<T> {
+    fn idle(&self) -> bool {
+        self.arrived == 0 && self.waiting.is_empty()
+    }
+}
+
+/// Removes `imm`'s slot if it is idle and the shard already holds more than [`KEEP_IDLE`]
+/// slots.
+fn settle<T>(shard: &mut HashMap<u32, Slot<T>>, imm: u32) {
+    if shard.len() > KEEP_IDLE && shard.get(&imm).is_some_and(Slot::idle) {
+        shard.remove(&imm);
+    }
 }
 
 impl<T> Default for Slot<T> {
@@ -91,9 +110,7 @@ impl<T> ImmCounter<T> {
                 fired.push(token);
             }
         }
-        if slot.arrived == 0 && slot.waiting.is_empty() {
-            shard.remove(&imm);
-        }
+        settle(&mut shard, imm);
         found
     }
 
@@ -105,9 +122,7 @@ impl<T> ImmCounter<T> {
         let slot = shard.entry(imm).or_default();
         if slot.waiting.is_empty() && slot.arrived >= count {
             slot.arrived -= count;
-            if slot.arrived == 0 {
-                shard.remove(&imm);
-            }
+            settle(&mut shard, imm);
             return Some(token);
         }
         slot.waiting.push_back((count, token));
@@ -127,9 +142,7 @@ impl<T> ImmCounter<T> {
             return 0;
         };
         let taken = std::mem::take(&mut slot.arrived);
-        if slot.waiting.is_empty() {
-            shard.remove(&imm);
-        }
+        settle(&mut shard, imm);
         taken
     }
 
@@ -148,6 +161,15 @@ impl<T> ImmCounter<T> {
 
     /// Values with counts or expectations held (0 once everything is consumed: nothing leaks).
     pub fn tracked_values(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| lock(s).values().filter(|slot| !slot.idle()).count())
+            .sum()
+    }
+
+    /// Slots held, idle ones included: at most [`KEEP_IDLE`] idle ones per shard.
+    #[cfg(test)]
+    fn slots(&self) -> usize {
         self.shards.iter().map(|s| lock(s).len()).sum()
     }
 }
@@ -201,6 +223,31 @@ mod tests {
         assert_eq!(c.expect(17, 1, ()), Some(()));
         assert_eq!(c.take(1), 2);
         assert_eq!((c.take(1), c.tracked_values()), (0, 0));
+    }
+
+    #[test]
+    fn idle_slots_are_kept_for_reuse_and_stay_bounded() {
+        let c = ImmCounter::new();
+        let mut fired = Vec::new();
+        for round in 0..1000 {
+            assert_eq!(c.expect(5, 1, round), None);
+            c.arrive(5, 1, &mut fired);
+        }
+        assert_eq!(fired.len(), 1000);
+        assert_eq!((c.tracked_values(), c.slots()), (0, 1), "one slot, reused");
+        // A peer's stream of distinct values, each consumed: idle slots stay bounded.
+        for imm in 0..10_000 {
+            c.arrive(imm, 1, &mut fired);
+            assert_eq!(c.take(imm), 1);
+        }
+        assert_eq!(c.tracked_values(), 0);
+        assert!(c.slots() <= SHARDS * KEEP_IDLE, "{} idle slots", c.slots());
+        // Values still counted are never dropped to make room.
+        for imm in 0..1000 {
+            c.arrive(imm, 2, &mut fired);
+        }
+        assert_eq!(c.tracked_values(), 1000);
+        assert!((0..1000).all(|imm| c.pending(imm) == 2));
     }
 
     #[test]
