@@ -110,11 +110,21 @@ fn spin_until(
     Ok(())
 }
 
-/// Waits until `imm` has arrived once more, claiming it: an expectation of one arrival with a
-/// flag, spun on (the counter's lock is taken once, not on every spin).
-fn await_one(engine: &TransferEngine, imm: u32, deadline: Instant) -> Result<(), TransportError> {
+/// Expects one more arrival of `imm`: a flag to spin on with [`await_flag`] (the counter's
+/// lock is taken once, not on every spin). Registered before the write it answers is sent, as
+/// fi_pingpong posts its receive before it sends, so registering is not part of the trip.
+fn expect_one(engine: &TransferEngine, imm: u32) -> Arc<DoneFlag> {
     let landed = DoneFlag::new();
     engine.expect_imm_count(imm, 1, OnDone::from(&landed));
+    landed
+}
+
+/// Waits until the arrival `landed` expects has been counted.
+fn await_flag(
+    engine: &TransferEngine,
+    landed: &DoneFlag,
+    deadline: Instant,
+) -> Result<(), TransportError> {
     spin_until(engine, deadline, "an immediate", || landed.is_done())
 }
 
@@ -182,8 +192,9 @@ pub fn pingpong(
         if i == warmup {
             start = Instant::now();
         }
+        let pong = expect_one(engine, PONG);
         one_write(engine, buf, peer, size, PING, &done)?;
-        await_one(engine, PONG, deadline)?;
+        await_flag(engine, &pong, deadline)?;
     }
     let elapsed = start.elapsed();
     settle(engine, &[], &done, warmup + iters, deadline)?;
@@ -201,8 +212,13 @@ pub fn answer_pings(
 ) -> Result<(), TransportError> {
     let deadline = Instant::now() + Duration::from_secs(120);
     let done = DoneCounter::new();
-    for _ in 0..count {
-        await_one(engine, PING, deadline)?;
+    let mut ping = expect_one(engine, PING);
+    for i in 0..count {
+        await_flag(engine, &ping, deadline)?;
+        // The next ping is expected before this one is answered (none after the last).
+        if i + 1 < count {
+            ping = expect_one(engine, PING);
+        }
         one_write(engine, buf, peer, size, PONG, &done)?;
     }
     // With manual progress the last pong is posted by a pass: run them until it completed.
