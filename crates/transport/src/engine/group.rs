@@ -8,7 +8,8 @@
 //! the rkey of the NIC it is posted on: sharding never pairs a NIC with another NIC's key.
 //! Work requests are built on the fly from the request (no per-page allocation), posted in
 //! batches, and at most a budget per transfer per pass, so a 10,000-page transfer does not
-//! starve completions or other transfers.
+//! starve completions or other transfers. A NIC that refused part of a batch is offered one
+//! work request at a time until it accepts again.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -84,6 +85,17 @@ enum Posted {
     Failed(TransportError),
 }
 
+/// The worker's posting scratch: the batch being built, and which NICs were last found full.
+struct Posting {
+    /// Work requests built for one `post_writes` call.
+    batch: Vec<WriteWr>,
+    /// Per NIC: its last post was refused in part (its queue was full). The next post to it
+    /// builds one work request only, a probe, until one is accepted again: a full queue
+    /// refuses every attempt until completions drain it, and each attempt would otherwise
+    /// build a whole batch for nothing.
+    full: [bool; MAX_NICS],
+}
+
 struct RecvState {
     pool: Arc<RecvPool>,
     lkey: u64,
@@ -107,7 +119,7 @@ pub(crate) struct Group<D: Domain> {
     pending: VecDeque<u32>,
     rr: u32,
     null_src: LocalSrc,
-    scratch: Vec<WriteWr>,
+    posting: Posting,
     completions: Vec<Completion>,
     fired: Vec<OnDone>,
     recv: Option<RecvState>,
@@ -148,7 +160,10 @@ impl<D: Domain> Group<D> {
                 addr: null_buf.as_ptr() as u64,
                 lkeys,
             },
-            scratch: Vec::with_capacity(BATCH as usize),
+            posting: Posting {
+                batch: Vec::with_capacity(BATCH as usize),
+                full: [false; MAX_NICS],
+            },
             completions: Vec::with_capacity(POLL_BATCH),
             fired: Vec::new(),
             recv: None,
@@ -256,7 +271,7 @@ impl<D: Domain> Group<D> {
             &mut self.domains,
             &self.peers,
             &self.null_src,
-            &mut self.scratch,
+            &mut self.posting,
             &self.shared.counters,
             t,
             wr_id,
@@ -729,7 +744,7 @@ fn post_units<D: Domain>(
     domains: &mut [D],
     peers: &[[PeerId; MAX_NICS]],
     null_src: &LocalSrc,
-    scratch: &mut Vec<WriteWr>,
+    posting: &mut Posting,
     counters: &[DomainCounters],
     t: &mut InFlight,
     wr_id: u64,
@@ -755,7 +770,9 @@ fn post_units<D: Domain>(
             if budget == 0 {
                 return Posted::More;
             }
-            let n = (total - t.posted[d as usize]).min(BATCH).min(budget);
+            let batch = if posting.full[d as usize] { 1 } else { BATCH };
+            let n = (total - t.posted[d as usize]).min(batch).min(budget);
+            let scratch = &mut posting.batch;
             scratch.clear();
             for k in t.posted[d as usize]..t.posted[d as usize] + n {
                 let unit = t.unit_at(d, k, nics);
@@ -779,6 +796,7 @@ fn post_units<D: Domain>(
             t.posted[d as usize] += accepted;
             budget -= accepted;
             DomainCounters::add(&counters[d as usize].posted, u64::from(accepted));
+            posting.full[d as usize] = accepted < n;
             if accepted < n {
                 more = true;
                 break;

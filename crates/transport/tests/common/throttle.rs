@@ -1,6 +1,6 @@
 //! A `Domain` wrapper for tests: delegates to a `MemDomain` but accepts at most one write per
-//! post (a NIC whose queue is always nearly full), and can be gated shut so the worker blocks
-//! inside `post_writes`.
+//! post (a NIC whose queue is always nearly full), can refuse a number of posts whole (a full
+//! queue), and can be gated shut so the worker blocks inside `post_writes`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -25,6 +25,10 @@ pub(crate) struct Controls {
     /// When non-zero, the gate closes by itself once this many writes were accepted: a test
     /// holds the worker at a known point however fast it posts.
     pub(crate) close_at: AtomicU64,
+    /// `post_writes` calls still to refuse whole (a NIC whose queue is full), one less each.
+    pub(crate) refuse_posts: AtomicU64,
+    /// Work requests offered to the refused calls.
+    pub(crate) refused_offers: AtomicU64,
 }
 
 pub(crate) struct Throttled {
@@ -71,6 +75,16 @@ impl Domain for Throttled {
             std::thread::sleep(Duration::from_micros(100));
         }
         self.controls.waiting.store(false, Ordering::Release);
+        let refuse =
+            self.controls
+                .refuse_posts
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        if refuse.is_ok() {
+            self.controls
+                .refused_offers
+                .fetch_add(wrs.len() as u64, Ordering::AcqRel);
+            return Ok(0);
+        }
         let take = if self.one_at_a_time {
             wrs.len().min(1)
         } else {
