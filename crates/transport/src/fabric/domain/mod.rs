@@ -663,7 +663,13 @@ impl FabricDomain {
 
     /// Records a post's outcome for its peer; a provider refusing (`-FI_EAGAIN`) operations to
     /// a peer for longer than the deadline is an error (the peer is gone or stuck).
-    fn note_post(&mut self, peer: PeerId, accepted: bool) -> Result<(), TransportError> {
+    /// `now` is the post's own reading of the clock.
+    fn note_post(
+        &mut self,
+        peer: PeerId,
+        accepted: bool,
+        now: Instant,
+    ) -> Result<(), TransportError> {
         let timeout = self.op_timeout;
         let Some(p) = self.peers.get_mut(peer as usize) else {
             return Ok(());
@@ -677,8 +683,8 @@ impl FabricDomain {
         }
         // Kept while the refusals last: once past the deadline, every further refusal fails
         // its transfer at once instead of each waiting the deadline again.
-        let since = *p.refusing_since.get_or_insert_with(Instant::now);
-        if since.elapsed() > timeout {
+        let since = *p.refusing_since.get_or_insert(now);
+        if now.saturating_duration_since(since) > timeout {
             return Err(TransportError::Domain(format!(
                 "the provider has refused new operations to peer {peer} for {timeout:?} \
                  (-FI_EAGAIN): it is gone or stuck"
@@ -765,7 +771,7 @@ impl FabricDomain {
         // the engine's transfer tracking guarantees; `context` is a pool slot.
         let rc = unsafe { fi::fi_writemsg(self.tx_ep(wr.peer), &raw const msg, flags) };
         let accepted = self.posted(rc, context, "fi_writemsg")?;
-        self.note_post(wr.peer, accepted)?;
+        self.note_post(wr.peer, accepted, now)?;
         Ok(accepted)
     }
 

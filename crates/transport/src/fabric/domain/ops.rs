@@ -228,7 +228,8 @@ impl Domain for FabricDomain {
 
     unsafe fn post_send(&mut self, wr: &SendWr) -> Result<bool, TransportError> {
         let dest = self.peer_addr(wr.peer)?;
-        self.check_alive(wr.peer, Instant::now())?;
+        let now = Instant::now();
+        self.check_alive(wr.peer, now)?;
         let len = wr.len as usize;
         let (buf, desc, bounce) = match self.bounce.as_mut() {
             Some(b) => {
@@ -251,16 +252,16 @@ impl Domain for FabricDomain {
             }
             None => (wr.addr, null_mut(), None),
         };
-        let context =
-            self.contexts
-                .acquire(wr.wr_id, OpKind::Send, wr.peer, bounce, Instant::now());
+        let context = self
+            .contexts
+            .acquire(wr.wr_id, OpKind::Send, wr.peer, bounce, now);
         // SAFETY: the endpoint is live; the buffer (bounce slot or the caller's payload, which
         // it keeps until the completion) outlives the send; `context` is a pool slot.
         let ep = self.tx_ep(wr.peer);
         let rc = unsafe { fi::fi_send(ep, buf as *const c_void, len, desc, dest, context) };
         let posted = self
             .posted(rc, context, "fi_send")
-            .and_then(|accepted| self.note_post(wr.peer, accepted).map(|()| accepted));
+            .and_then(|accepted| self.note_post(wr.peer, accepted, now).map(|()| accepted));
         if !matches!(posted, Ok(true))
             && let Some(slot) = bounce
         {
