@@ -20,6 +20,10 @@ use crate::domain::Domain;
 
 /// Messages taken per pass, so completions are polled even under a flood of submissions.
 const DRAIN: usize = 64;
+/// Passes that find the queue empty between receive attempts on it. An empty queue is seen
+/// by a plain look at it; only a receive attempt reports that every sender has gone (a
+/// dropped engine), and on an empty queue it costs a full fence, every pass.
+const EMPTY_LOOKS: u32 = 64;
 /// Idle passes between looks at the clock (and yields of the core).
 const IDLE_CHECK: u32 = 64;
 /// Longest park: a safety net only; wake-ups normally come through `WorkerWake`.
@@ -49,17 +53,30 @@ pub(crate) enum Pass {
 pub(crate) struct Driver<D: Domain> {
     group: Group<D>,
     rx: Receiver<Message>,
+    /// Passes since the last receive attempt on an empty queue.
+    empty_looks: u32,
 }
 
 impl<D: Domain> Driver<D> {
     pub(crate) fn new(group: Group<D>, rx: Receiver<Message>) -> Self {
-        Self { group, rx }
+        Self {
+            group,
+            rx,
+            empty_looks: 0,
+        }
     }
 
     /// One pass over submissions, pending posts, completions and receive buffers.
     pub(crate) fn pass(&mut self) -> Pass {
         let mut busy = false;
-        for _ in 0..DRAIN {
+        let drain = if self.rx.is_empty() && self.empty_looks < EMPTY_LOOKS {
+            self.empty_looks += 1;
+            0
+        } else {
+            self.empty_looks = 0;
+            DRAIN
+        };
+        for _ in 0..drain {
             match self.rx.try_recv() {
                 Ok(Message::Transfer(sub)) => self.group.accept(sub),
                 Ok(Message::Command(Command::Stop)) | Err(TryRecvError::Disconnected) => {
