@@ -2,8 +2,9 @@
 //! binary run again with `KVROUTE_CRASH_CHILD` set) writes full blocks into a store, replacing
 //! old ones as it goes, and is killed with SIGKILL at a random moment; then the store is opened
 //! (recovery) and every block must be either whole and checksum-valid, with exactly the bytes
-//! written, or reported missing. Never torn. At least 80 kills, landing mid-payload and between
-//! records (counted from what the kill left on disk, and required).
+//! written, or reported missing. Never torn. At least 80 kills, and more (up to 400) until 8
+//! have landed mid-payload and one between records (counted from what the kill left on disk,
+//! and required): where a kill lands depends on the machine's speed.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -18,6 +19,9 @@ use kvroute_kvstore::trace::synthetic;
 
 const CHILD: &str = "KVROUTE_CRASH_CHILD";
 const KILLS: u64 = 80;
+const MAX_KILLS: u64 = 400;
+/// Kills that must land mid-payload.
+const MID_PAYLOAD: u64 = 8;
 const KEYS: u64 = 24;
 
 fn layout() -> BlockLayout {
@@ -72,7 +76,12 @@ fn a_killed_writer_never_leaves_a_torn_block() {
     let mut expected = vec![0u8; layout().full_bytes()];
     let mut got = vec![0u8; layout().full_bytes()];
     let mut served = 0;
-    for round in 0..KILLS {
+    let mut kills = 0;
+    for round in 0..MAX_KILLS {
+        if round >= KILLS && mid_payload >= MID_PAYLOAD && boundary >= 1 {
+            break;
+        }
+        kills += 1;
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",
@@ -143,11 +152,11 @@ fn a_killed_writer_never_leaves_a_torn_block() {
         );
     }
     eprintln!(
-        "{KILLS} kills: {header_only} in the header, {mid_payload} mid-payload, {unpublished} written but not yet published, {boundary} between records; {served} blocks served whole"
+        "{kills} kills: {header_only} in the header, {mid_payload} mid-payload, {unpublished} written but not yet published, {boundary} between records; {served} blocks served whole"
     );
     assert!(
-        mid_payload >= 8,
-        "only {mid_payload} kills landed mid-payload"
+        mid_payload >= MID_PAYLOAD,
+        "only {mid_payload} of {kills} kills landed mid-payload"
     );
     assert!(boundary >= 1, "no kill landed between records");
     assert!(served > 0);
