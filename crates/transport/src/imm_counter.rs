@@ -37,10 +37,10 @@ impl<T> Slot<T> {
     }
 }
 
-/// Removes `imm`'s slot if it is idle and the shard already holds more than [`KEEP_IDLE`]
-/// slots.
-fn settle<T>(shard: &mut HashMap<u32, Slot<T>>, imm: u32) {
-    if shard.len() > KEEP_IDLE && shard.get(&imm).is_some_and(Slot::idle) {
+/// Removes `imm`'s slot if the caller found it `idle` and the shard already holds more than
+/// [`KEEP_IDLE`] slots.
+fn settle<T>(shard: &mut HashMap<u32, Slot<T>>, imm: u32, idle: bool) {
+    if idle && shard.len() > KEEP_IDLE {
         shard.remove(&imm);
     }
 }
@@ -110,7 +110,8 @@ impl<T> ImmCounter<T> {
                 fired.push(token);
             }
         }
-        settle(&mut shard, imm);
+        let idle = slot.idle();
+        settle(&mut shard, imm, idle);
         found
     }
 
@@ -122,7 +123,8 @@ impl<T> ImmCounter<T> {
         let slot = shard.entry(imm).or_default();
         if slot.waiting.is_empty() && slot.arrived >= count {
             slot.arrived -= count;
-            settle(&mut shard, imm);
+            let idle = slot.idle();
+            settle(&mut shard, imm, idle);
             return Some(token);
         }
         slot.waiting.push_back((count, token));
@@ -142,7 +144,8 @@ impl<T> ImmCounter<T> {
             return 0;
         };
         let taken = std::mem::take(&mut slot.arrived);
-        settle(&mut shard, imm);
+        let idle = slot.idle();
+        settle(&mut shard, imm, idle);
         taken
     }
 
