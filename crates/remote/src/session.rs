@@ -103,7 +103,9 @@ pub struct Ack {
     pub ok: bool,
 }
 
-/// A holder's counters, since it started.
+/// A holder's counters, since it started. A batch of requests (or a ping) is counted, its
+/// times included, under the lock its replies are sent in: counters read after a reply landed
+/// include that reply's batch.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct HolderStats {
     /// Requests parsed (well formed or not).

@@ -164,6 +164,9 @@ impl Shared {
                 return;
             }
         }
+        // Counted under the lock the pong is sent in: a reader that saw it land finds it
+        // counted.
+        let mut stats = lock(&self.stats);
         let result = self.engine.submit_single_write(
             len as u64,
             Some(session.hello.reply_imm),
@@ -171,7 +174,6 @@ impl Shared {
             (&session.hello.reply, offset),
             OnDone::nothing(),
         );
-        let mut stats = lock(&self.stats);
         match result {
             Ok(()) => stats.pings += 1,
             Err(_) => stats.refused += 1,
@@ -418,6 +420,10 @@ impl Shared {
             }
             stats.kernel_us += kernel_started.elapsed().as_secs_f64() * 1e6;
         }
+        // The batch is counted under the lock its replies are sent in, so a reader that saw a
+        // reply land (and then asked for the counters) finds the whole batch counted, times
+        // included.
+        let mut total = lock(&self.stats);
         for (r, (slot, session, _)) in slots.iter().enumerate() {
             let layout = &layouts[r];
             let (seq, reply_offset) = match &requests[r] {
@@ -436,20 +442,21 @@ impl Shared {
             stats.refused += layout.statuses.iter().filter(|s| **s != Status::Ok).count() as u64
                 + u64::from(status != Status::Ok);
             let kernel_us = stats.kernel_us;
-            stats.encode_us += self.reply(
+            self.reply(
                 *slot,
                 session,
                 (status, seq, reply_offset, kernel_us),
                 layout,
+                &mut stats,
             );
         }
         stats.serve_us = started.elapsed().as_secs_f64() * 1e6;
         stats.batches = 1;
-        let mut total = lock(&self.stats);
         total.requests += stats.requests;
         total.segments += stats.segments;
         total.kernel_calls += stats.kernel_calls;
         total.rows += stats.rows;
+        total.row_tokens += stats.row_tokens;
         total.gpu_rows += stats.gpu_rows;
         total.kernel_us += stats.kernel_us;
         total.serve_us += stats.serve_us;
@@ -491,15 +498,16 @@ impl Shared {
     /// Finishes one request's reply in the session's staging (the kernels wrote the rows of
     /// the segments they served; this writes the header and status words and zeroes the rows
     /// of refused segments, which would otherwise carry an earlier session's bytes) and writes
-    /// it out; returns the microseconds spent. `kernel_us`: the batch's kernel time, which the
-    /// header carries.
+    /// it out, adding the time spent encoding (and a reply refused for a forged offset or
+    /// region) to `stats`. `kernel_us`: the batch's kernel time, which the header carries.
     fn reply(
         &self,
         slot: usize,
         session: &Session,
         (status, seq, reply_offset, kernel_us): (Status, u64, u64, f64),
         layout: &ReplyLayout,
-    ) -> f64 {
+        stats: &mut HolderStats,
+    ) {
         let (statuses, rows): (&[Status], usize) = if status == Status::Ok {
             (&layout.statuses, layout.rows)
         } else {
@@ -520,10 +528,10 @@ impl Shared {
                 }
             }
         });
-        let encode_us = encode_started.elapsed().as_secs_f64() * 1e6;
+        stats.encode_us += encode_started.elapsed().as_secs_f64() * 1e6;
         let reply: &MrDesc = &session.hello.reply;
         let Some(_posting) = session.posting() else {
-            return encode_us;
+            return;
         };
         let result = encoded.map_err(RemoteError::from).and_then(|()| {
             Ok(self.engine.submit_single_write(
@@ -537,9 +545,8 @@ impl Shared {
         if let Err(e) = result {
             // A forged reply offset or region: refused before anything was posted.
             tracing::debug!(%e, "reply not sent");
-            lock(&self.stats).refused += 1;
+            stats.refused += 1;
         }
-        encode_us
     }
 }
 

@@ -342,9 +342,10 @@ impl Requester {
     }
 
     /// Holder `holder`'s counters once they count at least `requests` requests, or as they
-    /// are after the configured timeout. A holder adds a batch to its counters just after
-    /// sending the batch's replies, so a read right after a reply lands can see them without
-    /// it.
+    /// are after the configured timeout. A holder counts a batch (times included) under the
+    /// lock it sends the batch's replies in, so a read made after a reply landed already
+    /// counts that reply's batch; this is for readers that did not see the replies land (the
+    /// requests of other requesters or processes).
     pub fn holder_stats_counting(
         &mut self,
         holder: usize,
