@@ -35,13 +35,17 @@ use crate::demo::{SCALE, fabric_engine_with, provider_for, spawn_holder, v2_lite
 pub(crate) const TARGET_ERROR_PCT: f64 = 15.0;
 /// Target: share of decisive points where the choice was the measured fastest.
 pub(crate) const TARGET_CORRECT: f64 = 0.95;
-/// A point is decisive when its two measured times differ by more than this.
+/// A point is decisive when its two measured times (medians) differ by more than this, and
+/// their samples separate ([`Measured::quartiles`]).
 pub(crate) const DECISIVE: f64 = 0.20;
 /// Target: regret over the measured-fastest total, percent.
 pub(crate) const TARGET_REGRET_PCT: f64 = 5.0;
 /// The requester's own prompt before the document: fetched chunks are re-homed past it.
 const PREFIX: i64 = 4096;
-/// Passes over the grid the live system learns from before predictions are fixed.
+/// Passes over the grid the live system learns from before predictions are fixed: at least
+/// this many, and enough for the selector's fixed cost to come from live routes
+/// ([`kvroute_sched::selector::LIVE_FIXED`] of them) rather than from the start-up probe
+/// alone, which a burst of load on the machine can inflate several times over.
 const WARM: usize = 3;
 /// The probe sweep's largest Mq ([`kvroute_remote::probe::ProbeConfig::default`]).
 const PROBE_MQ: usize = 2048;
@@ -71,6 +75,18 @@ impl Measured {
             error_pct: 100.0 * (predicted_us - measured_us) / measured_us,
         }
     }
+
+    /// The samples' lower and upper quartiles, by rank (of 5 samples the second and the
+    /// fourth; of 3 or fewer the extremes); NaN without samples.
+    fn quartiles(&self) -> (f64, f64) {
+        let mut sorted = self.samples_us.clone();
+        sorted.sort_by(f64::total_cmp);
+        let Some(last) = sorted.len().checked_sub(1) else {
+            return (f64::NAN, f64::NAN);
+        };
+        let cut = last / 4;
+        (sorted[cut], sorted[last - cut])
+    }
 }
 
 /// One (Mq, ct) point.
@@ -95,7 +111,9 @@ pub struct VerifyPoint {
     pub choice: Primitive,
     /// What measured fastest.
     pub fastest: Primitive,
-    /// Whether the two measured times differ by more than [`DECISIVE`].
+    /// Whether the measurements say which is faster: the two medians differ by more than
+    /// [`DECISIVE`], and the faster one's upper quartile is below the slower one's lower
+    /// quartile (samples that overlap, as a loaded machine's do, say nothing).
     pub decisive: bool,
     /// Measured time of the choice minus the fastest's, microseconds.
     pub regret_us: f64,
@@ -260,7 +278,8 @@ pub(crate) fn run(args: &VerifyArgs) -> Result<VerifyReport> {
         // Passes of traffic the live system learns from (the selector refits the fabric and
         // the pulls, the holders refit their kernels), then predictions are fixed and the next
         // `reps` passes are what they are compared with.
-        for rep in 0..WARM + args.reps {
+        let warm_passes = WARM.max(kvroute_sched::selector::LIVE_FIXED.div_ceil(grid.len()));
+        for rep in 0..warm_passes + args.reps {
             for k in 0..grid.len() {
                 let i = if rep % 2 == 0 { k } else { grid.len() - 1 - k };
                 let (mq, chunk, q, to) = &grid[i];
@@ -278,14 +297,14 @@ pub(crate) fn run(args: &VerifyArgs) -> Result<VerifyReport> {
                 );
                 cal.selector.observe_pull(bytes, fetched.transfer_us, now);
                 req.release(fetched)?;
-                if rep >= WARM {
+                if rep >= warm_passes {
                     let s = &mut samples[i];
                     s.route.push(route.total_us);
                     s.kernel.push(route.kernel_us);
                     s.fetch.push(fetch_us);
                 }
             }
-            if rep + 1 == WARM {
+            if rep + 1 == warm_passes {
                 cal.poll_holders(&mut req)?;
                 let _ = cal.selector.refit(cal.now_ms());
                 calibrations.push((ct, CalibrationSummary::of(&cal)?));
@@ -408,11 +427,13 @@ fn point(
     choice: Primitive,
     (route, fetch): (Measured, Measured),
 ) -> VerifyPoint {
-    let (fastest, best, other) = if route.measured_us <= fetch.measured_us {
-        (Primitive::Route, route.measured_us, fetch.measured_us)
+    let (fastest, faster, slower) = if route.measured_us <= fetch.measured_us {
+        (Primitive::Route, &route, &fetch)
     } else {
-        (Primitive::Fetch, fetch.measured_us, route.measured_us)
+        (Primitive::Fetch, &fetch, &route)
     };
+    let (best, other) = (faster.measured_us, slower.measured_us);
+    let separate = faster.quartiles().1 < slower.quartiles().0;
     let chosen = if choice == Primitive::Route {
         route.measured_us
     } else {
@@ -422,7 +443,7 @@ fn point(
         mq,
         ct,
         holder,
-        decisive: other > best * (1.0 + DECISIVE),
+        decisive: other > best * (1.0 + DECISIVE) && separate,
         regret_us: chosen - best,
         route_kernel: Measured::new(f64::NAN, Vec::new()),
         cold: Cold {
@@ -736,5 +757,29 @@ mod tests {
         assert!(!s.targets_met);
         // Route errors: -9.1%, -58.3%, +5.9%: the median absolute is 9.1%.
         assert!((s.route_median_abs_error_pct - 100.0 * 10.0 / 110.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn medians_apart_with_overlapping_samples_are_not_decisive() {
+        let samples = |v: &[f64]| Measured::new(1.0, v.to_vec());
+        // A loaded machine's samples: medians 10.7 and 8.0 ms (34% apart), every quartile
+        // overlapping.
+        let route = samples(&[6407.0, 11015.0, 10717.0, 10700.0, 5072.0]);
+        let fetch = samples(&[6494.0, 5194.0, 9145.0, 7995.0, 8024.0]);
+        assert_eq!(
+            (route.quartiles(), fetch.quartiles()),
+            ((6407.0, 10717.0), (6494.0, 8024.0))
+        );
+        let p = point(16, 256, 0, Primitive::Route, (route, fetch));
+        assert_eq!(p.fastest, Primitive::Fetch);
+        assert!(!p.decisive, "{p:?}");
+        // One outlier apiece leaves the quartiles, and the point, decisive.
+        let route = samples(&[589.0, 653.0, 3946.0, 541.0, 659.0]);
+        let fetch = samples(&[1401.0, 1406.0, 4025.0, 1476.0, 1480.0]);
+        let p = point(16, 256, 0, Primitive::Route, (route, fetch));
+        assert!(p.decisive && p.fastest == Primitive::Route, "{p:?}");
+        assert!(samples(&[]).quartiles().0.is_nan());
+        assert_eq!(samples(&[3.0, 1.0, 2.0]).quartiles(), (1.0, 3.0));
+        assert_eq!(samples(&[7.0]).quartiles(), (7.0, 7.0));
     }
 }

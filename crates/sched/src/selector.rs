@@ -76,7 +76,7 @@ impl LineFit {
 }
 
 /// Live samples needed before they alone set the fixed cost.
-const LIVE_FIXED: usize = 8;
+pub const LIVE_FIXED: usize = 8;
 
 /// One transfer sample.
 #[derive(Debug, Clone, Copy, PartialEq)]
