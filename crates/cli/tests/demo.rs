@@ -506,3 +506,67 @@ fn a_holder_refuses_a_backend_it_cannot_run() {
     assert!(auto.status.success(), "{text}\n{}", said(&auto));
     assert!(text.contains("\"listen\""), "{text}");
 }
+
+/// A holder process that dies while a request is out fails that request as soon as its control
+/// connection closes, not at the requester's timeout: the holder is frozen (SIGSTOP) so that
+/// nothing serves the request, then killed.
+#[test]
+fn a_holder_that_dies_mid_request_fails_it_without_waiting_out_the_timeout() {
+    use kvroute_kvstore::ChunkId;
+    use kvroute_remote::{Call, Requester, RequesterConfig, RouteError};
+    use kvroute_transport::fabric::{FabricConfig, ProviderChoice};
+    use kvroute_transport::{EngineConfig, TransferEngine};
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+
+    let mut holder = HolderProc::start("shm", 0);
+    let addr: std::net::SocketAddr = holder.addr.parse().expect("a socket address");
+    let (engine, _) = TransferEngine::fabric(
+        &FabricConfig::provider(ProviderChoice::Shm),
+        EngineConfig::default(),
+    )
+    .expect("an shm engine");
+    let mut config = RequesterConfig::new(0.1);
+    config.timeout = Duration::from_secs(60);
+    let mut req = Requester::connect(engine, &[addr], config).expect("connecting");
+    let q = vec![0u16; 16 * kvroute_kernels::layout::D_QK];
+    let call = [Call {
+        chunk: ChunkId(0),
+        layer: 0,
+        queries: &q,
+        sparse: None,
+    }];
+    for part in req.route(&call) {
+        part.expect("the live holder answers");
+    }
+
+    let pid = Pid::from_raw(holder.child.id() as i32);
+    kill(pid, Signal::SIGSTOP).expect("freezing the holder");
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        kill(pid, Signal::SIGKILL).expect("killing the holder");
+    });
+    let started = Instant::now();
+    let failed = req.route(&call).remove(0);
+    let took = started.elapsed();
+    killer.join().expect("the killer thread");
+    let _ = holder.child.wait();
+    let _ = kvroute_transport::fabric::remove_shm_regions_of_dead_process(holder.child.id());
+    match failed {
+        Err(RouteError::HolderFailed { holder: h, why }) => {
+            assert_eq!(h, addr);
+            assert!(why.contains("control connection"), "{why}");
+        }
+        other => panic!("the route to a dead holder: {other:?}"),
+    }
+    assert!(
+        took >= Duration::from_millis(250) && took < Duration::from_secs(10),
+        "failed after {took:?}, the timeout being 60 s"
+    );
+    assert!(!req.is_alive(0), "the dead holder is marked dead");
+    let again = req.route(&call).remove(0);
+    assert!(
+        matches!(again, Err(RouteError::NoHolder(ChunkId(0)))),
+        "{again:?}"
+    );
+}

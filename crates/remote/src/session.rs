@@ -230,11 +230,22 @@ fn prove(
         OnDone::flag(&sent),
     )?;
     let deadline = Instant::now() + timeout;
-    if crate::requester::wait_all(engine, &[&sent], deadline, Duration::from_millis(1)).is_err() {
-        return Err(RemoteError::TimedOut {
-            holder,
-            after: timeout,
-        });
+    let proved = crate::requester::wait_all(
+        engine,
+        &[&sent],
+        deadline,
+        Duration::from_millis(1),
+        Some(&*writer),
+    );
+    match proved {
+        Ok(()) => {}
+        Err(crate::requester::Unfinished::Late(_)) => {
+            return Err(RemoteError::TimedOut {
+                holder,
+                after: timeout,
+            });
+        }
+        Err(crate::requester::Unfinished::Closed(why)) => return Err(refused(&why)),
     }
     send_line(writer, holder, &Control::Prove)?;
     if !recv_line::<Ack>(reader, holder, 1 << 10)?.ok {

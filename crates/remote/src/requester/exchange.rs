@@ -8,7 +8,7 @@ use std::time::Instant;
 use kvroute_kernels::layout::PARTIAL_ROW_BYTES;
 use kvroute_transport::{CancellationToken, DoneFlag, OnDone, TransferShape};
 
-use super::{Requester, wait_all};
+use super::{Requester, Unfinished, wait_all};
 use crate::error::RouteError;
 use crate::wire::{self, SegmentSpec, Status};
 
@@ -154,13 +154,20 @@ impl Requester {
                 continue;
             };
             let link = prepared[i].link;
-            let failure = match wait_all(&self.engine, &[&sent, &reply], deadline, self.config.spin)
-            {
-                Err(which) => Some(format!(
+            let control = Some(&self.links[link].control);
+            let failure = match wait_all(
+                &self.engine,
+                &[&sent, &reply],
+                deadline,
+                self.config.spin,
+                control,
+            ) {
+                Err(Unfinished::Late(which)) => Some(format!(
                     "no {} within {:?}",
                     ["send completion", "reply"][which],
                     self.config.timeout
                 )),
+                Err(Unfinished::Closed(why)) => Some(why),
                 Ok(()) => match sent.result() {
                     Some(Err(e)) => Some(format!("request write failed: {e}")),
                     _ => self
@@ -211,8 +218,17 @@ impl Requester {
             expected,
             OnDone::flag(&flag).cancellable(token),
         );
-        wait_all(&self.engine, &[&flag], deadline, self.config.spin)
-            .map_err(|_| format!("no fetch pages within {:?}", self.config.timeout))
+        wait_all(
+            &self.engine,
+            &[&flag],
+            deadline,
+            self.config.spin,
+            Some(&l.control),
+        )
+        .map_err(|e| match e {
+            Unfinished::Late(_) => format!("no fetch pages within {:?}", self.config.timeout),
+            Unfinished::Closed(why) => why,
+        })
     }
 
     /// The bytes of a reply [`Requester::exchange`] reported, borrowed in place.

@@ -4,8 +4,9 @@
 //! [`Requester::route`] takes every call of a decode step at once, groups the calls bound to
 //! the same holder into one inbox write (paper 000 section 5.3's third reduction), waits for
 //! every reply with a deadline, and returns one result per call. A holder that does not answer
-//! in time, or whose writes fail, is marked dead and its calls fail with
-//! [`RouteError::HolderFailed`]; calling again sends them to the chunk's next replica.
+//! in time, whose writes fail, or whose control connection closes while it is awaited (its
+//! process died), is marked dead and its calls fail with [`RouteError::HolderFailed`];
+//! calling again sends them to the chunk's next replica.
 
 use std::collections::BTreeMap;
 use std::io::BufReader;
@@ -149,29 +150,75 @@ impl std::fmt::Debug for Requester {
     }
 }
 
-/// Waits for every flag or the deadline; `Err(i)` names the first flag not set in time.
-/// Polls (yielding the core) for `spin`, then sleeps 50 us between looks.
+/// How often a wait on a holder looks at its control connection.
+const CONTROL_LOOK: Duration = Duration::from_millis(1);
+
+/// Why [`wait_all`] gave up.
+#[derive(Debug)]
+pub(crate) enum Unfinished {
+    /// Flag `.0` (the first not set) was not set by the deadline.
+    Late(usize),
+    /// The holder's control connection closed or failed: its process ended, or it closed
+    /// the session. What was awaited will not come.
+    Closed(String),
+}
+
+/// Waits for every flag or the deadline. Polls (yielding the core) for `spin`, then sleeps
+/// 50 us between looks. With `control`, the holder's control connection is looked at every
+/// [`CONTROL_LOOK`] of waiting, so a holder whose process died mid-request fails the wait at
+/// once rather than at the deadline.
 pub(crate) fn wait_all(
     engine: &TransferEngine,
     flags: &[&Arc<DoneFlag>],
     deadline: Instant,
     spin: Duration,
-) -> Result<(), usize> {
+    control: Option<&TcpStream>,
+) -> Result<(), Unfinished> {
     let started = Instant::now();
+    let mut next_look = started + CONTROL_LOOK;
     loop {
-        match flags.iter().position(|f| !f.is_done()) {
-            None => return Ok(()),
-            Some(i) if Instant::now() > deadline => return Err(i),
-            Some(_) => {}
+        let Some(pending) = flags.iter().position(|f| !f.is_done()) else {
+            return Ok(());
+        };
+        let now = Instant::now();
+        if now > deadline {
+            return Err(Unfinished::Late(pending));
+        }
+        if let Some(stream) = control
+            && now >= next_look
+        {
+            next_look = now + CONTROL_LOOK;
+            if let Some(why) = closed(stream) {
+                return Err(Unfinished::Closed(why));
+            }
         }
         if engine.manual_progress() {
             engine.progress();
         }
-        if started.elapsed() < spin {
+        if now.duration_since(started) < spin {
             std::thread::yield_now();
         } else {
             std::thread::sleep(Duration::from_micros(50));
         }
+    }
+}
+
+/// Whether the other end closed `stream`, or the socket failed: a look that takes nothing
+/// from it (bytes waiting, or none yet, mean it is open). The socket is non-blocking only
+/// for the look.
+fn closed(stream: &TcpStream) -> Option<String> {
+    use std::io::ErrorKind::{Interrupted, WouldBlock};
+    let look = stream
+        .set_nonblocking(true)
+        .and_then(|()| stream.peek(&mut [0u8; 1]));
+    let restored = stream.set_nonblocking(false);
+    match (look, restored) {
+        (Ok(0), _) => Some("the holder closed its control connection".to_owned()),
+        (Err(e), _) if !matches!(e.kind(), WouldBlock | Interrupted) => {
+            Some(format!("control connection: {e}"))
+        }
+        (_, Err(e)) => Some(format!("control connection: {e}")),
+        _ => None,
     }
 }
 
@@ -445,12 +492,14 @@ impl Requester {
                 &[&sent_flag, &reply_flag],
                 started + self.config.timeout,
                 self.config.spin,
+                Some(&l.control),
             ) {
-                Err(which) => Some(format!(
+                Err(Unfinished::Late(which)) => Some(format!(
                     "no {} within {:?}",
                     ["ping completion", "pong"][which],
                     self.config.timeout
                 )),
+                Err(Unfinished::Closed(why)) => Some(why),
                 Ok(()) => match sent_flag.result() {
                     Some(Err(e)) => Some(format!("ping write failed: {e}")),
                     _ => None,
