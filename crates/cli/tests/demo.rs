@@ -555,7 +555,12 @@ fn a_holder_that_dies_mid_request_fails_it_without_waiting_out_the_timeout() {
     match failed {
         Err(RouteError::HolderFailed { holder: h, why }) => {
             assert_eq!(h, addr);
-            assert!(why.contains("control connection"), "{why}");
+            // The control connection's end, or (where the provider's request write needed the
+            // frozen holder's progress) the transport failing that write to a dead process.
+            assert!(
+                why.contains("control connection") || why.contains("write failed"),
+                "{why}"
+            );
         }
         other => panic!("the route to a dead holder: {other:?}"),
     }
