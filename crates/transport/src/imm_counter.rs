@@ -11,7 +11,9 @@
 //! below look for. The counter stores a caller-chosen token per expectation and hands it back
 //! when it fires; running the callback is the caller's business.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use crate::FastMap;
 
 use crate::sync::{Mutex, lock};
 
@@ -39,7 +41,7 @@ impl<T> Slot<T> {
 
 /// Removes `imm`'s slot if the caller found it `idle` and the shard already holds more than
 /// [`KEEP_IDLE`] slots.
-fn settle<T>(shard: &mut HashMap<u32, Slot<T>>, imm: u32, idle: bool) {
+fn settle<T>(shard: &mut FastMap<u32, Slot<T>>, imm: u32, idle: bool) {
     if idle && shard.len() > KEEP_IDLE {
         shard.remove(&imm);
     }
@@ -64,7 +66,7 @@ pub enum Arrival {
 }
 
 /// One shard: the slots of the values that hash to it.
-type Shard<T> = Mutex<HashMap<u32, Slot<T>>>;
+type Shard<T> = Mutex<FastMap<u32, Slot<T>>>;
 
 /// Per-immediate arrival counts and the expectations waiting on them.
 #[derive(Debug)]
@@ -82,7 +84,9 @@ impl<T> ImmCounter<T> {
     /// An empty counter.
     pub fn new() -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new(FastMap::default()))
+                .collect(),
         }
     }
 

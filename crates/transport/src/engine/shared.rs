@@ -3,7 +3,6 @@
 //! can validate and resolve a request without a round trip), the IMM counter, and the worker's
 //! wake-up handle.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 use std::thread::Thread;
@@ -43,7 +42,7 @@ pub(crate) struct PeerEntry {
 pub(crate) struct Directory {
     regions: RwLock<Vec<Option<RegionEntry>>>,
     /// Keyed by every NIC address of every peer: a NIC belongs to one peer only.
-    peers: RwLock<HashMap<DomainAddr, Arc<PeerEntry>>>,
+    peers: RwLock<crate::FastMap<DomainAddr, Arc<PeerEntry>>>,
 }
 
 impl Directory {

@@ -208,14 +208,14 @@ pub struct VerbsDomain<V: Verbs> {
     imm_buf: Box<[u8; 8]>,
     peers: Vec<Option<Peer>>,
     by_addr: HashMap<VerbsAddr, PeerId>,
-    by_qpn: HashMap<u32, PeerId>,
+    by_qpn: crate::FastMap<u32, PeerId>,
     /// Completions the domain made itself (work that failed before reaching the NIC).
     failed: VecDeque<Completion>,
     /// Registered copies of messages in flight (sends' payloads are engine memory the
     /// engine does not register).
     staging: Vec<Staging>,
     /// Which staging slot a send in flight holds.
-    staged: HashMap<u64, usize>,
+    staged: crate::FastMap<u64, usize>,
     wcs: Vec<super::Wc>,
 }
 
@@ -316,10 +316,10 @@ impl<V: Verbs> VerbsDomain<V> {
             imm_buf,
             peers: Vec::new(),
             by_addr: HashMap::new(),
-            by_qpn: HashMap::new(),
+            by_qpn: crate::FastMap::default(),
             failed: VecDeque::new(),
             staging: Vec::new(),
-            staged: HashMap::new(),
+            staged: crate::FastMap::default(),
             wcs: Vec::new(),
         })
     }
