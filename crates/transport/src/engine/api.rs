@@ -126,11 +126,18 @@ impl TransferEngine {
             return Err(TransportError::Shutdown);
         }
         let submitted_at = self.inner.engine.record_latency.then(Instant::now);
-        let message = Message::Transfer(Submission {
+        let mut sub = Submission {
             work,
             on_done,
             submitted_at,
-        });
+        };
+        if self.inner.manual_progress {
+            match self.take_here(group, sub) {
+                None => return Ok(()),
+                Some(back) => sub = back,
+            }
+        }
+        let message = Message::Transfer(sub);
         match self.inner.backpressure {
             Backpressure::Wait => self.send_waiting(group, message)?,
             Backpressure::Fail => group.tx.try_send(message).map_err(|e| match e {
@@ -141,6 +148,25 @@ impl TransferEngine {
         // Past a racing shutdown this fails the transfer through `on_done`.
         group.after_send(&self.inner.engine.callbacks);
         Ok(())
+    }
+
+    /// With manual progress, hands `sub` to its group on this thread, as a pass would take
+    /// it, when no other thread is running the group's pass and nothing is queued ahead of
+    /// it; hands it back otherwise (it is then queued). A shutdown that stops the group
+    /// after this fails it with the rest of the group's transfers.
+    fn take_here(&self, group: &GroupShared, sub: Submission) -> Option<Submission> {
+        let Some(manual) = self.inner.manual.get(usize::from(group.index)) else {
+            return Some(sub);
+        };
+        let mut guard = match manual.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Some(sub),
+        };
+        match guard.as_mut() {
+            Some(driver) => driver.take(sub),
+            None => Some(sub),
+        }
     }
 
     // ----- memory -----

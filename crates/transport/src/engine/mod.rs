@@ -4,7 +4,8 @@
 //! worker thread), an IMM counter, a callback thread on which every user callback runs, and a
 //! memory-word watcher started on first use. Requests are checked and resolved on the calling
 //! thread, then queued to the worker of the group that owns the source memory; a full queue
-//! either waits or fails, as configured ([`Backpressure`]).
+//! either waits or fails, as configured ([`Backpressure`]). With [`Progress::Manual`] a
+//! request is taken by the submitting thread itself when it can be (see there).
 
 mod api;
 pub(crate) mod callbacks;
@@ -58,6 +59,13 @@ pub enum Progress {
     /// application calls (also while it waits for a completion, an arrival or a reply). For
     /// machines with fewer cores than busy threads, and for run-to-completion loops. Control
     /// calls (`reg_mr`, connecting, ...) progress the engine themselves while they wait.
+    ///
+    /// A transfer submitted while no other thread is running its group's pass, with nothing
+    /// queued ahead of it, is taken by the submitting thread as a pass would take it: its
+    /// first work requests (up to a pass's budget) are posted before the submit returns, as
+    /// a libfabric post under manual progress starts its operation. Completions, arrivals,
+    /// the rest of a large transfer and everything queued still move only inside `progress`.
+    /// A submit that finds another thread in the pass queues its transfer for that pass.
     Manual,
 }
 

@@ -6,7 +6,9 @@
 //! thread spins briefly (to keep submit-to-post latency low under load) and then, if its NICs
 //! allow it, parks until a submitter or a peer wakes it. With manual progress
 //! ([`crate::Progress::Manual`]) there is no thread: whoever calls
-//! [`crate::TransferEngine::progress`] runs the pass ([`Manual`]).
+//! [`crate::TransferEngine::progress`] runs the pass ([`Manual`]), and a submitting thread
+//! that finds the pass free takes its own transfer as the pass would ([`Driver::take`]),
+//! which saves the queue's hand-off on the path of a small write.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,7 +16,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, TryRecvError};
 
 use super::group::Group;
-use super::message::{Command, Message};
+use super::message::{Command, Message, Submission};
 use super::shared::{RetireOnExit, WorkerWake};
 use crate::domain::Domain;
 
@@ -93,6 +95,16 @@ impl<D: Domain> Driver<D> {
         busy |= self.group.repost_recvs();
         if busy { Pass::Busy } else { Pass::Idle }
     }
+
+    /// Takes `sub` as a pass would take it from the queue, unless messages are queued: they
+    /// were submitted first and go first, so `sub` is handed back to queue behind them.
+    fn take(&mut self, sub: Submission) -> Option<Submission> {
+        if !self.rx.is_empty() {
+            return Some(sub);
+        }
+        self.group.accept(sub);
+        None
+    }
 }
 
 /// Runs a worker thread until it is told to stop.
@@ -149,6 +161,9 @@ pub(crate) fn run<D: Domain>(mut driver: Driver<D>, wake: &Arc<WorkerWake>, conf
 pub(crate) trait ManualProgress: Send {
     /// Runs one pass; returns whether it did anything.
     fn pass(&mut self) -> bool;
+    /// Takes a submission on the submitting thread (its first work requests are posted at
+    /// once); hands it back when messages are queued ahead of it or the group has stopped.
+    fn take(&mut self, sub: Submission) -> Option<Submission>;
     /// Fails everything in flight or queued, closes the NICs and retires the group.
     fn stop(&mut self);
 }
@@ -177,6 +192,13 @@ impl<D: Domain> ManualProgress for Manual<D> {
                 self.stop();
                 false
             }
+        }
+    }
+
+    fn take(&mut self, sub: Submission) -> Option<Submission> {
+        match self.driver.as_mut() {
+            Some(driver) => driver.take(sub),
+            None => Some(sub),
         }
     }
 
