@@ -1,7 +1,8 @@
 //! The request side of [`TransferEngine`]: every call checks its request against the local
 //! region (from the group's directory) and the remote descriptor, resolves the peer (a
 //! directory lookup; a connect round trip to the worker only on first contact), and queues
-//! the result. A request that fails a check returns its error and posts nothing.
+//! the result (under manual progress, a free pass takes it on the calling thread instead). A
+//! request that fails a check returns its error and posts nothing.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -221,7 +221,7 @@ pub fn answer_pings(
         }
         one_write(engine, buf, peer, size, PONG, &done)?;
     }
-    // With manual progress the last pong is posted by a pass: run them until it completed.
+    // With manual progress the last pong completes only in a pass: run them until it has.
     settle(engine, &[], &done, count, deadline)
 }
 
