@@ -18,7 +18,10 @@ use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 const SEALED: u64 = 1 << 63;
 const CANCELLED: u64 = 1 << 62;
 const FIRED: u64 = 1 << 61;
-const OUTSTANDING: u64 = FIRED - 1;
+/// An error was recorded: the outcome must be read from `first_error` (without it, firing
+/// takes no lock).
+const ERRORED: u64 = 1 << 60;
+const OUTSTANDING: u64 = ERRORED - 1;
 
 /// The completion state of one transfer.
 #[derive(Debug, Default)]
@@ -45,7 +48,7 @@ impl TransferState {
                 return false;
             }
             debug_assert!(
-                (current & OUTSTANDING) + n < FIRED,
+                (current & OUTSTANDING) + n < ERRORED,
                 "outstanding count overflow"
             );
             match self.word.compare_exchange_weak(
@@ -74,8 +77,7 @@ impl TransferState {
     /// finished the transfer.
     pub fn complete(&self, n: u64, result: Outcome) -> Option<Outcome> {
         if let Err(error) = result {
-            // Recorded before the count drops, so whoever finishes the transfer sees it.
-            lock(&self.first_error).get_or_insert(error);
+            self.record(error);
         }
         let prev = self.word.fetch_sub(n, Ordering::AcqRel);
         debug_assert!(prev & OUTSTANDING >= n, "more completions than posts");
@@ -101,8 +103,15 @@ impl TransferState {
     /// Seals a transfer whose posting was stopped by a cancellation: its result is the first
     /// error if one was reported, else [`TransferError::Cancelled`].
     pub fn seal_cancelled(&self) -> Option<Outcome> {
-        lock(&self.first_error).get_or_insert(TransferError::Cancelled);
+        self.record(TransferError::Cancelled);
         self.seal()
+    }
+
+    /// Keeps `error` unless an earlier one was kept, and marks the word. Done before the
+    /// caller's own update of the word, so whoever finishes the transfer sees the mark.
+    fn record(&self, error: TransferError) {
+        lock(&self.first_error).get_or_insert(error);
+        self.word.fetch_or(ERRORED, Ordering::AcqRel);
     }
 
     /// Refuses every further post. The transfer finishes when what was posted completes.
@@ -126,8 +135,12 @@ impl TransferState {
     }
 
     fn fire(&self) -> Option<Outcome> {
-        if self.word.fetch_or(FIRED, Ordering::AcqRel) & FIRED != 0 {
+        let prev = self.word.fetch_or(FIRED, Ordering::AcqRel);
+        if prev & FIRED != 0 {
             return None;
+        }
+        if prev & ERRORED == 0 {
+            return Some(Ok(()));
         }
         Some(lock(&self.first_error).take().map_or(Ok(()), Err))
     }

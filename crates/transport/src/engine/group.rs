@@ -18,7 +18,7 @@ use std::time::Instant;
 use super::callbacks::Job;
 use super::message::{Command, LocalSrc, Submission, Work, Writes};
 use super::shared::{EngineShared, GroupShared, PeerEntry, RegionEntry};
-use super::stats::{DomainCounters, LatencyLog};
+use super::stats::{self, DomainCounters, LatencyLog};
 use super::unit_wr::build_wr;
 use crate::addr::MAX_NICS;
 use crate::domain::{Completion, CompletionKind, Domain, PeerId, RecvWr, SendWr, WriteWr};
@@ -223,10 +223,7 @@ impl<D: Domain> Group<D> {
             submitted_at: sub.submitted_at,
             posting_since: None,
         });
-        self.shared
-            .worker_written
-            .in_flight
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        stats::add(&self.shared.worker_written.in_flight, 1);
         if self.post(slot) {
             self.pending.push_back(slot);
         }
@@ -320,10 +317,7 @@ impl<D: Domain> Group<D> {
         };
         entry.generation = entry.generation.wrapping_add(1);
         self.free_slots.push(slot);
-        self.shared
-            .worker_written
-            .in_flight
-            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        stats::sub(&self.shared.worker_written.in_flight, 1);
         if let Some(done) = t.on_done.take() {
             let callbacks = &self.engine.callbacks;
             done.finish(outcome, |f, o| callbacks.run_done(f, o));

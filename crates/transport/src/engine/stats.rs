@@ -1,6 +1,7 @@
 //! Counters readable from the API: work requests posted, completed and failed per NIC, and
-//! (when enabled) the latency samples the benches read. Updated with relaxed atomics by the
-//! worker only.
+//! (when enabled) the latency samples the benches read. Written only by whoever runs the
+//! group's pass (its worker thread, or the holder of its manual-progress lock, which orders
+//! successive holders), so an update is a relaxed load and store, not a read-modify-write.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -14,9 +15,19 @@ pub(crate) struct DomainCounters {
     pub(crate) failed: AtomicU64,
 }
 
+/// Adds `n` to a counter only the group's pass writes (see the module's note).
+pub(crate) fn add(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+}
+
+/// Takes `n` from a counter only the group's pass writes.
+pub(crate) fn sub(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Ordering::Relaxed) - n, Ordering::Relaxed);
+}
+
 impl DomainCounters {
     pub(crate) fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Ordering::Relaxed);
+        add(counter, n);
     }
 
     fn snapshot(&self) -> DomainStats {
