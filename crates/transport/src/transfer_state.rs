@@ -10,7 +10,8 @@
 //! completed but more are still to be posted (completions outrunning posting), firing twice,
 //! and never firing after an error path skips a count. Here the outstanding count and the
 //! sealed, cancelled and fired bits share one atomic word, so "sealed and nothing outstanding"
-//! is observed by exactly one operation, which alone returns the outcome.
+//! is observed by exactly one operation, which alone returns the outcome. A fourth bit says an
+//! error was recorded, so the operation that fires an errorless transfer takes no lock.
 
 use crate::error::TransferError;
 use crate::sync::{AtomicU64, Mutex, Ordering, lock};
