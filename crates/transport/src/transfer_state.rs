@@ -186,6 +186,23 @@ mod tests {
     }
 
     #[test]
+    fn an_error_reported_with_no_count_decides_the_outcome_at_seal() {
+        // A NIC refusing a work request as malformed: the error alone, then the seal.
+        let s = TransferState::new();
+        assert_eq!(s.complete(0, Err(TransferError::Injected)), None);
+        s.cancel();
+        assert_eq!(s.seal(), Some(Err(TransferError::Injected)));
+        let clean = TransferState::new();
+        assert!(clean.try_post(1));
+        assert_eq!(clean.seal(), None);
+        assert_eq!(
+            clean.complete(1, Ok(())),
+            Some(Ok(())),
+            "no error, no error bit"
+        );
+    }
+
+    #[test]
     fn cancellation_stops_posting_and_finishes_when_posted_work_completes() {
         let s = TransferState::new();
         assert!(s.try_post(2));
