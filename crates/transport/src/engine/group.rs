@@ -351,7 +351,7 @@ impl<D: Domain> Group<D> {
                 } else {
                     &counters.failed
                 };
-                DomainCounters::add(counter, u64::from(c.count));
+                stats::add(counter, u64::from(c.count));
                 let slot = (c.wr_id & 0xFFFF_FFFF) as u32;
                 let generation = (c.wr_id >> 32) as u32;
                 let live = self
@@ -789,7 +789,7 @@ fn post_units<D: Domain>(
             }
             t.posted[d as usize] += accepted;
             budget -= accepted;
-            DomainCounters::add(&counters[d as usize].posted, u64::from(accepted));
+            stats::add(&counters[d as usize].posted, u64::from(accepted));
             posting.full[d as usize] = accepted < n;
             if accepted < n {
                 more = true;
@@ -822,7 +822,7 @@ fn post_send<D: Domain>(
     match unsafe { nic0.post_send(wr) } {
         Ok(true) => {
             t.posted[0] = 1;
-            DomainCounters::add(&counters.posted, 1);
+            stats::add(&counters.posted, 1);
             Posted::Exhausted
         }
         Ok(false) => {

@@ -26,10 +26,6 @@ pub(crate) fn sub(counter: &AtomicU64, n: u64) {
 }
 
 impl DomainCounters {
-    pub(crate) fn add(counter: &AtomicU64, n: u64) {
-        add(counter, n);
-    }
-
     fn snapshot(&self) -> DomainStats {
         DomainStats {
             posted: self.posted.load(Ordering::Relaxed),
