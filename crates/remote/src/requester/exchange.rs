@@ -8,7 +8,7 @@ use std::time::Instant;
 use kvroute_kernels::layout::PARTIAL_ROW_BYTES;
 use kvroute_transport::{CancellationToken, DoneFlag, OnDone, TransferShape};
 
-use super::{Requester, Unfinished, wait_all};
+use super::{Requester, wait_all};
 use crate::error::RouteError;
 use crate::wire::{self, SegmentSpec, Status};
 
@@ -162,12 +162,7 @@ impl Requester {
                 self.config.spin,
                 control,
             ) {
-                Err(Unfinished::Late(which)) => Some(format!(
-                    "no {} within {:?}",
-                    ["send completion", "reply"][which],
-                    self.config.timeout
-                )),
-                Err(Unfinished::Closed(why)) => Some(why),
+                Err(e) => Some(e.describe(&["send completion", "reply"], self.config.timeout)),
                 Ok(()) => match sent.result() {
                     Some(Err(e)) => Some(format!("request write failed: {e}")),
                     _ => self
@@ -225,10 +220,7 @@ impl Requester {
             self.config.spin,
             Some(&l.control),
         )
-        .map_err(|e| match e {
-            Unfinished::Late(_) => format!("no fetch pages within {:?}", self.config.timeout),
-            Unfinished::Closed(why) => why,
-        })
+        .map_err(|e| e.describe(&["fetch pages"], self.config.timeout))
     }
 
     /// The bytes of a reply [`Requester::exchange`] reported, borrowed in place.

@@ -163,6 +163,17 @@ pub(crate) enum Unfinished {
     Closed(String),
 }
 
+impl Unfinished {
+    /// Why the wait failed, in words: `awaited[i]` names flag `i`, `timeout` the wait's
+    /// length.
+    pub(crate) fn describe(self, awaited: &[&str], timeout: Duration) -> String {
+        match self {
+            Self::Late(i) => format!("no {} within {timeout:?}", awaited[i]),
+            Self::Closed(why) => why,
+        }
+    }
+}
+
 /// Waits for every flag or the deadline. Polls (yielding the core) for `spin`, then sleeps
 /// 50 us between looks. With `control`, the holder's control connection is looked at every
 /// [`CONTROL_LOOK`] of waiting, so a holder whose process died mid-request fails the wait at
@@ -494,12 +505,7 @@ impl Requester {
                 self.config.spin,
                 Some(&l.control),
             ) {
-                Err(Unfinished::Late(which)) => Some(format!(
-                    "no {} within {:?}",
-                    ["ping completion", "pong"][which],
-                    self.config.timeout
-                )),
-                Err(Unfinished::Closed(why)) => Some(why),
+                Err(e) => Some(e.describe(&["ping completion", "pong"], self.config.timeout)),
                 Ok(()) => match sent_flag.result() {
                     Some(Err(e)) => Some(format!("ping write failed: {e}")),
                     _ => None,
