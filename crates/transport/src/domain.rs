@@ -59,6 +59,17 @@ pub struct WriteWr {
     pub imm: Option<u32>,
 }
 
+/// What became of [`Domain::post_unreported`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unreported {
+    /// Posted; no completion will follow.
+    Posted,
+    /// The NIC is full for now.
+    Full,
+    /// The NIC does not post this write without a completion.
+    Unsupported,
+}
+
 /// One message to a peer's posted receive buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SendWr {
@@ -184,6 +195,14 @@ pub trait Domain: Send + 'static {
     /// Posts writes in order; returns how many were accepted. Fewer than `wrs.len()` means the
     /// NIC is full for now (retry the rest later); an error means the request was malformed.
     fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, TransportError>;
+
+    /// Posts one write whose success this NIC will never report: no completion, no work
+    /// request id. Only a write small enough for the NIC to copy at the post qualifies (the
+    /// engine offers immediate-only writes nobody waits on). [`Unreported::Unsupported`] when
+    /// the NIC cannot post this write that way (post it with [`Domain::post_writes`]).
+    fn post_unreported(&mut self, _wr: &WriteWr) -> Result<Unreported, TransportError> {
+        Ok(Unreported::Unsupported)
+    }
 
     /// Posts a send; `false` means the NIC is full for now.
     ///

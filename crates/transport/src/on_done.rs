@@ -76,9 +76,15 @@ impl OnDone {
         }
     }
 
-    /// Ignore the result.
+    /// Ignore the result. An immediate-only write given this may go out without a completion
+    /// at all ([`TransferEngine::submit_imm`](crate::TransferEngine::submit_imm)).
     pub fn nothing() -> Self {
         Self::new(DoneAction::Nothing)
+    }
+
+    /// Whether finishing does nothing: no action, no cancellation token.
+    pub(crate) fn reports_nothing(&self) -> bool {
+        matches!(self.action, DoneAction::Nothing) && self.cancel.is_none()
     }
 
     /// Run `f` with the result on the engine's callback thread. `f` may call back into the

@@ -39,6 +39,13 @@ fn arrivals_before_the_expectation_count_and_the_excess_carries_over() {
 }
 
 #[test]
+fn immediates_nobody_waits_on_post_without_a_completion() {
+    let fabric = MemFabric::new();
+    let mem = |nics| engine(&fabric, nics);
+    suite::immediates_nobody_waits_on(&mem, true);
+}
+
+#[test]
 fn unexpected_immediates_reach_the_handler_and_stay_claimable() {
     let fabric = MemFabric::new();
     let mem = |nics| engine(&fabric, nics);

@@ -39,6 +39,46 @@ fn progress_until(engines: &[&TransferEngine], what: &str, done: impl Fn() -> bo
 }
 
 #[test]
+fn an_immediate_nobody_waits_on_is_done_with_when_its_submit_returns() {
+    let fabric = MemFabric::new();
+    let (a, b) = (mem(&fabric, manual()), mem(&fabric, manual()));
+    let dst = b.alloc_mr(64).unwrap();
+    let landed = DoneFlag::new();
+    b.expect_imm_count(5, 3, OnDone::from(&landed));
+    for _ in 0..3 {
+        a.submit_imm(5, dst.desc(), OnDone::nothing()).unwrap();
+    }
+    let nic = a.stats().groups[0].domains[0];
+    assert_eq!(
+        (nic.posted, nic.unreported, a.stats().groups[0].in_flight),
+        (3, 3, 0),
+        "posted with no completion to wait for"
+    );
+    // Only the target progresses: the sender has nothing left to do.
+    progress_until(&[&b], "the arrivals", || landed.is_done());
+    assert_eq!(landed.result(), Some(Ok(())));
+    assert!(!a.progress(), "the sender's pass finds nothing");
+    assert_eq!(a.stats().groups[0].domains[0].completed, 0);
+
+    // Under a fault plan (delays and failures for writes that report), it reports.
+    let faulty = TransferEngine::mem_with(
+        &fabric,
+        1,
+        FaultPlan {
+            fail_probability: 1.0,
+            ..FaultPlan::NONE
+        },
+        manual(),
+    )
+    .unwrap();
+    faulty.submit_imm(5, dst.desc(), OnDone::nothing()).unwrap();
+    progress_until(&[&faulty], "the injected failure", || {
+        faulty.stats().groups[0].domains[0].failed == 1
+    });
+    assert_eq!(faulty.stats().groups[0].domains[0].unreported, 0);
+}
+
+#[test]
 fn a_submit_posts_its_write_and_nothing_else_moves_until_someone_progresses() {
     let fabric = MemFabric::new();
     let (a, b) = (mem(&fabric, manual()), mem(&fabric, manual()));

@@ -64,6 +64,12 @@ macro_rules! suite_over {
             }
 
             #[test]
+            fn immediates_nobody_waits_on_post_without_a_completion() {
+                // Only shm takes them without a completion (docs/fabric.md).
+                suite::immediates_nobody_waits_on(&make, $provider == ProviderChoice::Shm);
+            }
+
+            #[test]
             fn unexpected_immediates_reach_the_handler_and_stay_claimable() {
                 suite::unexpected_immediates(&make);
             }

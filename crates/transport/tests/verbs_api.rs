@@ -71,6 +71,11 @@ macro_rules! suite_over {
             }
 
             #[test]
+            fn immediates_nobody_waits_on_complete_as_usual() {
+                run(|m| suite::immediates_nobody_waits_on(m, false));
+            }
+
+            #[test]
             fn scatter_and_barrier_reach_a_group_of_16_peers() {
                 run(|m| suite::scatter_and_barrier(m, 16));
             }

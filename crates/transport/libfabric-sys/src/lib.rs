@@ -574,6 +574,28 @@ pub unsafe fn fi_writedata(
     )
 }
 
+/// `fi_inject_writedata`: the source is copied before the call returns and no completion is
+/// generated for the write (a failure may still be reported as an error entry).
+///
+/// # Safety
+/// `ep` is live; `buf` is valid for `len` bytes for the call.
+pub unsafe fn fi_inject_writedata(
+    ep: *mut fid_ep,
+    buf: *const c_void,
+    len: usize,
+    data: u64,
+    dest_addr: fi_addr_t,
+    addr: u64,
+    key: u64,
+) -> isize {
+    op!(
+        (*ep).rma,
+        injectdata,
+        NOSYS as isize,
+        (ep, buf, len, data, dest_addr, addr, key)
+    )
+}
+
 /// `fi_send`.
 ///
 /// # Safety

@@ -662,6 +662,12 @@ impl TransferEngine {
     }
 
     /// An immediate-only write to the region of `dst` (no bytes; the peer counts `imm`).
+    ///
+    /// With [`OnDone::nothing`] (not made cancellable) nobody would see its completion, so
+    /// where the NIC can post it without one it does (libfabric's shm, the `mem` domain): it
+    /// is then done with once posted, counted as posted and
+    /// [`unreported`](crate::DomainStats::unreported), and a failure the NIC finds later goes
+    /// unseen. Elsewhere, and when the NIC refuses it at the post, it completes as usual.
     pub fn submit_imm(
         &self,
         imm: u32,

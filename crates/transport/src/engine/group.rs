@@ -21,7 +21,9 @@ use super::shared::{EngineShared, GroupShared, PeerEntry, RegionEntry};
 use super::stats::{self, DomainCounters, LatencyLog};
 use super::unit_wr::build_wr;
 use crate::addr::MAX_NICS;
-use crate::domain::{Completion, CompletionKind, Domain, PeerId, RecvWr, SendWr, WriteWr};
+use crate::domain::{
+    Completion, CompletionKind, Domain, PeerId, RecvWr, SendWr, Unreported, WriteWr,
+};
 
 /// A released peer's ids on every NIC: no domain knows it, so a post to it fails.
 const RELEASED: PeerId = PeerId::MAX;
@@ -187,6 +189,10 @@ impl<D: Domain> Group<D> {
 
     /// Takes a submitted transfer and posts its first work requests at once.
     pub(crate) fn accept(&mut self, sub: Submission) {
+        let sub = match self.post_unreported(sub) {
+            None => return,
+            Some(sub) => sub,
+        };
         let nics = self.nics();
         let units = match &sub.work {
             Work::Writes(Writes::Single { len, .. }) => {
@@ -227,6 +233,47 @@ impl<D: Domain> Group<D> {
         if self.post(slot) {
             self.pending.push_back(slot);
         }
+    }
+
+    /// Posts an immediate-only write that nobody waits on (its `on_done` does nothing and
+    /// cannot be cancelled) without asking the NIC for a completion, where the NIC can: the
+    /// completion would report only to nobody, and not asking for it spares the NIC's queue
+    /// entry and the transfer's bookkeeping. Hands `sub` back for the usual path otherwise,
+    /// and when the NIC is full or refuses the write (the usual path retries or fails it as
+    /// it would any write).
+    fn post_unreported(&mut self, sub: Submission) -> Option<Submission> {
+        let Work::Writes(Writes::Imm { dst, imm }) = &sub.work else {
+            return Some(sub);
+        };
+        if !sub.on_done.reports_nothing() {
+            return Some(sub);
+        }
+        let nics = self.nics();
+        let d = self.rr as usize;
+        let wr = WriteWr {
+            wr_id: 0,
+            peer: self.peers[dst.peer as usize][d],
+            src_addr: self.null_src.addr,
+            lkey: self.null_src.lkeys[d],
+            len: 0,
+            dst_addr: dst.addr,
+            rkey: dst.rkeys[d],
+            imm: Some(*imm),
+        };
+        if self.domains[d].post_unreported(&wr) != Ok(Unreported::Posted) {
+            return Some(sub);
+        }
+        self.rr = (self.rr + 1) % nics;
+        let counters = &self.shared.counters[d];
+        stats::add(&counters.posted, 1);
+        stats::add(&counters.unreported, 1);
+        if let Some(at) = sub.submitted_at {
+            LatencyLog::push(
+                &self.shared.worker_written.latency.submit_to_post,
+                at.elapsed(),
+            );
+        }
+        None
     }
 
     /// Posts more of every pending transfer. Returns whether anything was posted.

@@ -13,6 +13,7 @@ pub(crate) struct DomainCounters {
     pub(crate) posted: AtomicU64,
     pub(crate) completed: AtomicU64,
     pub(crate) failed: AtomicU64,
+    pub(crate) unreported: AtomicU64,
 }
 
 /// Adds `n` to a counter only the group's pass writes (see the module's note).
@@ -31,6 +32,7 @@ impl DomainCounters {
             posted: self.posted.load(Ordering::Relaxed),
             completed: self.completed.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
+            unreported: self.unreported.load(Ordering::Relaxed),
         }
     }
 }
@@ -44,6 +46,9 @@ pub struct DomainStats {
     pub completed: u64,
     /// Work requests completed with an error.
     pub failed: u64,
+    /// Work requests posted without a completion (immediate-only writes nobody waits on):
+    /// counted in `posted`, never in `completed` or `failed`.
+    pub unreported: u64,
 }
 
 /// Counters of one domain group.

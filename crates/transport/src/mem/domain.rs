@@ -24,7 +24,8 @@ use super::faults::{FaultPlan, SplitMix64};
 use super::{FabricInner, PROVIDER, decode_addr, encode_addr};
 use crate::addr::DomainAddr;
 use crate::domain::{
-    Completion, CompletionKind, Domain, Notify, PeerId, RecvWr, Registration, SendWr, WriteWr,
+    Completion, CompletionKind, Domain, Notify, PeerId, RecvWr, Registration, SendWr, Unreported,
+    WriteWr,
 };
 use crate::error::{TransferError, TransportError};
 use crate::mr::{Access, Device};
@@ -528,6 +529,32 @@ impl Domain for MemDomain {
             self.send_queue.extend(accepted);
         }
         Ok(accepted.len())
+    }
+
+    /// An immediate-only write lands at once (as a NIC that copies at the post): the target
+    /// counts it with no completion here. Anything that would fail, and every write under a
+    /// fault plan (whose delays and failures are for writes that report), takes the usual
+    /// path instead.
+    fn post_unreported(&mut self, wr: &WriteWr) -> Result<Unreported, TransportError> {
+        let (Some(imm), 0) = (wr.imm, wr.len) else {
+            return Ok(Unreported::Unsupported);
+        };
+        if self.faults.is_active() || !self.me.is_alive() {
+            return Ok(Unreported::Unsupported);
+        }
+        let Some(Some(target)) = self.peers.get(wr.peer as usize) else {
+            return Ok(Unreported::Unsupported);
+        };
+        {
+            let regions = target.regions();
+            // Checked under the lock `kill` takes after marking the NIC dead (see `deliver`).
+            if !target.is_alive() || regions.check_remote_write(wr.rkey, wr.dst_addr, 0).is_err() {
+                return Ok(Unreported::Unsupported);
+            }
+        }
+        target.deliver_event(Event::Arrival { imm, count: 1 });
+        target.wake();
+        Ok(Unreported::Posted)
     }
 
     unsafe fn post_send(&mut self, wr: &SendWr) -> Result<bool, TransportError> {

@@ -153,6 +153,71 @@ pub(crate) fn arrivals_before_the_expectation(make: &Make<'_>) {
     assert_eq!(b.stats().imm_values_tracked, 0);
 }
 
+/// Immediate-only writes whose `on_done` does nothing post without a completion where the
+/// NIC can (`unreported`): they land and are counted as posted and unreported, never as
+/// completed, and leave nothing in flight. With an `on_done` that reports, or one that could
+/// be cancelled, the same write completes as usual.
+pub(crate) fn immediates_nobody_waits_on(make: &Make<'_>, unreported: bool) {
+    let (a, b) = (make(2), make(2));
+    let dst = b.alloc_mr(64).unwrap();
+    let sums = |e: &TransferEngine| {
+        let g = &e.stats().groups[0];
+        let per_nic: Vec<u64> = g.domains.iter().map(|d| d.unreported).collect();
+        let sum = |f: fn(&kvroute_transport::DomainStats) -> u64| g.domains.iter().map(f).sum();
+        (
+            sum(|d| d.posted),
+            sum(|d| d.completed),
+            sum(|d| d.failed),
+            per_nic,
+            g.in_flight,
+        )
+    };
+    // One reported write on each NIC first: libfabric's shm refuses posts to a peer until
+    // the peer has read the endpoint's announcement, and a refused write takes the usual path.
+    let warm = DoneCounter::new();
+    for _ in 0..2 {
+        a.submit_imm(30, dst.desc(), OnDone::from(&warm)).unwrap();
+    }
+    wait_for("the first writes", || warm.total() == 2);
+    assert_eq!(warm.ok(), 2);
+    wait_for("their completions counted", || sums(&a).1 == 2);
+
+    let landed = b.imm_count(31, 100);
+    for _ in 0..100 {
+        a.submit_imm(31, dst.desc(), OnDone::nothing()).unwrap();
+    }
+    assert_eq!(block_on(landed), Ok(()));
+    // The sender counts a post once it returns, which may be after the write landed.
+    wait_for("the posts' count", || sums(&a).0 == 102);
+    if !unreported {
+        wait_for("the completions", || sums(&a).1 == 102);
+    }
+    let (_, completed, failed, per_nic, in_flight) = sums(&a);
+    assert_eq!((failed, in_flight), (0, 0));
+    let quiet = if unreported { 50 } else { 0 };
+    assert_eq!(per_nic, vec![quiet, quiet], "spread over both NICs");
+    assert_eq!(completed, 102 - 2 * quiet);
+
+    // Someone waits: the write reports, as every write does.
+    let sent = DoneCounter::new();
+    let token = kvroute_transport::CancellationToken::new();
+    let landed = b.imm_count(32, 11);
+    for _ in 0..10 {
+        a.submit_imm(32, dst.desc(), OnDone::from(&sent)).unwrap();
+    }
+    a.submit_imm(32, dst.desc(), OnDone::nothing().cancellable(&token))
+        .unwrap();
+    assert_eq!(block_on(landed), Ok(()));
+    wait_for("ten completions", || sent.total() == 10);
+    assert_eq!(sent.ok(), 10);
+    wait_for("the reported writes' completions", || {
+        sums(&a).1 == 113 - 2 * quiet
+    });
+    let (posted, _, failed, per_nic, _) = sums(&a);
+    assert_eq!((posted, failed), (113, 0));
+    assert_eq!(per_nic, vec![quiet, quiet], "no more went unreported");
+}
+
 pub(crate) fn unexpected_immediates(make: &Make<'_>) {
     let (a, b) = (make(1), make(1));
     let seen = Arc::new(Mutex::new(Vec::new()));

@@ -226,6 +226,10 @@ impl Domain for FabricDomain {
         Ok(wrs.len())
     }
 
+    fn post_unreported(&mut self, wr: &WriteWr) -> Result<Unreported, TransportError> {
+        self.inject_imm(wr)
+    }
+
     unsafe fn post_send(&mut self, wr: &SendWr) -> Result<bool, TransportError> {
         let dest = self.peer_addr(wr.peer)?;
         let now = Instant::now();
