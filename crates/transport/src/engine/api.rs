@@ -159,10 +159,8 @@ impl TransferEngine {
         let Some(manual) = self.inner.manual.get(usize::from(group.index)) else {
             return Some(sub);
         };
-        let mut guard = match manual.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return Some(sub),
+        let Some(mut guard) = manual.try_lock() else {
+            return Some(sub);
         };
         match guard.as_mut() {
             Some(driver) => driver.take(sub),

@@ -11,6 +11,7 @@ mod api;
 pub(crate) mod callbacks;
 mod group;
 mod message;
+mod pass_lock;
 mod shared;
 mod stats;
 mod unit_wr;
@@ -25,6 +26,7 @@ use crossbeam_utils::CachePadded;
 
 pub use api::PeerGroupHandle;
 use callbacks::Job;
+use pass_lock::PassLock;
 use shared::{Directory, EngineShared, GroupShared, PeerGroupEntry, WorkerWake};
 pub use stats::{DomainStats, EngineStats, GroupStats};
 
@@ -209,7 +211,7 @@ impl EngineBuilder {
                             .get_mut()
                             .unwrap_or_else(PoisonError::into_inner)
                             .push(thread),
-                        Runner::Manual(m) => inner.manual.push(Mutex::new(Some(m))),
+                        Runner::Manual(m) => inner.manual.push(PassLock::new(Some(m))),
                     }
                 }
                 Err(e) => {
@@ -295,7 +297,7 @@ struct Inner {
     max_send_bytes: usize,
     workers: Mutex<Vec<JoinHandle<()>>>,
     /// Groups without a worker thread (manual progress), taken when they stop.
-    manual: Vec<Mutex<Option<Box<dyn worker::ManualProgress>>>>,
+    manual: Vec<PassLock<Option<Box<dyn worker::ManualProgress>>>>,
     manual_progress: bool,
     callback_thread: Mutex<Option<JoinHandle<()>>>,
     callback_thread_id: ThreadId,
@@ -312,7 +314,7 @@ impl Inner {
             return;
         }
         for m in &self.manual {
-            if let Some(mut group) = m.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            if let Some(mut group) = m.lock().take() {
                 group.stop();
             }
         }
@@ -492,12 +494,7 @@ impl TransferEngine {
     pub fn progress(&self) -> bool {
         let mut busy = false;
         for m in &self.inner.manual {
-            let guard = match m.try_lock() {
-                Ok(g) => Some(g),
-                Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
-                Err(std::sync::TryLockError::WouldBlock) => None,
-            };
-            if let Some(mut g) = guard
+            if let Some(mut g) = m.try_lock()
                 && let Some(group) = g.as_mut()
             {
                 busy |= group.pass();
