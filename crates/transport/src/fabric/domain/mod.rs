@@ -101,7 +101,7 @@ const MAX_SENDERS: usize = 4;
 #[derive(Debug, Clone, Copy)]
 enum Process {
     /// Alive when last checked (never, for `None`).
-    Alive(Option<Instant>),
+    Alive(Option<ticks::Ticks>),
     /// Gone: posts to it fail; its outstanding operations are still to be failed.
     Exited,
     /// Gone, and its outstanding operations have been failed.
@@ -671,12 +671,12 @@ impl FabricDomain {
 
     /// Records a post's outcome for its peer; a provider refusing (`-FI_EAGAIN`) operations to
     /// a peer for longer than the deadline is an error (the peer is gone or stuck).
-    /// `now` is the post's own reading of the clock.
+    /// `now` reads the clock (only a refusal needs it).
     fn note_post(
         &mut self,
         peer: PeerId,
         accepted: bool,
-        now: Instant,
+        now: impl FnOnce() -> Instant,
     ) -> Result<(), TransportError> {
         let timeout = self.op_timeout;
         let Some(p) = self.peers.get_mut(peer as usize) else {
@@ -691,6 +691,7 @@ impl FabricDomain {
         }
         // Kept while the refusals last: once past the deadline, every further refusal fails
         // its transfer at once instead of each waiting the deadline again.
+        let now = now();
         let since = *p.refusing_since.get_or_insert(now);
         if now.saturating_duration_since(since) > timeout {
             return Err(TransportError::Domain(format!(
@@ -702,7 +703,7 @@ impl FabricDomain {
     }
 
     /// Fails when `peer` is an `shm` process that no longer exists (see [`shm_peer_pid`]).
-    fn check_alive(&mut self, peer: PeerId, now: Instant) -> Result<(), TransportError> {
+    fn check_alive(&mut self, peer: PeerId) -> Result<(), TransportError> {
         let Some(p) = self.peers.get_mut(peer as usize) else {
             return Ok(());
         };
@@ -710,7 +711,8 @@ impl FabricDomain {
             return Ok(());
         };
         if let Process::Alive(checked) = p.process {
-            if checked.is_some_and(|at| now.saturating_duration_since(at) < ALIVE_FOR) {
+            let now = ticks::Ticks::now();
+            if checked.is_some_and(|at| now.within(at, ALIVE_FOR)) {
                 return Ok(());
             }
             if process_exists(pid) {
@@ -734,8 +736,7 @@ impl FabricDomain {
             return Ok(Unreported::Unsupported);
         }
         let dest = self.peer_addr(wr.peer)?;
-        let now = Instant::now();
-        self.check_alive(wr.peer, now)?;
+        self.check_alive(wr.peer)?;
         // SAFETY: the endpoint is live; a zero-length write reads no source bytes.
         let rc = unsafe {
             fi::fi_inject_writedata(
@@ -762,7 +763,7 @@ impl FabricDomain {
                 )));
             }
         };
-        self.note_post(wr.peer, outcome == Unreported::Posted, now)?;
+        self.note_post(wr.peer, outcome == Unreported::Posted, Instant::now)?;
         Ok(outcome)
     }
 
@@ -771,7 +772,7 @@ impl FabricDomain {
         let desc = self.local_desc(wr.lkey, wr.src_addr, wr.len)?;
         let dest = self.peer_addr(wr.peer)?;
         let now = Instant::now();
-        self.check_alive(wr.peer, now)?;
+        self.check_alive(wr.peer)?;
         let len = usize::try_from(wr.len)
             .ok()
             .filter(|&l| l <= self.max_msg_size)
@@ -821,7 +822,7 @@ impl FabricDomain {
         // the engine's transfer tracking guarantees; `context` is a pool slot.
         let rc = unsafe { fi::fi_writemsg(self.tx_ep(wr.peer), &raw const msg, flags) };
         let accepted = self.posted(rc, context, "fi_writemsg")?;
-        self.note_post(wr.peer, accepted, now)?;
+        self.note_post(wr.peer, accepted, || now)?;
         Ok(accepted)
     }
 
@@ -996,6 +997,7 @@ fn transfer_error(errno: i32, text: &str, provider_detail: &str) -> TransferErro
 
 mod ops;
 mod shm;
+mod ticks;
 
 pub use shm::remove_shm_regions_of_dead_process;
 use shm::{

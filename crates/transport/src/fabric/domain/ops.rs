@@ -233,7 +233,7 @@ impl Domain for FabricDomain {
     unsafe fn post_send(&mut self, wr: &SendWr) -> Result<bool, TransportError> {
         let dest = self.peer_addr(wr.peer)?;
         let now = Instant::now();
-        self.check_alive(wr.peer, now)?;
+        self.check_alive(wr.peer)?;
         let len = wr.len as usize;
         let (buf, desc, bounce) = match self.bounce.as_mut() {
             Some(b) => {
@@ -265,7 +265,7 @@ impl Domain for FabricDomain {
         let rc = unsafe { fi::fi_send(ep, buf as *const c_void, len, desc, dest, context) };
         let posted = self
             .posted(rc, context, "fi_send")
-            .and_then(|accepted| self.note_post(wr.peer, accepted, now).map(|()| accepted));
+            .and_then(|accepted| self.note_post(wr.peer, accepted, || now).map(|()| accepted));
         if !matches!(posted, Ok(true))
             && let Some(slot) = bounce
         {
