@@ -80,6 +80,47 @@ fn a_callback_may_submit_into_its_engine_without_deadlock() {
     suite::callback_submits_into_its_engine(&mem);
 }
 
+/// A thread remembers the peer of its last submit (no lock, no hash when the next goes there
+/// too): writes still land where their descriptors say when the thread alternates between
+/// peers, when a peer was released and connects again under a new index, and when an engine
+/// is dropped and another takes its place.
+#[test]
+fn writes_reach_their_own_peer_however_a_thread_alternates_releases_and_replaces() {
+    let fabric = MemFabric::new();
+    let (a, b, c) = (engine(&fabric, 1), engine(&fabric, 1), engine(&fabric, 1));
+    let (b_dst, c_dst) = (b.alloc_mr(64).unwrap(), c.alloc_mr(64).unwrap());
+    let send = |from: &kvroute_transport::TransferEngine, to: &kvroute_transport::MrDesc| {
+        let done = kvroute_transport::DoneFlag::new();
+        from.submit_imm(40, to, OnDone::from(&done)).unwrap();
+        wait_for("the write", || done.is_done());
+        assert_eq!(done.result(), Some(Ok(())));
+    };
+    for _ in 0..3 {
+        send(&a, c_dst.desc());
+        send(&a, b_dst.desc());
+    }
+    wait_for("three at each", || {
+        b.pending_imm(40) == 3 && c.pending_imm(40) == 3
+    });
+
+    // b was this thread's last peer when released.
+    assert!(a.disconnect(&b.main_address()).unwrap());
+    send(&a, b_dst.desc());
+    wait_for("the write after the release", || b.pending_imm(40) == 4);
+
+    // An engine dropped and another made on this thread: the new one knows no peer yet.
+    let x = engine(&fabric, 1);
+    send(&x, b_dst.desc());
+    drop(x);
+    let y = engine(&fabric, 1);
+    send(&y, c_dst.desc());
+    send(&y, b_dst.desc());
+    wait_for("the replacement's writes", || {
+        b.pending_imm(40) == 6 && c.pending_imm(40) == 4
+    });
+    assert_eq!(a.pending_imm(40), 0);
+}
+
 #[test]
 fn released_peers_free_their_resources() {
     let fabric = MemFabric::new();

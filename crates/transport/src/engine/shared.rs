@@ -38,11 +38,44 @@ pub(crate) struct PeerEntry {
 }
 
 /// Regions and peers of one domain group.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Directory {
+    /// Unique in the process (never the id of a directory dropped before): what a thread's
+    /// cached peer ([`LAST_PEER`]) names its directory by.
+    id: u64,
     regions: RwLock<Vec<Option<RegionEntry>>>,
     /// Keyed by every NIC address of every peer: a NIC belongs to one peer only.
     peers: RwLock<crate::FastMap<DomainAddr, Arc<PeerEntry>>>,
+    /// Peers removed so far: a cached peer stands while this has not moved.
+    removals: AtomicU64,
+}
+
+impl Default for Directory {
+    fn default() -> Self {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        Self {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            regions: RwLock::default(),
+            peers: RwLock::default(),
+            removals: AtomicU64::new(0),
+        }
+    }
+}
+
+/// The peer a thread last found in a directory.
+struct LastPeer {
+    directory: u64,
+    removals: u64,
+    entry: Arc<PeerEntry>,
+}
+
+thread_local! {
+    /// Per thread, the peer of its last lookup: most submits go to the peer of the one before,
+    /// and finding it here takes no lock and no hash. A peer's index is never reused (a
+    /// released peer's index stays released), so a cached entry can only be outdated by a
+    /// removal, which [`Directory::removals`] counts. A dropped engine's peer stays here (its
+    /// address, a few hundred bytes) until the thread's next lookup.
+    static LAST_PEER: std::cell::RefCell<Option<LastPeer>> = const { std::cell::RefCell::new(None) };
 }
 
 impl Directory {
@@ -63,6 +96,37 @@ impl Directory {
         regions[slot as usize] = entry;
     }
 
+    /// `f` of this thread's last peer in this directory ([`LAST_PEER`]), while no peer has
+    /// been removed since it was found.
+    pub(crate) fn last_peer<R>(&self, f: impl FnOnce(&PeerEntry) -> Option<R>) -> Option<R> {
+        let removals = self.removals.load(Ordering::Acquire);
+        // `try_with`: a thread whose locals are being destroyed looks its peers up as any.
+        LAST_PEER
+            .try_with(|last| {
+                let last = last.borrow();
+                let last = last
+                    .as_ref()
+                    .filter(|l| l.directory == self.id && l.removals == removals)?;
+                f(&last.entry)
+            })
+            .ok()
+            .flatten()
+    }
+
+    /// The peer that owns NIC `nic`, which becomes this thread's last peer.
+    pub(crate) fn find_peer(&self, nic: &DomainAddr) -> Option<Arc<PeerEntry>> {
+        let removals = self.removals.load(Ordering::Acquire);
+        let entry = self.peer(nic)?;
+        let _ = LAST_PEER.try_with(|last| {
+            *last.borrow_mut() = Some(LastPeer {
+                directory: self.id,
+                removals,
+                entry: entry.clone(),
+            });
+        });
+        Some(entry)
+    }
+
     /// The peer that owns NIC `nic`.
     pub(crate) fn peer(&self, nic: &DomainAddr) -> Option<Arc<PeerEntry>> {
         self.peers
@@ -80,6 +144,7 @@ impl Directory {
                 peers.remove(nic);
             }
         }
+        self.removals.fetch_add(1, Ordering::Release);
     }
 
     pub(crate) fn insert_peer(&self, entry: &Arc<PeerEntry>) {
