@@ -168,6 +168,27 @@ impl TransferEngine {
         }
     }
 
+    /// With manual progress, posts an immediate-only write nobody waits on on this thread
+    /// without a completion, as [`TransferEngine::take_here`] would take it, where the NIC can;
+    /// whether it did. Not while latency is recorded (the transfer path records it).
+    fn post_unreported_here(&self, group: &GroupShared, dst: &RemoteTarget, imm: u32) -> bool {
+        if !self.inner.manual_progress
+            || self.inner.engine.record_latency
+            || self.inner.stopped.load(Ordering::Acquire)
+        {
+            return false;
+        }
+        let Some(manual) = self.inner.manual.get(usize::from(group.index)) else {
+            return false;
+        };
+        let Some(mut guard) = manual.try_lock() else {
+            return false;
+        };
+        guard
+            .as_mut()
+            .is_some_and(|m| m.post_unreported_imm(dst, imm))
+    }
+
     // ----- memory -----
 
     /// Registers `[ptr, ptr + len)` with every NIC of the group serving `device`, writable by
@@ -661,6 +682,10 @@ impl TransferEngine {
     ) -> Result<(), TransportError> {
         let group = self.main_group();
         let target = self.target(group, dst, None)?;
+        // Under manual progress, one nobody waits on goes out here without becoming a transfer.
+        if on_done.reports_nothing() && self.post_unreported_here(group, &target, imm) {
+            return Ok(());
+        }
         self.submit(
             group,
             Work::Writes(Writes::Imm { dst: target, imm }),

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::callbacks::Job;
-use super::message::{Command, LocalSrc, Submission, Work, Writes};
+use super::message::{Command, LocalSrc, RemoteTarget, Submission, Work, Writes};
 use super::shared::{EngineShared, GroupShared, PeerEntry, RegionEntry};
 use super::stats::{self, DomainCounters, LatencyLog};
 use super::unit_wr::build_wr;
@@ -245,9 +245,21 @@ impl<D: Domain> Group<D> {
         let Work::Writes(Writes::Imm { dst, imm }) = &sub.work else {
             return Some(sub);
         };
-        if !sub.on_done.reports_nothing() {
+        if !sub.on_done.reports_nothing() || !self.post_unreported_imm(dst, *imm) {
             return Some(sub);
         }
+        if let Some(at) = sub.submitted_at {
+            LatencyLog::push(
+                &self.shared.worker_written.latency.submit_to_post,
+                at.elapsed(),
+            );
+        }
+        None
+    }
+
+    /// Posts an immediate-only write to `dst` without a completion if the NIC can; whether it
+    /// did.
+    pub(crate) fn post_unreported_imm(&mut self, dst: &RemoteTarget, imm: u32) -> bool {
         let nics = self.nics();
         let d = self.rr as usize;
         let wr = WriteWr {
@@ -258,22 +270,16 @@ impl<D: Domain> Group<D> {
             len: 0,
             dst_addr: dst.addr,
             rkey: dst.rkeys[d],
-            imm: Some(*imm),
+            imm: Some(imm),
         };
         if self.domains[d].post_unreported(&wr) != Ok(Unreported::Posted) {
-            return Some(sub);
+            return false;
         }
         self.rr = (self.rr + 1) % nics;
         let counters = &self.shared.counters[d];
         stats::add(&counters.posted, 1);
         stats::add(&counters.unreported, 1);
-        if let Some(at) = sub.submitted_at {
-            LatencyLog::push(
-                &self.shared.worker_written.latency.submit_to_post,
-                at.elapsed(),
-            );
-        }
-        None
+        true
     }
 
     /// Posts more of every pending transfer. Returns whether anything was posted.

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, TryRecvError};
 
 use super::group::Group;
-use super::message::{Command, Message, Submission};
+use super::message::{Command, Message, RemoteTarget, Submission};
 use super::shared::{RetireOnExit, WorkerWake};
 use crate::domain::Domain;
 
@@ -105,6 +105,12 @@ impl<D: Domain> Driver<D> {
         self.group.accept(sub);
         None
     }
+
+    /// Posts an immediate-only write nobody waits on without a completion, as a pass would
+    /// take it, unless messages are queued ahead of it or the NIC cannot; whether it did.
+    fn post_unreported_imm(&mut self, dst: &RemoteTarget, imm: u32) -> bool {
+        self.rx.is_empty() && self.group.post_unreported_imm(dst, imm)
+    }
 }
 
 /// Runs a worker thread until it is told to stop.
@@ -164,6 +170,8 @@ pub(crate) trait ManualProgress: Send {
     /// Takes a submission on the submitting thread (its first work requests are posted at
     /// once); hands it back when messages are queued ahead of it or the group has stopped.
     fn take(&mut self, sub: Submission) -> Option<Submission>;
+    /// [`Driver::post_unreported_imm`] on the submitting thread; `false` once stopped.
+    fn post_unreported_imm(&mut self, dst: &RemoteTarget, imm: u32) -> bool;
     /// Fails everything in flight or queued, closes the NICs and retires the group.
     fn stop(&mut self);
 }
@@ -200,6 +208,12 @@ impl<D: Domain> ManualProgress for Manual<D> {
             Some(driver) => driver.take(sub),
             None => Some(sub),
         }
+    }
+
+    fn post_unreported_imm(&mut self, dst: &RemoteTarget, imm: u32) -> bool {
+        self.driver
+            .as_mut()
+            .is_some_and(|d| d.post_unreported_imm(dst, imm))
     }
 
     fn stop(&mut self) {
