@@ -137,6 +137,8 @@ pub struct FabricDomain {
     addr_is_string: bool,
     mr_mode: MrMode,
     max_msg_size: usize,
+    /// [`ALIVE_FOR`] in the liveness clock's units.
+    alive_for: ticks::Span,
     /// Whether immediate-only writes nobody waits on go out with `fi_inject_writedata`
     /// (cleared at the provider's first `-FI_ENOSYS`).
     inject_imm: bool,
@@ -258,6 +260,7 @@ impl FabricDomain {
             // answers it `-FI_EAGAIN` on every post (its emulated write is taken instead each
             // time), and efa has not been tried.
             inject_imm: candidate.provider == "shm",
+            alive_for: ticks::Span::of(ALIVE_FOR),
             regions: Vec::new(),
             generations: Vec::new(),
             free_regions: Vec::new(),
@@ -712,7 +715,7 @@ impl FabricDomain {
         };
         if let Process::Alive(checked) = p.process {
             let now = ticks::Ticks::now();
-            if checked.is_some_and(|at| now.within(at, ALIVE_FOR)) {
+            if checked.is_some_and(|at| now.within(at, self.alive_for)) {
                 return Ok(());
             }
             if process_exists(pid) {

@@ -12,6 +12,20 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Ticks(u64);
 
+/// A duration in the clock's units, converted once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Span(u64);
+
+impl Span {
+    pub(super) fn of(span: Duration) -> Self {
+        let ticks = match source() {
+            Source::Counter { per_us } => span.as_secs_f64() * 1e6 * per_us,
+            Source::Instant(_) => span.as_nanos() as f64,
+        };
+        Self(ticks as u64)
+    }
+}
+
 /// How the clock reads.
 #[derive(Debug)]
 enum Source {
@@ -76,14 +90,8 @@ impl Ticks {
     /// Whether less than `span` separates `earlier` from `self`. A reading earlier than
     /// `earlier` (a counter read on another core, a little behind) counts as not less: the
     /// caller then checks again, which is the safe side.
-    pub(super) fn within(self, earlier: Self, span: Duration) -> bool {
-        let limit = match source() {
-            Source::Counter { per_us } => span.as_secs_f64() * 1e6 * per_us,
-            Source::Instant(_) => span.as_nanos() as f64,
-        };
-        self.0
-            .checked_sub(earlier.0)
-            .is_some_and(|d| (d as f64) < limit)
+    pub(super) fn within(self, earlier: Self, span: Span) -> bool {
+        self.0.checked_sub(earlier.0).is_some_and(|d| d < span.0)
     }
 }
 
@@ -93,16 +101,16 @@ mod tests {
 
     #[test]
     fn a_span_holds_until_it_has_passed_and_not_backwards() {
+        let (second, two_ms) = (
+            Span::of(Duration::from_secs(1)),
+            Span::of(Duration::from_millis(2)),
+        );
         let start = Ticks::now();
-        assert!(Ticks::now().within(start, Duration::from_secs(1)));
+        assert!(Ticks::now().within(start, second));
         std::thread::sleep(Duration::from_millis(3));
         let later = Ticks::now();
-        assert!(
-            !later.within(start, Duration::from_millis(2)),
-            "{:?}",
-            source()
-        );
-        assert!(later.within(start, Duration::from_secs(1)));
-        assert!(!start.within(later, Duration::from_secs(1)), "backwards");
+        assert!(!later.within(start, two_ms), "{:?}", source());
+        assert!(later.within(start, second));
+        assert!(!start.within(later, second), "backwards");
     }
 }
