@@ -14,8 +14,9 @@ use super::callbacks::Job;
 use super::message::{
     Command, LocalSrc, Message, RemoteTarget, ScatterTarget, Submission, Work, Writes,
 };
+use super::pass_lock::PassGuard;
 use super::shared::{GroupShared, PeerEntry, PeerGroupEntry, RegionEntry};
-use super::{Backpressure, TransferEngine};
+use super::{Backpressure, ManualGroup, TransferEngine};
 use crate::addr::{MAX_NICS, NetAddr};
 use crate::buffer::RegisteredBuffer;
 use crate::error::{Side, TransportError};
@@ -156,14 +157,11 @@ impl TransferEngine {
     /// it; hands it back otherwise (it is then queued). A shutdown that stops the group
     /// after this fails it with the rest of the group's transfers.
     fn take_here(&self, group: &GroupShared, sub: Submission) -> Option<Submission> {
-        let Some(manual) = self.inner.manual.get(usize::from(group.index)) else {
-            return Some(sub);
-        };
-        let Some(mut guard) = manual.try_lock() else {
-            return Some(sub);
-        };
-        match guard.as_mut() {
-            Some(driver) => driver.take(sub),
+        match self.free_pass(group) {
+            Some(mut pass) => match pass.as_mut() {
+                Some(driver) => driver.take(sub),
+                None => Some(sub),
+            },
             None => Some(sub),
         }
     }
@@ -172,21 +170,18 @@ impl TransferEngine {
     /// without a completion, as [`TransferEngine::take_here`] would take it, where the NIC can;
     /// whether it did. Not while latency is recorded (the transfer path records it).
     fn post_unreported_here(&self, group: &GroupShared, dst: &RemoteTarget, imm: u32) -> bool {
-        if !self.inner.manual_progress
-            || self.inner.engine.record_latency
-            || self.inner.stopped.load(Ordering::Acquire)
-        {
+        if self.inner.engine.record_latency || self.inner.stopped.load(Ordering::Acquire) {
             return false;
         }
-        let Some(manual) = self.inner.manual.get(usize::from(group.index)) else {
-            return false;
-        };
-        let Some(mut guard) = manual.try_lock() else {
-            return false;
-        };
-        guard
-            .as_mut()
-            .is_some_and(|m| m.post_unreported_imm(dst, imm))
+        self.free_pass(group).is_some_and(|mut pass| {
+            pass.as_mut()
+                .is_some_and(|driver| driver.post_unreported_imm(dst, imm))
+        })
+    }
+
+    /// `group`'s pass, held, when the engine progresses manually and no other thread is in it.
+    fn free_pass(&self, group: &GroupShared) -> Option<PassGuard<'_, ManualGroup>> {
+        self.inner.manual.get(usize::from(group.index))?.try_lock()
     }
 
     // ----- memory -----

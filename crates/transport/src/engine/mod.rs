@@ -289,6 +289,9 @@ fn spawn_group<D: Domain>(
     Ok((shared, Runner::Thread(thread)))
 }
 
+/// A manual-progress group's pass; `None` once the group has stopped.
+type ManualGroup = Option<Box<dyn worker::ManualProgress>>;
+
 struct Inner {
     engine: Arc<EngineShared>,
     groups: Vec<Arc<GroupShared>>,
@@ -297,7 +300,7 @@ struct Inner {
     max_send_bytes: usize,
     workers: Mutex<Vec<JoinHandle<()>>>,
     /// Groups without a worker thread (manual progress), taken when they stop.
-    manual: Vec<PassLock<Option<Box<dyn worker::ManualProgress>>>>,
+    manual: Vec<PassLock<ManualGroup>>,
     manual_progress: bool,
     callback_thread: Mutex<Option<JoinHandle<()>>>,
     callback_thread_id: ThreadId,
