@@ -204,6 +204,12 @@ pub trait Domain: Send + 'static {
         Ok(Unreported::Unsupported)
     }
 
+    /// Whether [`Domain::post_unreported`] may ever post: asked once, so that the writes of
+    /// a NIC that never does are not offered to it one by one.
+    fn posts_unreported(&self) -> bool {
+        false
+    }
+
     /// Posts a send; `false` means the NIC is full for now.
     ///
     /// # Safety

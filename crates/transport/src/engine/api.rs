@@ -170,7 +170,10 @@ impl TransferEngine {
     /// without a completion, as [`TransferEngine::take_here`] would take it, where the NIC can;
     /// whether it did. Not while latency is recorded (the transfer path records it).
     fn post_unreported_here(&self, group: &GroupShared, dst: &RemoteTarget, imm: u32) -> bool {
-        if self.inner.engine.record_latency || self.inner.stopped.load(Ordering::Acquire) {
+        if !group.posts_unreported
+            || self.inner.engine.record_latency
+            || self.inner.stopped.load(Ordering::Acquire)
+        {
             return false;
         }
         self.free_pass(group).is_some_and(|mut pass| {

@@ -245,7 +245,10 @@ impl<D: Domain> Group<D> {
         let Work::Writes(Writes::Imm { dst, imm }) = &sub.work else {
             return Some(sub);
         };
-        if !sub.on_done.reports_nothing() || !self.post_unreported_imm(dst, *imm) {
+        if !self.shared.posts_unreported
+            || !sub.on_done.reports_nothing()
+            || !self.post_unreported_imm(dst, *imm)
+        {
             return Some(sub);
         }
         if let Some(at) = sub.submitted_at {

@@ -263,6 +263,7 @@ fn spawn_group<D: Domain>(
         counters: (0..domains.len())
             .map(|_| stats::DomainCounters::default())
             .collect(),
+        posts_unreported: domains.iter().all(Domain::posts_unreported),
         worker_written: CachePadded::default(),
     });
     let group = group::Group::new(domains, shared.clone(), engine.clone())?;

@@ -208,6 +208,9 @@ pub(crate) struct GroupShared {
     pub(crate) worker_done: AtomicBool,
     pub(crate) wake: Arc<WorkerWake>,
     pub(crate) counters: Vec<DomainCounters>,
+    /// Every NIC may post immediate-only writes without a completion
+    /// ([`crate::domain::Domain::posts_unreported`]); else none is offered one.
+    pub(crate) posts_unreported: bool,
     pub(crate) worker_written: CachePadded<WorkerWritten>,
 }
 

@@ -557,6 +557,10 @@ impl Domain for MemDomain {
         Ok(Unreported::Posted)
     }
 
+    fn posts_unreported(&self) -> bool {
+        !self.faults.is_active()
+    }
+
     unsafe fn post_send(&mut self, wr: &SendWr) -> Result<bool, TransportError> {
         if self.peers.get(wr.peer as usize).is_none_or(Option::is_none) {
             return Err(TransportError::Domain(format!(

@@ -230,6 +230,10 @@ impl Domain for FabricDomain {
         self.inject_imm(wr)
     }
 
+    fn posts_unreported(&self) -> bool {
+        self.inject_imm
+    }
+
     unsafe fn post_send(&mut self, wr: &SendWr) -> Result<bool, TransportError> {
         let dest = self.peer_addr(wr.peer)?;
         let now = Instant::now();
