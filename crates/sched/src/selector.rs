@@ -503,8 +503,8 @@ impl Selector {
         if let Some(fit) = self.pull.fit() {
             p.pull = Some(fit.fabric()?);
             p.sources.pull = Source::Measured;
-        } else if let Some(bw) = self.single_size_pull_gbps() {
-            p.pull = Some(Fabric::measured(p.fabric.probe_us, bw)?);
+        } else if let Some((probe_us, bw)) = self.single_size_pull(&p.fabric) {
+            p.pull = Some(Fabric::measured(probe_us, bw)?);
             p.sources.pull = Source::Measured;
         }
         if let Some(k) = holder
@@ -517,13 +517,13 @@ impl Selector {
         Ok(p)
     }
 
-    /// Pulls of one size only: no line, but their median rate with the routed fabric's
-    /// fixed cost taken out.
-    fn single_size_pull_gbps(&self) -> Option<f64> {
-        if self.pull.is_empty() {
-            return None;
-        }
-        let fixed = self.fabric.fit().map_or(0.0, |f| f.fixed_us);
+    /// Pulls of one size only give no line: their fixed cost is taken to be `routed`'s, and
+    /// their rate the median over what remains of each pull's time, as `(probe_us, bw_gbps)`.
+    /// Where no pull took longer than that fixed cost (fitted high on a loaded machine), the
+    /// median pull is split into fixed cost and transfer in the proportion `routed` splits a
+    /// message of the same size.
+    fn single_size_pull(&self, routed: &Fabric) -> Option<(f64, f64)> {
+        let fixed = routed.probe_us;
         let mut rates: Vec<f64> = self
             .pull
             .window
@@ -531,11 +531,15 @@ impl Selector {
             .filter(|s| s.us > fixed)
             .map(|s| s.bytes / ((s.us - fixed) * 1e3))
             .collect();
-        if rates.is_empty() {
-            return None;
+        if !rates.is_empty() {
+            rates.sort_by(f64::total_cmp);
+            return Some((fixed, rates[rates.len() / 2]));
         }
-        rates.sort_by(f64::total_cmp);
-        Some(rates[rates.len() / 2])
+        let mut pulls: Vec<(f64, f64)> = self.pull.window.iter().map(|s| (s.us, s.bytes)).collect();
+        pulls.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let &(us, bytes) = pulls.get(pulls.len() / 2)?;
+        let probe_us = us * fixed / (fixed + routed.transfer_us(bytes));
+        Some((probe_us, bytes / ((us - probe_us) * 1e3)))
     }
 
     /// Decides `request` for a chunk held by the holders `replicas`: for each live one, the
@@ -850,6 +854,34 @@ mod tests {
         let p = s.params_for(Some(0)).unwrap();
         assert_eq!(p.sources.holder, Source::Measured);
         assert_eq!(s.params_for(None).unwrap().sources.holder, Source::Paper);
+    }
+
+    #[test]
+    fn a_pull_faster_than_the_routed_fixed_cost_keeps_a_fixed_cost_and_its_time() {
+        let mut s = selector(1);
+        // Routes fitted on a loaded machine: 900 us fixed, 3 GB/s.
+        for mq in [1u32, 64, 1024, 1, 64, 1024] {
+            s.observe_route(mq, 900.0 + f64::from(mq) * ROW / 3e3, 100);
+        }
+        // One pull size, faster than the routes' fixed cost alone.
+        s.observe_pull(1e6, 600.0, 100);
+        s.refit(100).unwrap();
+        let routed = s.params_for(None).unwrap().fabric;
+        assert!((routed.probe_us - 900.0).abs() < 1e-6, "{routed:?}");
+        let pull = s.params_for(None).unwrap().pull.unwrap();
+        // Split as the routed line splits 1 MB: 900 fixed + 333.3 transfer.
+        let share = 900.0 / (900.0 + 1e6 / 3e3);
+        assert!((pull.probe_us - 600.0 * share).abs() < 1e-6, "{pull:?}");
+        // The pull it was measured from is predicted as measured.
+        assert!(
+            (pull.probe_us + pull.transfer_us(1e6) - 600.0).abs() < 1e-6,
+            "{pull:?}"
+        );
+        let fetch = CostModel::new(s.params_for(Some(0)).unwrap())
+            .unwrap()
+            .decide(&Request::contiguous(16, 2048))
+            .unwrap();
+        assert!(fetch.fetch.breakdown.probe_us > 0.0, "{}", fetch);
     }
 
     #[test]
