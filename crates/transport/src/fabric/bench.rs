@@ -340,6 +340,8 @@ pub struct RawAddress {
     pub remote_addr: u64,
     /// The buffer's remote key.
     pub rkey: u64,
+    /// The buffer's length in bytes.
+    pub len: u64,
 }
 
 /// The provider's own RMA path, without the engine: one [`FabricDomain`] and a registered
@@ -391,6 +393,7 @@ impl RawEndpoint {
             nic: self.domain.address(),
             remote_addr: self.reg.remote_addr,
             rkey: self.reg.rkey,
+            len: self.buf.len() as u64,
         }
     }
 
@@ -419,9 +422,17 @@ impl RawEndpoint {
         Ok(arrived)
     }
 
-    fn write(&mut self, size: u64, imm: u32, deadline: Instant) -> Result<u64, TransportError> {
+    /// Writes `size` bytes at `offset` of both buffers with `imm`, polling while the provider
+    /// refuses; returns the arrivals seen meanwhile.
+    fn write(
+        &mut self,
+        size: u64,
+        offset: u64,
+        imm: u32,
+        deadline: Instant,
+    ) -> Result<u64, TransportError> {
         let mut arrived = 0;
-        while !self.post_one(size, imm)? {
+        while !self.post_one(size, offset, imm)? {
             arrived += self.poll()?;
             if Instant::now() > deadline {
                 return Err(TransportError::Domain(
@@ -432,20 +443,27 @@ impl RawEndpoint {
         Ok(arrived)
     }
 
-    /// Posts one write to the peer; `Ok(false)` when the provider refused it for now.
-    fn post_one(&mut self, size: u64, imm: u32) -> Result<bool, TransportError> {
+    /// Posts one write of `size` bytes at `offset` of both buffers to the peer; `Ok(false)`
+    /// when the provider refused it for now.
+    fn post_one(&mut self, size: u64, offset: u64, imm: u32) -> Result<bool, TransportError> {
         let Some((peer, addr)) = &self.peer else {
             return Err(TransportError::InvalidArgument(
                 "the raw endpoint is not connected",
             ));
         };
+        let end = offset.checked_add(size);
+        if end.is_none_or(|end| end > self.buf.len() as u64 || end > addr.len) {
+            return Err(TransportError::InvalidArgument(
+                "a raw write past the end of a buffer",
+            ));
+        }
         let wr = WriteWr {
             wr_id: 1,
             peer: *peer,
-            src_addr: self.buf.as_ptr() as u64,
+            src_addr: self.buf.as_ptr() as u64 + offset,
             lkey: self.reg.lkey,
             len: size,
-            dst_addr: addr.remote_addr,
+            dst_addr: addr.remote_addr + offset,
             rkey: addr.rkey,
             imm: Some(imm),
         };
@@ -510,7 +528,7 @@ impl RawEndpoint {
             if i == warmup {
                 start = Instant::now();
             }
-            let arrived = self.write(size, PING, deadline)?;
+            let arrived = self.write(size, 0, PING, deadline)?;
             self.await_arrivals(arrived, 1, deadline)?;
         }
         let elapsed = start.elapsed();
@@ -525,18 +543,25 @@ impl RawEndpoint {
         let mut early = 0;
         for _ in 0..count {
             self.await_arrivals(early, 1, deadline)?;
-            early = self.write(size, PONG, deadline)?;
+            early = self.write(size, 0, PONG, deadline)?;
         }
         self.settle(deadline)
     }
 
-    /// `count` writes of `size` bytes, each with [`PAGE`], at most `window` in flight: the
-    /// provider's own pipelined RMA, the baseline for the engine's streams and paged writes.
-    /// The peer runs [`RawEndpoint::absorb`] for `count`.
+    /// `count` writes of `size` bytes, each with [`PAGE`], at most `window` in flight, write
+    /// `k` at offset `k * size` of both buffers (from the start again where the smaller ends),
+    /// as [`paged`] lays out its pages: the provider's own pipelined RMA over the same memory,
+    /// the baseline for the engine's paged writes. The peer runs [`RawEndpoint::absorb`] for
+    /// `count`.
     pub fn stream(&mut self, size: u64, count: u64, window: u64) -> Result<Stream, TransportError> {
+        let span = self
+            .peer
+            .as_ref()
+            .map_or(0, |(_, addr)| addr.len.min(self.buf.len() as u64));
+        let slots = span.checked_div(size).unwrap_or(1).max(1);
         let start = Instant::now();
         let deadline = start + Duration::from_secs(120);
-        for _ in 0..count {
+        for k in 0..count {
             while self.outstanding >= window {
                 self.poll()?;
                 if Instant::now() > deadline {
@@ -545,7 +570,7 @@ impl RawEndpoint {
                     ));
                 }
             }
-            self.write(size, PAGE, deadline)?;
+            self.write(size, k % slots * size, PAGE, deadline)?;
         }
         self.settle(deadline)?;
         Ok(Stream::from_elapsed(size, count, start.elapsed()))
@@ -619,7 +644,7 @@ pub fn one_thread(config: &FabricConfig, trips: u64) -> Result<OneThread, Transp
             }
             Ok(())
         };
-        while !from.post_one(0, PING)? {
+        while !from.post_one(0, 0, PING)? {
             from.poll()?;
             to.poll()?;
             check()?;
@@ -754,6 +779,47 @@ mod tests {
         let p = Pingpong::from_elapsed(65536, 1000, Duration::from_millis(80));
         assert!((p.usec_per_xfer - 40.0).abs() < 1e-9);
         assert!((p.mb_per_s - 1638.4).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_bare_stream_writes_each_page_to_its_own_offset() {
+        let config = FabricConfig::provider(crate::ProviderChoice::Shm);
+        let (page, pages) = (1024u64, 8u64);
+        let len = (page * pages) as usize;
+        let (to_parent, from_child) = std::sync::mpsc::channel();
+        let (to_child, from_parent) = std::sync::mpsc::channel();
+        let landed = std::thread::scope(|s| {
+            let config = &config;
+            let child = s.spawn(move || {
+                let mut y = RawEndpoint::open(config, len).unwrap();
+                to_parent.send(y.address()).unwrap();
+                let parent: RawAddress = from_parent.recv().unwrap();
+                y.connect(&parent).unwrap();
+                // Twice round the buffer: the second pass lands on the first.
+                y.absorb(2 * pages).unwrap();
+                y.buf.to_vec()
+            });
+            let mut x = RawEndpoint::open(&config, len).unwrap();
+            for (k, chunk) in x.buf.chunks_mut(page as usize).enumerate() {
+                chunk.fill(k as u8 + 1);
+            }
+            x.connect(&from_child.recv().unwrap()).unwrap();
+            to_child.send(x.address()).unwrap();
+            let streamed = x.stream(page, 2 * pages, 4).unwrap();
+            assert_eq!(streamed.count, 2 * pages);
+            child.join().unwrap()
+        });
+        for (k, chunk) in landed.chunks(page as usize).enumerate() {
+            assert!(chunk.iter().all(|&b| b == k as u8 + 1), "page {k}");
+        }
+        // A page the buffers cannot hold is refused, not written past their end.
+        let mut x = RawEndpoint::open(&config, len).unwrap();
+        let own = x.address();
+        x.connect(&own).unwrap();
+        assert!(matches!(
+            x.stream(2 * len as u64, 1, 1),
+            Err(TransportError::InvalidArgument(_))
+        ));
     }
 
     #[test]
