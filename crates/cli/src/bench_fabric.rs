@@ -295,9 +295,10 @@ pub(crate) fn peer(args: &FabricPeerArgs) -> Result<()> {
             }
         }
     });
-    // While serving, spins like the bench's own waits: the pause hint, and the core yielded
-    // every 64 idle passes (a yield per pass would cost a syscall each time a write is about
-    // to land). Otherwise it blocks, leaving the cores to whatever is measured.
+    // While serving, spins like the bench's own waits: under manual progress back to back, as
+    // the bare NIC's absorber polls; with worker threads the pause hint, and the core yielded
+    // every 64 idle passes so the workers run. Otherwise it blocks, leaving the cores to
+    // whatever is measured.
     let next_line = |engine: &TransferEngine, serving: bool| -> Option<String> {
         if !serving {
             return rx.recv().ok();
@@ -312,6 +313,9 @@ pub(crate) fn peer(args: &FabricPeerArgs) -> Result<()> {
                         continue;
                     }
                     idle = idle.wrapping_add(1);
+                    if engine.manual_progress() {
+                        continue;
+                    }
                     if idle.is_multiple_of(64) {
                         std::thread::yield_now();
                     } else {
@@ -469,32 +473,31 @@ pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
             .collect::<Result<Vec<_>, _>>()?;
         streams.push(median_by(runs, |s| s.mb_per_s));
     }
-    let mut paged_runs = Vec::new();
-    for &page in PAGES {
-        let pages = (PAGED_BYTES / page / if args.quick { 4 } else { 1 }) as u32;
-        let runs = (0..rounds)
-            .map(|_| bench::paged(&engine, &buf, &hello.desc, page, pages))
-            .collect::<Result<Vec<_>, _>>()?;
-        paged_runs.push(median_by(runs, |s| s.mb_per_s));
-    }
     peer.send(&PeerCommand::Rest)?;
+    // Paged rounds interleave the engine, the bare NIC and fi_pingpong as the ping-pongs do.
     let mut paged = Vec::new();
-    for (&page, engine) in PAGES.iter().zip(paged_runs) {
-        let mut raw_runs = Vec::with_capacity(rounds);
+    for &page in PAGES {
+        let pages = PAGED_BYTES / page / if args.quick { 4 } else { 1 };
+        let (mut mine, mut bare, mut theirs) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds {
+            peer.send(&PeerCommand::Serve)?;
+            let transfer = bench::paged(&engine, &buf, &hello.desc, page, pages as u32);
+            peer.send(&PeerCommand::Rest)?;
+            mine.push(transfer?);
             peer.send(&PeerCommand::AbsorbRaw {
                 parent: raw.address(),
-                count: engine.count,
+                count: pages,
             })?;
-            let streamed = raw.stream(page, engine.count, PAGED_WINDOW);
+            let streamed = raw.stream(page, pages, PAGED_WINDOW);
             let absorbed: Result<(), String> = peer.recv()?;
             absorbed.map_err(|e| anyhow!("the peer: {e}"))?;
-            raw_runs.push(streamed?);
+            bare.push(streamed?);
+            theirs.push(fi(page, iters_for(page, budget, args.quick))?);
         }
         paged.push(PagedRow {
-            engine,
-            fi_pingpong: fi(page, iters_for(page, budget, args.quick))?,
-            raw: median_by(raw_runs, |s| s.mb_per_s),
+            engine: median_by(mine, |s| s.mb_per_s),
+            fi_pingpong: median_by(theirs, |p| p.mb_per_s),
+            raw: median_by(bare, |s| s.mb_per_s),
         });
     }
     drop(peer);

@@ -88,25 +88,33 @@ impl Stream {
     }
 }
 
-/// Spins until `cond` holds, running the engine's passes if it uses manual progress and
-/// yielding now and then so a thread sharing the core runs; fails past `deadline`.
+fn late(what: &str) -> TransportError {
+    TransportError::Domain(format!("{what} did not happen within the bench's deadline"))
+}
+
+/// Spins until `cond` holds, running the engine's passes if it uses manual progress; fails
+/// past `deadline`. Under manual progress the passes run back to back, as the bare NIC's loops
+/// poll; with worker threads it yields now and then, so a worker sharing the core runs.
 fn spin_until(
     engine: &TransferEngine,
     deadline: Instant,
     what: &str,
     mut cond: impl FnMut() -> bool,
 ) -> Result<(), TransportError> {
+    let manual = engine.manual_progress();
     let mut spins = 0u32;
     while !cond() {
         if engine.progress() {
             continue;
         }
         spins = spins.wrapping_add(1);
-        if spins.is_multiple_of(64) {
+        if manual {
+            if spins.is_multiple_of(1024) && Instant::now() > deadline {
+                return Err(late(what));
+            }
+        } else if spins.is_multiple_of(64) {
             if Instant::now() > deadline {
-                return Err(TransportError::Domain(format!(
-                    "{what} did not happen within the bench's deadline"
-                )));
+                return Err(late(what));
             }
             std::thread::yield_now();
         } else {
