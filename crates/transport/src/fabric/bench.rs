@@ -135,28 +135,20 @@ fn expect_one(engine: &TransferEngine, imm: u32) -> Arc<DoneFlag> {
     landed
 }
 
-/// Waits until the arrival `landed` expects has been counted: a ping-pong's wait, which polls
-/// as the bare NIC's and fi_pingpong's do (back to back, the clock read every 1024 idle
-/// passes, the core never yielded: a yield costs a system call, and here the peer is another
-/// process on its own core).
+/// Waits until the arrival `landed` expects has been counted: a ping-pong's wait, which under
+/// manual progress polls as the bare NIC's and fi_pingpong's do (back to back, the clock read
+/// every 1024 idle passes, the core never yielded: a yield costs a system call, and here the
+/// peer is another process on its own core). With worker threads it yields as
+/// [`spin_until`] does: a spinning caller would keep the workers that count the arrival off
+/// the cores.
 fn await_flag(
     engine: &TransferEngine,
     landed: &DoneFlag,
     deadline: Instant,
 ) -> Result<(), TransportError> {
-    let mut spins = 0u32;
-    while !landed.is_done() {
-        if engine.progress() {
-            continue;
-        }
-        spins = spins.wrapping_add(1);
-        if spins.is_multiple_of(1024) && Instant::now() > deadline {
-            return Err(TransportError::Domain(
-                "an immediate did not arrive within the bench's deadline".to_owned(),
-            ));
-        }
-    }
-    Ok(())
+    spin_until(engine, deadline, "an immediate's arrival", || {
+        landed.is_done()
+    })
 }
 
 /// One write of `size` bytes with `imm`; `done` counts it, except an immediate-only one
@@ -807,7 +799,7 @@ mod tests {
                 y.absorb(2 * pages).unwrap();
                 y.buf.to_vec()
             });
-            let mut x = RawEndpoint::open(&config, len).unwrap();
+            let mut x = RawEndpoint::open(config, len).unwrap();
             for (k, chunk) in x.buf.chunks_mut(page as usize).enumerate() {
                 chunk.fill(k as u8 + 1);
             }
