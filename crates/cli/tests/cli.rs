@@ -4,6 +4,16 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::{Command, Output};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// Tests that keep both cores busy take turns: `verify-predicate` asserts which primitive
+/// measured fastest, and a bench's spinning processes beside it on a two-core machine can
+/// reverse that (the test harness runs two tests at a time there).
+static BUSY: Mutex<()> = Mutex::new(());
+
+fn busy_turn() -> MutexGuard<'static, ()> {
+    BUSY.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 fn kvroute(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kvroute"))
@@ -257,6 +267,7 @@ fn bench_transport_quick_reports_every_measurement_with_its_baseline() {
 /// verdict per target. Needs libfabric (`cargo xtask deps`).
 #[test]
 fn bench_fabric_quick_reports_the_engine_beside_fi_pingpong_and_the_bare_provider() {
+    let _turn = busy_turn();
     let v = json(&kvroute(&[
         "bench",
         "fabric",
@@ -329,6 +340,7 @@ fn bench_fabric_quick_reports_the_engine_beside_fi_pingpong_and_the_bare_provide
 /// one verdict per target.
 #[test]
 fn bench_kernels_quick_reports_each_kernel_beside_its_baseline() {
+    let _turn = busy_turn();
     let v = json(&kvroute(&["bench", "kernels", "--quick", "--json"]));
     let positive = |x: &serde_json::Value| x.as_f64().is_some_and(|f| f.is_finite() && f > 0.0);
     assert!(v["backend"].as_str().unwrap().starts_with("cpu"));
@@ -538,6 +550,7 @@ fn store_verify_exits_1_naming_a_corrupt_and_a_missing_block() {
 
 #[test]
 fn store_bench_reports_reads_and_writes_beside_dd() {
+    let _turn = busy_turn();
     let dir = scratch("bench");
     let d = dir.to_str().unwrap();
     json(&kvroute(&[
@@ -656,6 +669,7 @@ fn simulate_prfaas_reports_both_readings_and_a_trace() {
 
 #[test]
 fn bench_kvpath_moves_blocks_both_ways_and_checks_every_one() {
+    let _turn = busy_turn();
     let dir = scratch("kvpath");
     let d = dir.to_str().unwrap();
     json(&kvroute(&[
@@ -708,6 +722,7 @@ fn bench_kvpath_moves_blocks_both_ways_and_checks_every_one() {
 /// are PNGs.
 #[test]
 fn verify_predicate_predicts_then_measures_route_and_fetch() {
+    let _turn = busy_turn();
     let dir = scratch("verify");
     let v = json(&kvroute(&[
         "verify-predicate",
