@@ -788,6 +788,7 @@ mod tests {
         let len = (page * pages) as usize;
         let (to_parent, from_child) = std::sync::mpsc::channel();
         let (to_child, from_parent) = std::sync::mpsc::channel();
+        let (settled, until_settled) = std::sync::mpsc::channel();
         let landed = std::thread::scope(|s| {
             let config = &config;
             let child = s.spawn(move || {
@@ -797,6 +798,10 @@ mod tests {
                 y.connect(&parent).unwrap();
                 // Twice round the buffer: the second pass lands on the first.
                 y.absorb(2 * pages).unwrap();
+                // Kept open until the sender's writes have completed: closed earlier, in one
+                // process with other tests running, the sender's completion-queue read
+                // crashed inside shm (about half the runs of the crate's tests).
+                until_settled.recv().unwrap();
                 y.buf.to_vec()
             });
             let mut x = RawEndpoint::open(config, len).unwrap();
@@ -805,8 +810,9 @@ mod tests {
             }
             x.connect(&from_child.recv().unwrap()).unwrap();
             to_child.send(x.address()).unwrap();
-            let streamed = x.stream(page, 2 * pages, 4).unwrap();
-            assert_eq!(streamed.count, 2 * pages);
+            let streamed = x.stream(page, 2 * pages, 4);
+            settled.send(()).unwrap();
+            assert_eq!(streamed.unwrap().count, 2 * pages);
             child.join().unwrap()
         });
         for (k, chunk) in landed.chunks(page as usize).enumerate() {
