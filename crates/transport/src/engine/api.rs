@@ -157,11 +157,11 @@ impl TransferEngine {
     /// it; hands it back otherwise (it is then queued). A shutdown that stops the group
     /// after this fails it with the rest of the group's transfers.
     fn take_here(&self, group: &GroupShared, sub: Submission) -> Option<Submission> {
-        match self.free_pass(group) {
-            Some(mut pass) => match pass.as_mut() {
-                Some(driver) => driver.take(sub),
-                None => Some(sub),
-            },
+        let Some(mut pass) = self.free_pass(group) else {
+            return Some(sub);
+        };
+        match pass.as_mut() {
+            Some(driver) => driver.take(sub),
             None => Some(sub),
         }
     }

@@ -88,10 +88,6 @@ impl Stream {
     }
 }
 
-fn late(what: &str) -> TransportError {
-    TransportError::Domain(format!("{what} did not happen within the bench's deadline"))
-}
-
 /// Spins until `cond` holds, running the engine's passes if it uses manual progress; fails
 /// past `deadline`. Under manual progress the passes run back to back, as the bare NIC's loops
 /// poll; with worker threads it yields now and then, so a worker sharing the core runs.
@@ -102,23 +98,26 @@ fn spin_until(
     mut cond: impl FnMut() -> bool,
 ) -> Result<(), TransportError> {
     let manual = engine.manual_progress();
+    let check_every = if manual { 1024 } else { 64 };
     let mut spins = 0u32;
     while !cond() {
         if engine.progress() {
             continue;
         }
         spins = spins.wrapping_add(1);
-        if manual {
-            if spins.is_multiple_of(1024) && Instant::now() > deadline {
-                return Err(late(what));
+        if !spins.is_multiple_of(check_every) {
+            if !manual {
+                std::hint::spin_loop();
             }
-        } else if spins.is_multiple_of(64) {
-            if Instant::now() > deadline {
-                return Err(late(what));
-            }
+            continue;
+        }
+        if Instant::now() > deadline {
+            return Err(TransportError::Domain(format!(
+                "{what} did not happen within the bench's deadline"
+            )));
+        }
+        if !manual {
             std::thread::yield_now();
-        } else {
-            std::hint::spin_loop();
         }
     }
     Ok(())
