@@ -132,6 +132,15 @@ pub enum TransportError {
     /// An invalid configuration or argument.
     #[error("invalid argument: {0}")]
     InvalidArgument(&'static str),
+    /// The immediate value is already watched (one watch per value).
+    #[error("immediate {0} is already watched")]
+    ImmWatched(u32),
+    /// Expectations of the immediate value are waiting: a watch would take their arrivals.
+    #[error("expectations of immediate {0} are waiting")]
+    ImmAwaited(u32),
+    /// Every immediate watch the engine has is in use.
+    #[error("all {0} immediate watches are in use")]
+    ImmWatchesFull(usize),
     /// The submission queue is full and the engine is configured not to wait.
     #[error("the submission queue is full")]
     QueueFull,
@@ -176,6 +185,9 @@ pub enum TransferError {
     /// A provider-specific error, with the provider's message.
     #[error("provider error: {0}")]
     Provider(String),
+    /// An expectation of an immediate value that is watched: its arrivals go to the watch.
+    #[error("immediate {0} is watched: its arrivals go to the watch, not to expectations")]
+    ImmWatched(u32),
     /// The NIC reported no completion within the deadline: the peer is gone or silently
     /// refused the access (libfabric's shm provider does not answer a refused write).
     #[error("no completion within {0:?}: the peer is gone or refused the access")]

@@ -72,7 +72,7 @@ pub use buffer::RegisteredBuffer;
 pub use cancel::CancellationToken;
 pub use domain::Domain;
 pub use engine::{
-    Backpressure, DomainStats, EngineBuilder, EngineConfig, EngineStats, GroupStats,
+    Backpressure, DomainStats, EngineBuilder, EngineConfig, EngineStats, GroupStats, ImmWatch,
     PeerGroupHandle, Progress, TransferEngine,
 };
 pub use error::{Side, TransferError, TransportError};

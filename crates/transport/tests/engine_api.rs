@@ -39,6 +39,13 @@ fn arrivals_before_the_expectation_count_and_the_excess_carries_over() {
 }
 
 #[test]
+fn a_watched_immediate_counts_its_arrivals_without_the_counter() {
+    let fabric = MemFabric::new();
+    let mem = |nics| engine(&fabric, nics);
+    suite::watched_immediates(&mem);
+}
+
+#[test]
 fn immediates_nobody_waits_on_post_without_a_completion() {
     let fabric = MemFabric::new();
     let mem = |nics| engine(&fabric, nics);

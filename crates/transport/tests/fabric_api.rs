@@ -64,6 +64,11 @@ macro_rules! suite_over {
             }
 
             #[test]
+            fn a_watched_immediate_counts_its_arrivals_without_the_counter() {
+                suite::watched_immediates(&make);
+            }
+
+            #[test]
             fn immediates_nobody_waits_on_post_without_a_completion() {
                 // Only shm takes them without a completion (docs/fabric.md).
                 suite::immediates_nobody_waits_on(&make, $provider == ProviderChoice::Shm);

@@ -19,7 +19,8 @@ use super::shared::{GroupShared, PeerEntry, PeerGroupEntry, RegionEntry};
 use super::{Backpressure, ManualGroup, TransferEngine};
 use crate::addr::{MAX_NICS, NetAddr};
 use crate::buffer::RegisteredBuffer;
-use crate::error::{Side, TransportError};
+use crate::error::{Side, TransferError, TransportError};
+use crate::imm_counter::Expectation;
 use crate::mr::{Access, Device, MrDesc, MrHandle, check_range};
 use crate::on_done::{OnDone, TransferFuture};
 use crate::plan::{TransferShape, arrivals};
@@ -533,12 +534,16 @@ impl TransferEngine {
 
     /// Fires `on_done` once `count` writes with immediate `imm` have landed here, counting
     /// those that landed before this call (paper 002's IMM counter). Arrivals beyond `count`
-    /// are kept for the next expectation of `imm`.
+    /// are kept for the next expectation of `imm`. While `imm` is watched
+    /// ([`TransferEngine::watch_imm`]) it fails at once with [`TransferError::ImmWatched`].
     pub fn expect_imm_count(&self, imm: u32, count: u64, on_done: OnDone) {
-        if let Some(done) = self.inner.engine.imm.expect(imm, count, on_done) {
-            let callbacks = &self.inner.engine.callbacks;
-            done.finish(Ok(()), |f, o| callbacks.run_done(f, o));
-        }
+        let (done, result) = match self.inner.engine.imm.expect(imm, count, on_done) {
+            Expectation::Waiting => return,
+            Expectation::Met(done) => (done, Ok(())),
+            Expectation::Refused(done) => (done, Err(TransferError::ImmWatched(imm))),
+        };
+        let callbacks = &self.inner.engine.callbacks;
+        done.finish(result, |f, o| callbacks.run_done(f, o));
     }
 
     /// [`TransferEngine::expect_imm_count`] as a future.

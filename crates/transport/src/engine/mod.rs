@@ -10,6 +10,7 @@
 mod api;
 pub(crate) mod callbacks;
 mod group;
+mod imm_watch;
 mod message;
 mod pass_lock;
 mod shared;
@@ -26,6 +27,7 @@ use crossbeam_utils::CachePadded;
 
 pub use api::PeerGroupHandle;
 use callbacks::Job;
+pub use imm_watch::ImmWatch;
 use pass_lock::PassLock;
 use shared::{Directory, EngineShared, GroupShared, PeerGroupEntry, WorkerWake};
 pub use stats::{DomainStats, EngineStats, GroupStats};

@@ -153,6 +153,58 @@ pub(crate) fn arrivals_before_the_expectation(make: &Make<'_>) {
     assert_eq!(b.stats().imm_values_tracked, 0);
 }
 
+/// A watched immediate: arrivals counted before the watch are taken over, later ones (a
+/// write's with its bytes, immediate-only ones) counted by the watch with the bytes visible;
+/// expectations of the value fail at once and its pending count reads 0 while it is watched;
+/// one watch per value; dropping the watch hands the value back to the IMM counter.
+pub(crate) fn watched_immediates(make: &Make<'_>) {
+    let (a, b) = (make(1), make(1));
+    let src = a.alloc_mr(64).unwrap();
+    let dst = b.alloc_mr(64).unwrap();
+    let sent = DoneCounter::new();
+    a.submit_imm(40, dst.desc(), OnDone::from(&sent)).unwrap();
+    wait_for("the first immediate counted", || b.pending_imm(40) == 1);
+
+    let watch = b.watch_imm(40).unwrap();
+    assert_eq!(watch.imm(), 40);
+    assert_eq!(watch.arrived(), 1, "the earlier arrival is taken over");
+    assert_eq!(b.pending_imm(40), 0);
+    assert_eq!(
+        b.watch_imm(40).unwrap_err(),
+        kvroute_transport::TransportError::ImmWatched(40)
+    );
+    assert_eq!(
+        block_on(b.imm_count(40, 1)),
+        Err(kvroute_transport::TransferError::ImmWatched(40))
+    );
+
+    let bytes = pattern(64, 7);
+    src.write_at(0, &bytes).unwrap();
+    a.submit_single_write(
+        64,
+        Some(40),
+        (src.handle(), 0),
+        (dst.desc(), 0),
+        OnDone::from(&sent),
+    )
+    .unwrap();
+    wait_for("the write counted by the watch", || watch.arrived() == 2);
+    assert_eq!(dst.to_vec(), bytes, "the counted write's bytes are there");
+    for _ in 0..10 {
+        a.submit_imm(40, dst.desc(), OnDone::nothing()).unwrap();
+    }
+    wait_for("ten more", || watch.arrived() == 12);
+    wait_for("the reported writes", || sent.total() == 2);
+    assert_eq!(sent.ok(), 2);
+    assert_eq!(b.pending_imm(40), 0, "nothing counted beside the watch");
+
+    drop(watch);
+    let landed = b.imm_count(40, 1);
+    a.submit_imm(40, dst.desc(), OnDone::nothing()).unwrap();
+    assert_eq!(block_on(landed), Ok(()), "the counter has the value back");
+    assert_eq!(b.stats().imm_values_tracked, 0);
+}
+
 /// Immediate-only writes whose `on_done` does nothing post without a completion where the
 /// NIC can (`unreported`): they land and are counted as posted and unreported, never as
 /// completed, and leave nothing in flight. With an `on_done` that reports, or one that could
