@@ -24,6 +24,7 @@ use crate::buffer::RegisteredBuffer;
 use crate::domain::{
     Completion, CompletionKind, Domain, PeerId, Registration, Unreported, WriteWr,
 };
+use crate::engine::ImmWatch;
 use crate::error::TransportError;
 use crate::mr::{Access, Device, MrDesc};
 use crate::on_done::{DoneCounter, DoneFlag, OnDone};
@@ -123,30 +124,25 @@ fn spin_until(
     Ok(())
 }
 
-/// Expects one more arrival of `imm`: a flag to spin on with [`await_flag`] (the counter's
-/// lock is taken once, not on every spin). The ping-pongs register it right after sending the
-/// write it answers: the IMM counter counts an arrival that comes before its expectation, so
-/// unlike fi_pingpong, which must post the next receive between a message's arrival and its
-/// answer, registering need not delay the answer.
-fn expect_one(engine: &TransferEngine, imm: u32) -> Arc<DoneFlag> {
-    let landed = DoneFlag::new();
-    engine.expect_imm_count(imm, 1, OnDone::from(&landed));
-    landed
-}
-
-/// Waits until the arrival `landed` expects has been counted: a ping-pong's wait, which under
-/// manual progress polls as the bare NIC's and fi_pingpong's do (back to back, the clock read
-/// every 1024 idle passes, the core never yielded: a yield costs a system call, and here the
-/// peer is another process on its own core). With worker threads it yields as
-/// [`spin_until`] does: a spinning caller would keep the workers that count the arrival off
-/// the cores.
-fn await_flag(
+/// Waits until `watch` has counted `count` arrivals: a ping-pong's wait, which under manual
+/// progress polls as the bare NIC's and fi_pingpong's do (back to back, the clock read every
+/// 1024 idle passes, the core never yielded: a yield costs a system call, and here the peer is
+/// another process on its own core). With worker threads it yields as [`spin_until`] does: a
+/// spinning caller would keep the workers that count the arrival off the cores.
+///
+/// The ping-pongs watch their immediates ([`TransferEngine::watch_imm`]) rather than expect
+/// each one: the pass adds an arrival to the watch's word, with no lock, queue or callback,
+/// and the wait reads that word. Like the IMM counter, a watch counts an arrival that comes
+/// before it is waited for, so unlike fi_pingpong, which must post the next receive between a
+/// message's arrival and its answer, nothing has to happen between the two.
+fn await_count(
     engine: &TransferEngine,
-    landed: &DoneFlag,
+    watch: &ImmWatch,
+    count: u64,
     deadline: Instant,
 ) -> Result<(), TransportError> {
     spin_until(engine, deadline, "an immediate's arrival", || {
-        landed.is_done()
+        watch.arrived() >= count
     })
 }
 
@@ -217,18 +213,14 @@ pub fn pingpong(
 ) -> Result<Pingpong, TransportError> {
     let deadline = Instant::now() + Duration::from_secs(120);
     let done = DoneCounter::new();
+    let pongs = engine.watch_imm(PONG)?;
     let mut start = Instant::now();
-    // The last answer's flag, freed once the next ping is out rather than before it.
-    let mut answered = None;
     for i in 0..warmup + iters {
         if i == warmup {
             start = Instant::now();
         }
         one_write(engine, buf, peer, size, PING, &done)?;
-        drop(answered.take());
-        let pong = expect_one(engine, PONG);
-        await_flag(engine, &pong, deadline)?;
-        answered = Some(pong);
+        await_count(engine, &pongs, i + 1, deadline)?;
     }
     let elapsed = start.elapsed();
     settle(engine, &[], &done, counted(size, warmup + iters), deadline)?;
@@ -246,14 +238,10 @@ pub fn answer_pings(
 ) -> Result<(), TransportError> {
     let deadline = Instant::now() + Duration::from_secs(120);
     let done = DoneCounter::new();
-    let mut ping = expect_one(engine, PING);
+    let pings = engine.watch_imm(PING)?;
     for i in 0..count {
-        await_flag(engine, &ping, deadline)?;
+        await_count(engine, &pings, i + 1, deadline)?;
         one_write(engine, buf, peer, size, PONG, &done)?;
-        // The next ping is expected once this one is answered (none after the last).
-        if i + 1 < count {
-            ping = expect_one(engine, PING);
-        }
     }
     // With manual progress the last pong completes only in a pass: run them until it has.
     settle(engine, &[], &done, counted(size, count), deadline)
@@ -588,8 +576,10 @@ impl RawEndpoint {
 pub struct OneThread {
     /// One-way trips timed on each path.
     pub trips: u64,
-    /// Through two engines with manual progress: submit, post, the arrival counted, the
-    /// expectation fired, nanoseconds per one-way trip.
+    /// Through two engines with manual progress: submit, post, the arrival counted by the
+    /// receiver's watch, nanoseconds per one-way trip. The two engines alternate on one
+    /// thread, so each submit finds its peer in the engine's directory rather than in the
+    /// thread's cache of its last peer.
     pub engine_ns: f64,
     /// The same writes posted and polled on two bare NICs, nanoseconds per one-way trip.
     pub bare_ns: f64,
@@ -610,20 +600,21 @@ pub fn one_thread(config: &FabricConfig, trips: u64) -> Result<OneThread, Transp
     };
     let (a, b) = (engines()?, engines()?);
     let (abuf, bbuf) = (a.alloc_mr(64)?, b.alloc_mr(64)?);
-    let trip = |from: &TransferEngine, to: &TransferEngine, dst: &MrDesc| {
-        let landed = DoneFlag::new();
-        to.expect_imm_count(PING, 1, OnDone::from(&landed));
+    let (at_a, at_b) = (a.watch_imm(PING)?, b.watch_imm(PING)?);
+    let mut sent = 0;
+    let trip = |from: &TransferEngine, to: &TransferEngine, dst: &MrDesc, at: &ImmWatch, n| {
         from.submit_imm(PING, dst, OnDone::nothing())?;
         spin_until(to, deadline, "an immediate", || {
             from.progress();
-            landed.is_done()
+            at.arrived() >= n
         })
     };
     let engine = timed_rounds(warmup, trips, || {
-        trip(&a, &b, bbuf.desc())?;
-        trip(&b, &a, abuf.desc())
+        sent += 1;
+        trip(&a, &b, bbuf.desc(), &at_b, sent)?;
+        trip(&b, &a, abuf.desc(), &at_a, sent)
     })?;
-    drop((abuf, bbuf, a, b));
+    drop((at_a, at_b, abuf, bbuf, a, b));
 
     let mut x = RawEndpoint::open(config, 64)?;
     let mut y = RawEndpoint::open(config, 64)?;
