@@ -72,8 +72,8 @@ pub use buffer::RegisteredBuffer;
 pub use cancel::CancellationToken;
 pub use domain::Domain;
 pub use engine::{
-    Backpressure, DomainStats, EngineBuilder, EngineConfig, EngineStats, GroupStats, ImmWatch,
-    PeerGroupHandle, Progress, TransferEngine,
+    Backpressure, DomainStats, EngineBuilder, EngineConfig, EngineStats, GroupStats, ImmTarget,
+    ImmWatch, PeerGroupHandle, Progress, TransferEngine,
 };
 pub use error::{Side, TransferError, TransportError};
 pub use fabric::{FabricConfig, FabricDomain, FabricReport, ProviderChoice};

@@ -46,6 +46,13 @@ fn a_watched_immediate_counts_its_arrivals_without_the_counter() {
 }
 
 #[test]
+fn immediates_to_a_resolved_target_land_and_survive_released_peers() {
+    let fabric = MemFabric::new();
+    let mem = |nics| engine(&fabric, nics);
+    suite::resolved_immediate_targets(&mem);
+}
+
+#[test]
 fn immediates_nobody_waits_on_post_without_a_completion() {
     let fabric = MemFabric::new();
     let mem = |nics| engine(&fabric, nics);

@@ -69,6 +69,11 @@ macro_rules! suite_over {
             }
 
             #[test]
+            fn immediates_to_a_resolved_target_land_and_survive_released_peers() {
+                suite::resolved_immediate_targets(&make);
+            }
+
+            #[test]
             fn immediates_nobody_waits_on_post_without_a_completion() {
                 // Only shm takes them without a completion (docs/fabric.md).
                 suite::immediates_nobody_waits_on(&make, $provider == ProviderChoice::Shm);

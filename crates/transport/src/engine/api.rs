@@ -31,6 +31,28 @@ use crate::watcher::WatchedWord;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PeerGroupHandle(u32);
 
+/// A destination of immediate-only writes, resolved once ([`TransferEngine::imm_target`]):
+/// [`TransferEngine::submit_imm_to`] skips the descriptor's checks and the peer lookup that
+/// [`TransferEngine::submit_imm`] makes on every write. It belongs to the engine that made it.
+/// Once any peer of that engine has been released it is resolved again from its descriptor on
+/// every write, as `submit_imm` does (the peer released may have been its own); make it again
+/// to skip that.
+#[derive(Debug, Clone)]
+pub struct ImmTarget {
+    desc: MrDesc,
+    /// The directory it was resolved in, and that directory's removals then.
+    directory: u64,
+    removals: u64,
+    target: RemoteTarget,
+}
+
+impl ImmTarget {
+    /// The descriptor it was resolved from.
+    pub fn desc(&self) -> &MrDesc {
+        &self.desc
+    }
+}
+
 impl TransferEngine {
     fn main_group(&self) -> &Arc<GroupShared> {
         &self.inner.groups[0]
@@ -685,6 +707,52 @@ impl TransferEngine {
     ) -> Result<(), TransportError> {
         let group = self.main_group();
         let target = self.target(group, dst, None)?;
+        self.submit_imm_resolved(group, target, imm, on_done)
+    }
+
+    /// Resolves `dst` for [`TransferEngine::submit_imm_to`]: connects to its peer if needed
+    /// and checks the descriptor, once.
+    pub fn imm_target(&self, dst: &MrDesc) -> Result<ImmTarget, TransportError> {
+        let group = self.main_group();
+        let removals = group.directory.removals();
+        let target = self.target(group, dst, None)?;
+        Ok(ImmTarget {
+            desc: dst.clone(),
+            directory: group.directory.id(),
+            removals,
+            target,
+        })
+    }
+
+    /// [`TransferEngine::submit_imm`] to a destination resolved beforehand: the same write,
+    /// without the per-write lookup while no peer has been released since `dst` was made.
+    pub fn submit_imm_to(
+        &self,
+        imm: u32,
+        dst: &ImmTarget,
+        on_done: OnDone,
+    ) -> Result<(), TransportError> {
+        let group = self.main_group();
+        if dst.directory != group.directory.id() {
+            return Err(TransportError::InvalidArgument(
+                "the immediate target was resolved by another engine",
+            ));
+        }
+        let target = if dst.removals == group.directory.removals() {
+            dst.target
+        } else {
+            self.target(group, &dst.desc, None)?
+        };
+        self.submit_imm_resolved(group, target, imm, on_done)
+    }
+
+    fn submit_imm_resolved(
+        &self,
+        group: &GroupShared,
+        target: RemoteTarget,
+        imm: u32,
+        on_done: OnDone,
+    ) -> Result<(), TransportError> {
         // Under manual progress, one nobody waits on goes out here without becoming a transfer.
         if on_done.reports_nothing() && self.post_unreported_here(group, &target, imm) {
             return Ok(());

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use crossbeam_utils::CachePadded;
 
-pub use api::PeerGroupHandle;
+pub use api::{ImmTarget, PeerGroupHandle};
 use callbacks::Job;
 pub use imm_watch::ImmWatch;
 use pass_lock::PassLock;

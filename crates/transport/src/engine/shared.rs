@@ -79,6 +79,16 @@ thread_local! {
 }
 
 impl Directory {
+    /// Unique in the process, never reused.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Peers removed so far: a peer resolved when this read the same is still in place.
+    pub(crate) fn removals(&self) -> u64 {
+        self.removals.load(Ordering::Acquire)
+    }
+
     pub(crate) fn region(&self, key: RegionKey) -> Option<RegionEntry> {
         let regions = self.regions.read().unwrap_or_else(PoisonError::into_inner);
         regions

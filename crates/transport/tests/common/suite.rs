@@ -205,6 +205,44 @@ pub(crate) fn watched_immediates(make: &Make<'_>) {
     assert_eq!(b.stats().imm_values_tracked, 0);
 }
 
+/// Immediate-only writes to a destination resolved once: they land as `submit_imm`'s do,
+/// with or without a completion; a target is refused by another engine; after a peer is
+/// released (its own included) the target still reaches its peer, resolved again.
+pub(crate) fn resolved_immediate_targets(make: &Make<'_>) {
+    let (a, b, c) = (make(1), make(1), make(1));
+    let (at_b, at_c) = (b.alloc_mr(64).unwrap(), c.alloc_mr(64).unwrap());
+    let to_b = a.imm_target(at_b.desc()).unwrap();
+    assert_eq!(to_b.desc(), at_b.desc());
+    let watch = b.watch_imm(50).unwrap();
+    let sent = DoneCounter::new();
+    for _ in 0..3 {
+        a.submit_imm_to(50, &to_b, OnDone::from(&sent)).unwrap();
+        a.submit_imm_to(50, &to_b, OnDone::nothing()).unwrap();
+    }
+    wait_for("six immediates", || watch.arrived() == 6);
+    wait_for("three completions", || sent.total() == 3);
+    assert_eq!(sent.ok(), 3);
+    assert!(matches!(
+        c.submit_imm_to(50, &to_b, OnDone::nothing()),
+        Err(kvroute_transport::TransportError::InvalidArgument(_))
+    ));
+
+    // Another peer released: the target is looked up again, and still reaches b.
+    let to_c = a.imm_target(at_c.desc()).unwrap();
+    a.submit_imm_to(51, &to_c, OnDone::nothing()).unwrap();
+    wait_for("c's immediate", || c.pending_imm(51) == 1);
+    assert!(a.disconnect(&c.main_address()).unwrap());
+    a.submit_imm_to(50, &to_b, OnDone::nothing()).unwrap();
+    wait_for("the seventh", || watch.arrived() == 7);
+    // Its own peer released: the write connects it again.
+    assert!(a.disconnect(&b.main_address()).unwrap());
+    let landed = DoneCounter::new();
+    a.submit_imm_to(50, &to_b, OnDone::from(&landed)).unwrap();
+    wait_for("the eighth", || watch.arrived() == 8);
+    wait_for("its completion", || landed.total() == 1);
+    assert_eq!(landed.ok(), 1);
+}
+
 /// Immediate-only writes whose `on_done` does nothing post without a completion where the
 /// NIC can (`unreported`): they land and are counted as posted and unreported, never as
 /// completed, and leave nothing in flight. With an `on_done` that reports, or one that could
