@@ -24,7 +24,7 @@ use crate::buffer::RegisteredBuffer;
 use crate::domain::{
     Completion, CompletionKind, Domain, PeerId, Registration, Unreported, WriteWr,
 };
-use crate::engine::ImmWatch;
+use crate::engine::{ImmTarget, ImmWatch};
 use crate::error::TransportError;
 use crate::mr::{Access, Device, MrDesc};
 use crate::on_done::{DoneCounter, DoneFlag, OnDone};
@@ -147,24 +147,25 @@ fn await_count(
 }
 
 /// One write of `size` bytes with `imm`; `done` counts it, except an immediate-only one
-/// (`size` 0), which asks for no completion (see the module's note).
+/// (`size` 0), which asks for no completion (see the module's note) and goes to a destination
+/// resolved once ([`TransferEngine::imm_target`]), as the bare NIC's writes do.
 fn one_write(
     engine: &TransferEngine,
     buf: &RegisteredBuffer,
-    peer: &MrDesc,
+    peer: &ImmTarget,
     size: u64,
     imm: u32,
     done: &Arc<DoneCounter>,
 ) -> Result<(), TransportError> {
     if size == 0 {
         // Nobody waits on it: where the NIC can, it goes out without a completion.
-        engine.submit_imm(imm, peer, OnDone::nothing())
+        engine.submit_imm_to(imm, peer, OnDone::nothing())
     } else {
         engine.submit_single_write(
             size,
             Some(imm),
             (buf.handle(), 0),
-            (peer, 0),
+            (peer.desc(), 0),
             OnDone::from(done),
         )
     }
@@ -214,12 +215,13 @@ pub fn pingpong(
     let deadline = Instant::now() + Duration::from_secs(120);
     let done = DoneCounter::new();
     let pongs = engine.watch_imm(PONG)?;
+    let peer = engine.imm_target(peer)?;
     let mut start = Instant::now();
     for i in 0..warmup + iters {
         if i == warmup {
             start = Instant::now();
         }
-        one_write(engine, buf, peer, size, PING, &done)?;
+        one_write(engine, buf, &peer, size, PING, &done)?;
         await_count(engine, &pongs, i + 1, deadline)?;
     }
     let elapsed = start.elapsed();
@@ -239,9 +241,10 @@ pub fn answer_pings(
     let deadline = Instant::now() + Duration::from_secs(120);
     let done = DoneCounter::new();
     let pings = engine.watch_imm(PING)?;
+    let peer = engine.imm_target(peer)?;
     for i in 0..count {
         await_count(engine, &pings, i + 1, deadline)?;
-        one_write(engine, buf, peer, size, PONG, &done)?;
+        one_write(engine, buf, &peer, size, PONG, &done)?;
     }
     // With manual progress the last pong completes only in a pass: run them until it has.
     settle(engine, &[], &done, counted(size, count), deadline)
@@ -576,10 +579,8 @@ impl RawEndpoint {
 pub struct OneThread {
     /// One-way trips timed on each path.
     pub trips: u64,
-    /// Through two engines with manual progress: submit, post, the arrival counted by the
-    /// receiver's watch, nanoseconds per one-way trip. The two engines alternate on one
-    /// thread, so each submit finds its peer in the engine's directory rather than in the
-    /// thread's cache of its last peer.
+    /// Through two engines with manual progress: submit (to a destination resolved once),
+    /// post, the arrival counted by the receiver's watch, nanoseconds per one-way trip.
     pub engine_ns: f64,
     /// The same writes posted and polled on two bare NICs, nanoseconds per one-way trip.
     pub bare_ns: f64,
@@ -602,8 +603,9 @@ pub fn one_thread(config: &FabricConfig, trips: u64) -> Result<OneThread, Transp
     let (abuf, bbuf) = (a.alloc_mr(64)?, b.alloc_mr(64)?);
     let (at_a, at_b) = (a.watch_imm(PING)?, b.watch_imm(PING)?);
     let mut sent = 0;
-    let trip = |from: &TransferEngine, to: &TransferEngine, dst: &MrDesc, at: &ImmWatch, n| {
-        from.submit_imm(PING, dst, OnDone::nothing())?;
+    let (to_a, to_b) = (b.imm_target(abuf.desc())?, a.imm_target(bbuf.desc())?);
+    let trip = |from: &TransferEngine, to: &TransferEngine, dst: &ImmTarget, at: &ImmWatch, n| {
+        from.submit_imm_to(PING, dst, OnDone::nothing())?;
         spin_until(to, deadline, "an immediate", || {
             from.progress();
             at.arrived() >= n
@@ -611,10 +613,10 @@ pub fn one_thread(config: &FabricConfig, trips: u64) -> Result<OneThread, Transp
     };
     let engine = timed_rounds(warmup, trips, || {
         sent += 1;
-        trip(&a, &b, bbuf.desc(), &at_b, sent)?;
-        trip(&b, &a, abuf.desc(), &at_a, sent)
+        trip(&a, &b, &to_b, &at_b, sent)?;
+        trip(&b, &a, &to_a, &at_a, sent)
     })?;
-    drop((at_a, at_b, abuf, bbuf, a, b));
+    drop((at_a, at_b, to_a, to_b, abuf, bbuf, a, b));
 
     let mut x = RawEndpoint::open(config, 64)?;
     let mut y = RawEndpoint::open(config, 64)?;
