@@ -1,9 +1,9 @@
 //! The CPU splice: one `(cos, sin)` table per distinct rotation (a chunk re-homed as a whole
 //! has one), the rotation in f32 with an exactness guard that redoes the rare unsure value in
-//! f64 with a single rounding to bf16 (bit-identical to the reference, see [`rotate_band`]),
-//! written as straight-line loops over the 32 pairs that LLVM vectorises for the
-//! instruction set of the wrapper ([`super::isa`]), latent dims copied (or, in place, not
-//! touched), tokens in parallel.
+//! f64 with a single rounding to bf16 (bit-identical to the reference, see [`rotate_band`]):
+//! in intrinsics for AVX-512 and for AVX2 ([`rotate_band_avx512`], [`rotate_band_avx2`]),
+//! elsewhere as straight-line loops over the 32 pairs that LLVM vectorises; latent dims copied
+//! (or, in place, not touched), tokens in parallel.
 
 use rayon::prelude::*;
 
@@ -281,6 +281,164 @@ fn rotate_band_avx512(band: &mut [u16], t: &AngleTable, layout: RopeLayout) {
     }
 }
 
+/// [`rotate_band`] written out for AVX2 and FMA: [`rotate_band_avx512`]'s method on 256-bit
+/// words, the same guard and the same results, bit for bit. A band is four 32-byte words of
+/// 8 u32, each two bf16: `w << 16` is the low halves as f32, `w & 0xffff_0000` the high halves.
+/// Interleaved, word `k` holds pairs `8k..8k + 8` (x low, y high). Half-split, words 0-1 hold
+/// the x and 2-3 the y; the low halves of words 0 and 2 are the even pairs of `0..16`, their
+/// high halves the odd ones, and words 1 and 3 the same for `16..32`, so the angle tables are
+/// split into even and odd lanes to match. Each group's unsure flags come out of a
+/// `movemask`, eight pairs at a time (the portable loop builds its mask bit by bit, which LLVM
+/// does not vectorise).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn rotate_band_avx2(band: &mut [u16], t: &AngleTable, layout: RopeLayout) {
+    use std::arch::x86_64::*;
+    assert_eq!(band.len(), D_ROPE);
+    // SAFETY: loads and stores stay inside `band` (64 u16 = four 32-byte words, checked
+    // above) and the 32-entry tables; the closures inherit this function's features.
+    unsafe {
+        let p = band.as_mut_ptr().cast::<__m256i>();
+        let w = [
+            _mm256_loadu_si256(p),
+            _mm256_loadu_si256(p.add(1)),
+            _mm256_loadu_si256(p.add(2)),
+            _mm256_loadu_si256(p.add(3)),
+        ];
+        let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+        let lo = |w: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
+        let hi = |w: __m256i| _mm256_castsi256_ps(_mm256_and_si256(w, high));
+        // A table's four groups of eight lanes, in the order the groups below take them.
+        let table = |v: &[f32; PAIRS]| {
+            let q = |k: usize| _mm256_loadu_ps(v.as_ptr().add(8 * k));
+            match layout {
+                RopeLayout::Interleaved => [q(0), q(1), q(2), q(3)],
+                RopeLayout::Half => {
+                    // Each 8-lane run to (evens, odds) within its 128-bit halves, then the
+                    // halves of two runs paired: evens of 16 pairs, odds of 16 pairs.
+                    let split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+                    let s = |k: usize| _mm256_permutevar8x32_ps(q(k), split);
+                    let (a, b, c, d) = (s(0), s(1), s(2), s(3));
+                    [
+                        _mm256_permute2f128_ps::<0x20>(a, b),
+                        _mm256_permute2f128_ps::<0x31>(a, b),
+                        _mm256_permute2f128_ps::<0x20>(c, d),
+                        _mm256_permute2f128_ps::<0x31>(c, d),
+                    ]
+                }
+            }
+        };
+        let (c, s) = (table(&t.cos32), table(&t.sin32));
+        // (x, y) of each group of eight pairs.
+        let groups = match layout {
+            RopeLayout::Interleaved => [
+                (lo(w[0]), hi(w[0])),
+                (lo(w[1]), hi(w[1])),
+                (lo(w[2]), hi(w[2])),
+                (lo(w[3]), hi(w[3])),
+            ],
+            RopeLayout::Half => [
+                (lo(w[0]), lo(w[2])),
+                (hi(w[0]), hi(w[2])),
+                (lo(w[1]), lo(w[3])),
+                (hi(w[1]), hi(w[3])),
+            ],
+        };
+        let sign = _mm256_set1_ps(-0.0);
+        let abs = |x: __m256| _mm256_andnot_ps(sign, x);
+        // All ones where a bf16 midpoint lies in `[|r| - e, |r| + e]` ([`near_a_boundary`]).
+        let near = |r: __m256, e: __m256| {
+            let m = abs(r);
+            let up = _mm256_castps_si256(_mm256_add_ps(m, e));
+            let down = _mm256_castps_si256(_mm256_sub_ps(m, e));
+            let up = _mm256_add_epi32(up, _mm256_set1_epi32(0x8000));
+            let down = _mm256_add_epi32(down, _mm256_set1_epi32(0x7fff));
+            // Different counts of midpoints: the high 16 bits differ.
+            let same = _mm256_cmpeq_epi32(
+                _mm256_srli_epi32::<16>(_mm256_xor_si256(up, down)),
+                _mm256_setzero_si256(),
+            );
+            _mm256_andnot_ps(_mm256_castsi256_ps(same), _mm256_castsi256_ps(high))
+        };
+        let mut out = [(_mm256_setzero_ps(), _mm256_setzero_ps()); 4];
+        let mut unsure = [0u32; 4];
+        for (k, &(x, y)) in groups.iter().enumerate() {
+            let a = _mm256_fmsub_ps(x, c[k], _mm256_mul_ps(y, s[k]));
+            let b = _mm256_fmadd_ps(x, s[k], _mm256_mul_ps(y, c[k]));
+            let sum = _mm256_add_ps(abs(x), abs(y));
+            let e = _mm256_mul_ps(sum, _mm256_set1_ps(GUARD));
+            // `unsure_pair`: below TINY but not zero, or not finite (NaN fails every ordered
+            // compare).
+            let fine = _mm256_or_ps(
+                _mm256_and_ps(
+                    _mm256_cmp_ps::<_CMP_GE_OQ>(sum, _mm256_set1_ps(TINY)),
+                    _mm256_cmp_ps::<_CMP_LT_OQ>(sum, _mm256_set1_ps(f32::INFINITY)),
+                ),
+                _mm256_cmp_ps::<_CMP_EQ_OQ>(sum, _mm256_setzero_ps()),
+            );
+            let flags = _mm256_or_ps(
+                _mm256_andnot_ps(fine, sign),
+                _mm256_or_ps(near(a, e), near(b, e)),
+            );
+            unsure[k] = _mm256_movemask_ps(flags) as u32;
+            out[k] = (a, b);
+        }
+        // Round to nearest even: bits + 0x7fff + (bit 16), then the high 16 bits.
+        let round = |r: __m256| {
+            let b = _mm256_castps_si256(r);
+            let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+            _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), odd)
+        };
+        // Low half from `l`, high half from `h`.
+        let pack = |l: __m256, h: __m256| {
+            _mm256_or_si256(
+                _mm256_srli_epi32::<16>(round(l)),
+                _mm256_and_si256(round(h), high),
+            )
+        };
+        let n = match layout {
+            RopeLayout::Interleaved => [
+                pack(out[0].0, out[0].1),
+                pack(out[1].0, out[1].1),
+                pack(out[2].0, out[2].1),
+                pack(out[3].0, out[3].1),
+            ],
+            RopeLayout::Half => [
+                pack(out[0].0, out[1].0),
+                pack(out[2].0, out[3].0),
+                pack(out[0].1, out[1].1),
+                pack(out[2].1, out[3].1),
+            ],
+        };
+        if unsure.iter().any(|&u| u != 0) {
+            let mut new = [0u16; D_ROPE];
+            let q = new.as_mut_ptr().cast::<__m256i>();
+            for (k, &v) in n.iter().enumerate() {
+                _mm256_storeu_si256(q.add(k), v);
+            }
+            // Lane `j` of group `k` is pair `8k + j` interleaved; half-split, groups 0-1 are
+            // the even and odd pairs of `0..16`, groups 2-3 those of `16..32`.
+            let mut pairs = 0u32;
+            for (k, &u) in unsure.iter().enumerate() {
+                for j in 0..8 {
+                    let pair = match layout {
+                        RopeLayout::Interleaved => 8 * k + j,
+                        RopeLayout::Half => 16 * (k / 2) + 2 * j + k % 2,
+                    };
+                    pairs |= (u >> j & 1) << pair;
+                }
+            }
+            redo_in_f64(&mut new, pairs, band, t, layout);
+            band.copy_from_slice(&new);
+        } else {
+            for (k, &v) in n.iter().enumerate() {
+                _mm256_storeu_si256(p.add(k), v);
+            }
+        }
+    }
+}
+
 /// How far ahead [`tokens`] asks for a row's RoPE band: rows are 1152 B apart and only 128 B
 /// of each are touched in place, a stride the hardware prefetchers do not follow far enough.
 const PREFETCH_ROWS: usize = 8;
@@ -366,9 +524,8 @@ fn tokens_avx2(
     tables: &[AngleTable],
     range: (usize, usize),
 ) {
-    // A closure, not the fn item: its `Fn::call` shim was not inlined into this function.
-    tokens(job, pool, which, tables, range, |b, t, l| {
-        rotate_band(b, t, l)
+    tokens(job, pool, which, tables, range, |band, t, layout| {
+        rotate_band_avx2(band, t, layout)
     });
 }
 
@@ -412,6 +569,13 @@ mod tests {
     /// the CPU has it (named, so a machine without it shows what it did not check).
     fn paths() -> Vec<(&'static str, Rotate)> {
         let mut paths: Vec<(&'static str, Rotate)> = vec![("portable", rotate_band)];
+        #[cfg(target_arch = "x86_64")]
+        if Isa::Avx2.is_available() {
+            // SAFETY: the features were found at run time.
+            paths.push(("avx2", |b, t, l| unsafe { rotate_band_avx2(b, t, l) }));
+        } else {
+            kvroute_testkit::skip!("no AVX2 here: its band rotation is not checked");
+        }
         #[cfg(target_arch = "x86_64")]
         if Isa::Avx512.is_available() {
             // SAFETY: the features were found at run time.
