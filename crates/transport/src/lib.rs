@@ -4,7 +4,10 @@
 //! common ground of ConnectX RC and EFA SRD. Nothing is ordered, not even two writes to the
 //! same peer; completion is by counting. A write may carry a 32-bit immediate, which the
 //! receiver's IMM counter counts per value, and [`TransferEngine::expect_imm_count`] fires
-//! once a given number have landed, whether they landed before or after the call.
+//! once a given number have landed, whether they landed before or after the call. For a
+//! doorbell, one value waited on again and again, [`TransferEngine::watch_imm`] counts a
+//! value's arrivals in a word read without a lock, and [`TransferEngine::submit_imm_to`]
+//! writes immediates to a destination resolved once.
 //!
 //! Layers, bottom up:
 //! - [`Domain`] (one NIC): `mem` here ([`mem::MemDomain`], in-process, for tests and benches);

@@ -19,6 +19,26 @@ use crate::error::TransportError;
 /// it hands the value back to the IMM counter; arrivals racing with the drop may be lost with
 /// it. At most [`crate::imm_counter::MAX_WATCHES`] values are watched at once per engine. A
 /// watch is read by one thread at a time (`Send`, not `Sync`): it keeps its running total.
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use kvroute_transport::{MemFabric, OnDone, TransferEngine};
+///
+/// let fabric = MemFabric::new();
+/// let (a, b) = (TransferEngine::mem(&fabric, 1)?, TransferEngine::mem(&fabric, 1)?);
+/// let inbox = b.alloc_mr(64)?;
+/// let doorbell = b.watch_imm(7)?;
+/// let to_b = a.imm_target(inbox.desc())?;
+/// for _ in 0..3 {
+///     a.submit_imm_to(7, &to_b, OnDone::nothing())?;
+/// }
+/// let start = Instant::now();
+/// while doorbell.arrived() < 3 {
+///     assert!(start.elapsed() < Duration::from_secs(10), "the rings did not arrive");
+///     std::thread::yield_now();
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct ImmWatch {
     engine: Arc<EngineShared>,
     imm: u32,
