@@ -254,7 +254,8 @@ impl<T> ImmCounter<T> {
     /// `imm` is watched.
     pub fn expect(&self, imm: u32, count: u64, token: T) -> Expectation<T> {
         let mut shard = lock(self.shard(imm));
-        // Watches of `imm` begin and (as far as this matters) end under this lock.
+        // Watches of `imm` begin under this lock, so none begins between this look and the
+        // push below; one that ends meanwhile is its owner's own race with this call.
         if self.watches.find(imm).is_some() {
             return Expectation::Refused(token);
         }
