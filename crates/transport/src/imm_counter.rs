@@ -92,31 +92,31 @@ impl Watches {
     /// nothing is watched, a compare per live watch otherwise.
     #[inline]
     fn bump(&self, imm: u32, n: u64) -> bool {
-        let mut live = self.live.load(Ordering::Acquire);
-        while live != 0 {
-            let word = &self.words[live.trailing_zeros() as usize];
-            live &= live - 1;
-            let mut cur = word.load(Ordering::Acquire);
-            while (cur >> 32) as u32 == imm {
-                // Wrapping within the low half: the value's bits are never touched.
-                let next = (cur & !COUNT_BITS) | ((cur.wrapping_add(n)) & COUNT_BITS);
-                match word.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
-                    Ok(_) => return true,
-                    Err(now) => cur = now,
-                }
+        let Some((i, mut cur)) = self.find(imm) else {
+            return false;
+        };
+        let word = &self.words[i];
+        // The word may have been handed to another value since: then the arrival is not its.
+        while (cur >> 32) as u32 == imm {
+            // Wrapping within the low half: the value's bits are never touched.
+            let next = (cur & !COUNT_BITS) | ((cur.wrapping_add(n)) & COUNT_BITS);
+            match word.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return true,
+                Err(now) => cur = now,
             }
         }
         false
     }
 
-    /// The live slot watching `imm`.
-    fn find(&self, imm: u32) -> Option<usize> {
+    /// The live slot watching `imm`, and its word as read.
+    fn find(&self, imm: u32) -> Option<(usize, u64)> {
         let mut live = self.live.load(Ordering::Acquire);
         while live != 0 {
             let i = live.trailing_zeros() as usize;
             live &= live - 1;
-            if (self.words[i].load(Ordering::Acquire) >> 32) as u32 == imm {
-                return Some(i);
+            let word = self.words[i].load(Ordering::Acquire);
+            if (word >> 32) as u32 == imm {
+                return Some((i, word));
             }
         }
         None
