@@ -405,12 +405,16 @@ pub(crate) fn scatter_and_barrier(make: &Make<'_>, peers: usize) {
     for f in barrier {
         assert_eq!(block_on(f), Ok(()));
     }
-    let posted: u64 = sender.stats().groups[0]
-        .domains
-        .iter()
-        .map(|d| d.posted)
-        .sum();
-    assert_eq!(posted, n as u64 * 3);
+    let posted = || -> u64 {
+        sender.stats().groups[0]
+            .domains
+            .iter()
+            .map(|d| d.posted)
+            .sum()
+    };
+    // The sender counts a post once it returns, which may be after the write landed.
+    wait_for("the posts' count", || posted() >= n as u64 * 3);
+    assert_eq!(posted(), n as u64 * 3);
 }
 
 pub(crate) fn messages_through_back_pressure(make: &Make<'_>) {
