@@ -43,6 +43,12 @@ const PINGPONG_PORT: u16 = 47_611;
 const BANDWIDTH_RATIO_TARGET: f64 = 0.9;
 /// The small round trip: 1.2x fi_pingpong's usec/xfer or less.
 const LATENCY_RATIO_TARGET: f64 = 1.2;
+/// Rounds of the round trip (each path's figure is the median of as many). On the shared
+/// development VMs a whole round of shm ping-pongs runs at 0.27-0.45 us/xfer or at about
+/// 1.0-1.1 us, the same code either way, by where the host happens to run the two processors
+/// (drawn anew when a process wakes); with three rounds the engine's or fi_pingpong's median
+/// sometimes took the slow figure while the other paths' took the fast one (docs/perf.md).
+const LATENCY_ROUNDS: usize = 7;
 /// Paged writes of 1 KiB pages against fi_pingpong's MB/s at 1 KiB: 0.8x over shm, where
 /// fi_pingpong's messages go through shared memory at memory speed, and 1.0x elsewhere
 /// (tcp), where a pipelined stream of writes ought to beat a ping-pong.
@@ -125,8 +131,10 @@ pub struct FabricBenchReport {
     pub fabric: FabricReport,
     /// Who ran the engines' passes: `thread` (worker threads) or `manual` (the bench's threads).
     pub progress: String,
-    /// Rounds each number is the median of.
+    /// Rounds each number is the median of, the round trip's aside.
     pub rounds: usize,
+    /// Rounds the round trip's three figures are each the median of ([`LATENCY_ROUNDS`]).
+    pub round_trip_rounds: usize,
     /// The immediate-only round trip beside fi_pingpong's smallest message.
     pub round_trip: Compared,
     /// Immediate-only writes with both ends on one thread, through engines and on bare NICs
@@ -142,6 +150,21 @@ pub struct FabricBenchReport {
     pub paged: Vec<PagedRow>,
     /// The targets and whether this run met them.
     pub targets: Vec<Target>,
+}
+
+/// The three ping-pong paths a comparison measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Engine,
+    FiPingpong,
+    Bare,
+}
+
+/// The paths in the order round `round` runs them: rotated every round, so in any three
+/// consecutive rounds each path runs first, second and third once.
+fn round_order(round: usize) -> [Path; 3] {
+    const PATHS: [Path; 3] = [Path::Engine, Path::FiPingpong, Path::Bare];
+    std::array::from_fn(|i| PATHS[(round + i) % 3])
 }
 
 fn median_by<T: Clone>(mut runs: Vec<T>, key: impl Fn(&T) -> f64) -> T {
@@ -379,6 +402,7 @@ pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
     // Loopback for tcp; shm has no address to bind, and efa binds its NIC.
     let node = (choice == ProviderChoice::Tcp).then_some("127.0.0.1");
     let rounds = if args.quick { 1 } else { 3 };
+    let latency_rounds = if args.quick { 1 } else { LATENCY_ROUNDS };
     let budget = Duration::from_millis(if args.quick { 60 } else { 300 });
 
     let manual = args.progress == "manual";
@@ -422,14 +446,20 @@ pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
     let fi = |size: u64, iters: u64| -> Result<Pingpong> {
         bench::fi_pingpong(&provider, size, iters, PINGPONG_PORT).map_err(|e| anyhow!(e))
     };
-    // Rounds interleave the three, so drift on this shared machine hits each alike.
+    // Rounds interleave the three, so drift on this shared machine hits each alike, and
+    // rotate their order, so each path runs first in a round (right after the peer process
+    // slept, when the host places its processor anew) as often as the others.
     let mut compare = |size: u64, fi_size: u64, latency: bool| -> Result<Compared> {
         let iters = iters_for(size, budget, args.quick);
         let (mut mine, mut theirs, mut bare) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..rounds {
-            mine.push(pingpong(false, size, iters)?);
-            theirs.push(fi(fi_size, iters)?);
-            bare.push(pingpong(true, size, iters)?);
+        for round in 0..if latency { latency_rounds } else { rounds } {
+            for path in round_order(round) {
+                match path {
+                    Path::Engine => mine.push(pingpong(false, size, iters)?),
+                    Path::FiPingpong => theirs.push(fi(fi_size, iters)?),
+                    Path::Bare => bare.push(pingpong(true, size, iters)?),
+                }
+            }
         }
         let key = |p: &Pingpong| if latency { p.usec_per_xfer } else { p.mb_per_s };
         let (engine, fi_pingpong, raw) = (
@@ -474,25 +504,36 @@ pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
         streams.push(median_by(runs, |s| s.mb_per_s));
     }
     peer.send(&PeerCommand::Rest)?;
-    // Paged rounds interleave the engine, the bare NIC and fi_pingpong as the ping-pongs do.
+    // Paged rounds interleave and rotate the engine, fi_pingpong and the bare NIC as the
+    // ping-pongs do.
     let mut paged = Vec::new();
     for &page in PAGES {
         let pages = PAGED_BYTES / page / if args.quick { 4 } else { 1 };
         let (mut mine, mut bare, mut theirs) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..rounds {
-            peer.send(&PeerCommand::Serve)?;
-            let transfer = bench::paged(&engine, &buf, &hello.desc, page, pages as u32);
-            peer.send(&PeerCommand::Rest)?;
-            mine.push(transfer?);
-            peer.send(&PeerCommand::AbsorbRaw {
-                parent: raw.address(),
-                count: pages,
-            })?;
-            let streamed = raw.stream(page, pages, PAGED_WINDOW);
-            let absorbed: Result<(), String> = peer.recv()?;
-            absorbed.map_err(|e| anyhow!("the peer: {e}"))?;
-            bare.push(streamed?);
-            theirs.push(fi(page, iters_for(page, budget, args.quick))?);
+        for round in 0..rounds {
+            for path in round_order(round) {
+                match path {
+                    Path::Engine => {
+                        peer.send(&PeerCommand::Serve)?;
+                        let transfer = bench::paged(&engine, &buf, &hello.desc, page, pages as u32);
+                        peer.send(&PeerCommand::Rest)?;
+                        mine.push(transfer?);
+                    }
+                    Path::Bare => {
+                        peer.send(&PeerCommand::AbsorbRaw {
+                            parent: raw.address(),
+                            count: pages,
+                        })?;
+                        let streamed = raw.stream(page, pages, PAGED_WINDOW);
+                        let absorbed: Result<(), String> = peer.recv()?;
+                        absorbed.map_err(|e| anyhow!("the peer: {e}"))?;
+                        bare.push(streamed?);
+                    }
+                    Path::FiPingpong => {
+                        theirs.push(fi(page, iters_for(page, budget, args.quick))?);
+                    }
+                }
+            }
         }
         paged.push(PagedRow {
             engine: median_by(mine, |s| s.mb_per_s),
@@ -537,6 +578,7 @@ pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
         fabric,
         progress: args.progress.clone(),
         rounds,
+        round_trip_rounds: latency_rounds,
         round_trip,
         one_thread,
         single,
@@ -563,8 +605,9 @@ impl fmt::Display for FabricBenchReport {
         writeln!(f, "engine progress: {}", self.progress)?;
         writeln!(
             f,
-            "medians of {} rounds, engine and fi_pingpong interleaved\n",
-            self.rounds
+            "medians of {} rounds ({} for the round trip), engine, bare NIC and fi_pingpong \
+             interleaved in turn\n",
+            self.rounds, self.round_trip_rounds
         )?;
         writeln!(
             f,
@@ -640,5 +683,28 @@ impl fmt::Display for FabricBenchReport {
             "  (bare: the same page writes on a bare NIC, {PAGED_WINDOW} in flight)"
         )?;
         crate::bench::write_targets(f, &self.targets, 2)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_path_takes_every_place_once_in_three_rounds() {
+        for first in 0..4 {
+            let orders: Vec<[Path; 3]> = (first..first + 3).map(round_order).collect();
+            let once = |paths: &[Path]| {
+                [Path::Engine, Path::FiPingpong, Path::Bare]
+                    .iter()
+                    .all(|path| paths.iter().filter(|&p| p == path).count() == 1)
+            };
+            for place in 0..3 {
+                let at: Vec<Path> = orders.iter().map(|o| o[place]).collect();
+                assert!(once(&at), "place {place} from round {first}: {orders:?}");
+            }
+            assert!(orders.iter().all(|o| once(o)), "{orders:?}");
+        }
+        assert_eq!(round_order(0)[0], Path::Engine);
     }
 }

@@ -278,6 +278,10 @@ fn bench_fabric_quick_reports_the_engine_beside_fi_pingpong_and_the_bare_provide
     ]));
     assert_eq!(v["fabric"]["provider"], "shm");
     assert_eq!(v["progress"], "manual");
+    assert_eq!(
+        (&v["rounds"], &v["round_trip_rounds"]),
+        (&1.into(), &1.into())
+    );
     let positive = |x: &serde_json::Value| x.as_f64().is_some_and(|f| f.is_finite() && f > 0.0);
     let rt = &v["round_trip"];
     for side in ["engine", "fi_pingpong", "raw"] {
