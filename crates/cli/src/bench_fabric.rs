@@ -133,7 +133,7 @@ pub struct FabricBenchReport {
     pub progress: String,
     /// Rounds each number is the median of, the round trip's aside.
     pub rounds: usize,
-    /// Rounds the round trip's three figures are each the median of ([`LATENCY_ROUNDS`]).
+    /// Rounds the round trip's three figures are each the median of (7; 1 with `--quick`).
     pub round_trip_rounds: usize,
     /// The immediate-only round trip beside fi_pingpong's smallest message.
     pub round_trip: Compared,
