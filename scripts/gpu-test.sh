@@ -4,13 +4,14 @@
 #   LD_LIBRARY_PATH=/usr/local/cuda/lib64 scripts/gpu-test.sh KVROUTE CUDA_TEST_BINARY OUT_DIR [EXAMPLES_DIR [ROUTE_TEST_BINARY]]
 # KVROUTE is target/release/kvroute; CUDA_TEST_BINARY is the `cuda` test executable
 # (cargo test --release -p kvroute-kernels --test cuda --no-run prints its path); EXAMPLES_DIR,
-# if given, holds kvroute-kernels' release examples split_sweep and host_to_host
-# (target/release/examples after cargo build --release -p kvroute-kernels --examples);
-# ROUTE_TEST_BINARY, if given, is kvroute-remote's `route_mem` test executable (cargo test
-# --release -p kvroute-remote --test route_mem --no-run), whose GPU holder test runs.
-# Writes OUT_DIR/{gpu.txt, tests.txt, bench.json, bench.txt, sdpa.json, sdpa.txt}, with
-# EXAMPLES_DIR {split_sweep.txt, host_to_host.txt}, with ROUTE_TEST_BINARY gpu_holder.txt,
-# and where libfabric loads {demo_cuda.txt, verify_cuda.txt, verify_cpu.txt}.
+# if given, holds kvroute-kernels' release example host_to_host (target/release/examples after
+# cargo build --release -p kvroute-kernels --examples); ROUTE_TEST_BINARY, if given, is
+# kvroute-remote's `route_mem` test executable (cargo test --release -p kvroute-remote --test
+# route_mem --no-run), whose GPU holder tests run.
+# Writes OUT_DIR/{gpu.txt, tests.txt, memcheck.txt, racecheck.txt, torch.json, batched.txt,
+# bench.json, bench.txt, sdpa.json, sdpa.txt, ncu.txt}, with EXAMPLES_DIR host_to_host.txt, with
+# ROUTE_TEST_BINARY gpu_holder.txt, and where libfabric loads {demo_cuda.txt, verify_cuda.txt,
+# verify_cpu.txt}. Set GPU_TEST_NCU=0 to skip the Nsight Compute readings.
 # Every step runs even if one before it failed (a GPU machine is a rare thing to have); the
 # script fails at the end if any did.
 set -uo pipefail
@@ -22,18 +23,41 @@ route_tests=${5:-}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 failed=()
+has_python_torch() { python3 -c 'import torch, numpy' 2>/dev/null; }
 
 gpu_info() { "$kvroute" kernel gpu-info | tee "$out/gpu.txt"; }
 cuda_tests() { KVROUTE_REQUIRE_GPU=1 KVROUTE_REQUIRE_NVRTC=1 "$tests" | tee "$out/tests.txt"; }
+# The decode kernels (every variant, split and not) under the memory and race checkers.
+sanitize() {
+    local tool=$1
+    KVROUTE_REQUIRE_GPU=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+        "$tests" gpu_sanitizer_every_decode_variant_small 2>&1 | tee "$out/$tool.txt"
+}
+memcheck() { sanitize memcheck; }
+racecheck() { sanitize racecheck; }
+batched() {
+    local torch=()
+    if has_python_torch; then
+        python3 "$here/torch_baselines.py" --out "$out/torch.json" | tee "$out/torch.txt" &&
+            torch=(--torch-baselines "$out/torch.json")
+    fi
+    "$kvroute" bench kernels --backend cuda --batched "${torch[@]}" | tee "$out/batched.txt"
+}
 bench() {
-    "$kvroute" --json bench kernels --backend cuda > "$out/bench.json" &&
+    "$kvroute" --json bench kernels --backend cuda --quick > "$out/bench.json" &&
         "$kvroute" bench kernels --backend cuda --quick | tee "$out/bench.txt"
 }
-split_sweep() { "$examples/split_sweep" | tee "$out/split_sweep.txt"; }
+# Nsight Compute's speed-of-light reading of the first launch of each decode kernel variant
+# in a quick batched run: what binds each (memory, tensor pipes, latency).
+ncu_readings() {
+    ncu --clock-control none --section SpeedOfLight --section Occupancy \
+        -k regex:mla_decode --launch-count 6 \
+        "$kvroute" bench kernels --backend cuda --batched --quick 2>&1 | tee "$out/ncu.txt" |
+        grep -E 'mla_decode|Throughput|Duration|Achieved Occupancy|Registers' | head -80
+}
 host_to_host() { "$examples/host_to_host" | tee "$out/host_to_host.txt"; }
 gpu_holder() {
-    KVROUTE_REQUIRE_GPU=1 "$route_tests" --exact a_gpu_holder_serves_what_a_cpu_holder_serves \
-        --nocapture 2>&1 | tee "$out/gpu_holder.txt"
+    KVROUTE_REQUIRE_GPU=1 "$route_tests" gpu_holder --nocapture 2>&1 | tee "$out/gpu_holder.txt"
 }
 sdpa() {
     python3 "$here/sdpa_compare.py" --kvroute "$kvroute" --bench "$out/bench.json" --out "$out" |
@@ -50,9 +74,15 @@ step() {
 
 step "device and kernel resources" gpu_info
 step "CUDA kernels against the reference and the CPU path" cuda_tests
+step "kvroute bench kernels --backend cuda --batched (FlashMLA's shapes, torch beside)" batched
+if command -v compute-sanitizer > /dev/null; then
+    step "the decode kernels under compute-sanitizer memcheck" memcheck
+    step "the decode kernels under compute-sanitizer racecheck" racecheck
+else
+    echo "SKIPPED: compute-sanitizer is not on PATH" | tee "$out/memcheck.txt" "$out/racecheck.txt"
+fi
 step "kvroute bench kernels --backend cuda" bench
 if [ -n "$examples" ]; then
-    step "the split planner against every split (examples/split_sweep.rs)" split_sweep
     step "host-to-host calls, CUDA against the CPU (examples/host_to_host.rs)" host_to_host
 fi
 # libfabric on the library path (the GPU machines lent so far had none: carrying
@@ -80,12 +110,15 @@ else
         tee "$out/demo_cuda.txt"
 fi
 if [ -n "$route_tests" ]; then
-    step "a holder with its chunks resident on the GPU against a CPU holder (route_mem)" gpu_holder
+    step "holders with their chunks resident on the GPU (route_mem gpu_holder tests)" gpu_holder
 fi
-if python3 -c 'import torch, numpy' 2>/dev/null; then
+if has_python_torch; then
     step "the CUDA dense partial against PyTorch SDPA on the same bf16 inputs" sdpa
 else
     echo "SKIPPED: python3 with torch and numpy is not available" | tee "$out/sdpa.txt"
+fi
+if [ "${GPU_TEST_NCU:-1}" != 0 ] && command -v ncu > /dev/null; then
+    step "Nsight Compute: what binds each decode kernel" ncu_readings
 fi
 if [ ${#failed[@]} -gt 0 ]; then
     printf 'gpu-test: failed: %s\n' "${failed[@]}"

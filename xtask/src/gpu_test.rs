@@ -71,8 +71,6 @@ pub(crate) fn run(root: &Path, require_gpu: bool) -> Result<()> {
             "-p",
             "kvroute-kernels",
             "--example",
-            "split_sweep",
-            "--example",
             "host_to_host",
         ],
         &[],

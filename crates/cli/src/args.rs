@@ -589,6 +589,13 @@ pub struct KernelsBenchArgs {
     /// Fewer repetitions (a smoke run).
     #[arg(long)]
     pub quick: bool,
+    /// The batched paged kernels at FlashMLA's decode shapes instead (`--backend cuda`).
+    #[arg(long)]
+    pub batched: bool,
+    /// PyTorch's matrix rate and SDPA times on the same GPU, written just before by
+    /// `scripts/torch_baselines.py` (with `--batched`): the compute roofline and SDPA column.
+    #[arg(long, value_name = "FILE", requires = "batched")]
+    pub torch_baselines: Option<std::path::PathBuf>,
 }
 
 /// `kvroute bench transport`.

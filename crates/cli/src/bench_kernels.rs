@@ -6,7 +6,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use kvroute_kernels::Backend;
-use kvroute_kernels::bench::{Budget, DenseRow, KernelBench, dense_flops};
+use kvroute_kernels::bench::{
+    BatchedBench, BatchedKind, BatchedRow, Budget, DenseRow, KernelBench, TorchBaselines,
+    batched_shapes, dense_flops, gpu_batched,
+};
 use kvroute_kernels::cuda::Gpu;
 use kvroute_kernels::layout::D_QK;
 use kvroute_kernels::workload as w;
@@ -231,5 +234,158 @@ fn gpu_targets(m: &KernelBench) -> Vec<Target> {
     vec![
         target(0, "27 x 2048 fused splice, copying (us)"),
         target(1, "27 x 2048 fused splice, in place (us)"),
+    ]
+}
+
+/// `kvroute bench kernels --backend cuda --batched`: the batched kernels and their targets.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct BatchedReport {
+    /// What was measured.
+    #[serde(flatten)]
+    pub measured: BatchedBench,
+    /// Targets.
+    pub targets: Vec<Target>,
+}
+
+impl fmt::Display for BatchedReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let m = &self.measured;
+        writeln!(f, "batched paged decode on {}", m.device)?;
+        writeln!(
+            f,
+            "roofline, this run: device copy {:.2} TB/s (read + write){}",
+            m.copy_tbps,
+            m.torch.as_ref().map_or_else(
+                || "; no torch figures (--torch-baselines): compute shares and SDPA not shown"
+                    .to_owned(),
+                |t| format!(
+                    "; torch {} bf16 matmul {:.0} TFLOP/s on {}",
+                    t.torch, t.matmul_tflops, t.device
+                )
+            )
+        )?;
+        writeln!(
+            f,
+            "one dense call, Mq = 1 over 2048 tokens: {:.1} us\n",
+            m.single_mq1_2048_us
+        )?;
+        writeln!(
+            f,
+            "  {:<9} {:>4} {:>3} {:>4} {:>5} {:>2} {:>10} {:>9} {:>6} {:>8} {:>8} {:>8} {:>9} {:>7}",
+            "kind", "b", "s_q", "h_q", "s_k", "MT", "grid", "us", "TB/s", "TFLOP/s", "bound",
+            "of roof", "SDPA us", "x SDPA"
+        )?;
+        for r in &m.rows {
+            let s = &r.shape;
+            let kind = match s.kind {
+                BatchedKind::Dense => "dense",
+                BatchedKind::Sparse => "top2k",
+                BatchedKind::SparseFp8 => "top2k fp8",
+            };
+            let (sdpa, x) = r.sdpa_us.map_or(("-".to_owned(), "-".to_owned()), |t| {
+                (format!("{t:.1}"), format!("{:.1}x", t / r.us))
+            });
+            writeln!(
+                f,
+                "  {:<9} {:>4} {:>3} {:>4} {:>5} {:>2} {:>10} {:>9.1} {:>6.2} {:>8.1} {:>8} {:>7.0}% {:>9} {:>7}",
+                kind,
+                s.b,
+                s.s_q,
+                s.h_q,
+                s.s_k,
+                r.row_tiles,
+                format!("{}x{}", r.grid.0, r.grid.1),
+                r.us,
+                r.tbps,
+                r.tflops,
+                r.bound,
+                100.0 * r.of_roofline,
+                sdpa,
+                x
+            )?;
+        }
+        write_targets(f, &self.targets, 1)
+    }
+}
+
+/// `kvroute bench kernels --backend cuda --batched [--torch-baselines FILE]`.
+pub(crate) fn batched(args: &KernelsBenchArgs) -> Result<BatchedReport> {
+    let backend: Backend = args.backend.parse()?;
+    if backend != Backend::Cuda {
+        bail!("--batched measures the CUDA kernels: pass --backend cuda");
+    }
+    let torch = args
+        .torch_baselines
+        .as_ref()
+        .map(|path| -> Result<TorchBaselines> {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("--torch-baselines {}", path.display()))?;
+            serde_json::from_str(&text)
+                .with_context(|| format!("--torch-baselines {}: not torch_baselines.py's JSON", path.display()))
+        })
+        .transpose()?;
+    let gpu = Gpu::global().context("--backend cuda")?;
+    let measured = gpu_batched(gpu, args.quick, &batched_shapes(), torch)?;
+    let targets = batched_targets(&measured);
+    Ok(BatchedReport { measured, targets })
+}
+
+/// The batched targets (same-run ratios): memory-bound rows (h_q x s_q <= 32) at 60% of the
+/// copy rate, compute-bound rows (>= 128) at 40% of torch's matrix rate, FP8 sparse rows of
+/// 128 rows a query token or more at 25% of it, every row 3x faster than SDPA on the same
+/// shape, and one Mq = 1 call over 2048 tokens under 8 us. Each ratio target is the worst row.
+fn batched_targets(m: &BatchedBench) -> Vec<Target> {
+    let per_token = |r: &BatchedRow| r.shape.h_q * r.shape.s_q;
+    let worst = |pick: &dyn Fn(&BatchedRow) -> Option<f64>| {
+        m.rows
+            .iter()
+            .filter_map(pick)
+            .fold(f64::INFINITY, f64::min)
+    };
+    let mem = worst(&|r| (per_token(r) <= 32).then(|| r.tbps / m.copy_tbps));
+    let cmp = worst(&|r| {
+        (per_token(r) >= 128 && r.shape.kind != BatchedKind::SparseFp8)
+            .then_some(r.of_matmul)
+            .flatten()
+    });
+    let fp8 = worst(&|r| {
+        (per_token(r) >= 128 && r.shape.kind == BatchedKind::SparseFp8)
+            .then_some(r.of_matmul)
+            .flatten()
+    });
+    let sdpa = worst(&|r| r.sdpa_us.map(|t| t / r.us));
+    let pct = |x: f64| if x.is_finite() { 100.0 * x } else { f64::NAN };
+    let x = |v: f64| if v.is_finite() { v } else { f64::NAN };
+    vec![
+        Target::new(
+            "memory-bound rows (h_q x s_q <= 32), worst share of the copy rate (%)",
+            ">= 60",
+            pct(mem),
+            mem >= 0.6,
+        ),
+        Target::new(
+            "compute-bound rows (h_q x s_q >= 128), worst share of torch's matmul rate (%)",
+            ">= 40",
+            pct(cmp),
+            cmp.is_finite() && cmp >= 0.4,
+        ),
+        Target::new(
+            "sparse top-2048 FP8 (h_q x s_q >= 128), worst share of the matmul rate (%)",
+            ">= 25",
+            pct(fp8),
+            fp8.is_finite() && fp8 >= 0.25,
+        ),
+        Target::new(
+            "every row against SDPA on the same shape, worst speedup",
+            ">= 3",
+            x(sdpa),
+            sdpa.is_finite() && sdpa >= 3.0,
+        ),
+        Target::new(
+            "one dense call, Mq = 1 over 2048 tokens (us)",
+            "< 8",
+            m.single_mq1_2048_us,
+            m.single_mq1_2048_us < 8.0,
+        ),
     ]
 }

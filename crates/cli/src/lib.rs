@@ -68,6 +68,9 @@ pub fn run(cli: &Cli) -> Result<String> {
         Command::Tour => render(cli.json, &tour::run()?),
         Command::Bench(BenchCommand::Transport(args)) => render(cli.json, &bench::transport(args)?),
         Command::Bench(BenchCommand::Fabric(args)) => render(cli.json, &bench_fabric::run(args)?),
+        Command::Bench(BenchCommand::Kernels(args)) if args.batched => {
+            render(cli.json, &bench_kernels::batched(args)?)
+        }
         Command::Bench(BenchCommand::Kernels(args)) => render(cli.json, &bench_kernels::run(args)?),
         Command::Kernel(KernelCommand::Partial(args)) => render(cli.json, &kernel::partial(args)?),
         Command::Kernel(KernelCommand::Merge(args)) => render(cli.json, &kernel::merge(args)?),

@@ -421,3 +421,325 @@ pub fn gpu(budget: &Budget, gpu: &Gpu) -> Result<KernelBench> {
         splice,
     })
 }
+
+/// What a row of the batched bench attends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BatchedKind {
+    /// Every context token, bf16 rows.
+    Dense,
+    /// A top-k selection per query token, bf16 rows.
+    Sparse,
+    /// A top-k selection per query token, FP8 rows ([`crate::fp8`]).
+    SparseFp8,
+}
+
+/// One shape of FlashMLA's decode benchmark: `b` requests of `s_q` new tokens x `h_q` heads
+/// over `s_k` context tokens in blocks of 64, dense or sparse top-`topk`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct BatchedShape {
+    /// Requests.
+    pub b: usize,
+    /// New tokens per request.
+    pub s_q: usize,
+    /// Query heads.
+    pub h_q: usize,
+    /// Context tokens per request.
+    pub s_k: usize,
+    /// Selected tokens per query token (sparse rows).
+    pub topk: Option<usize>,
+    /// Dense, sparse over bf16, or sparse over FP8.
+    pub kind: BatchedKind,
+}
+
+/// Tokens per block of the batched bench's pool (FlashMLA's).
+pub const BATCHED_BLOCK: usize = 64;
+/// The sparse rows' selection size (DeepSeek-V3.2's top-k).
+pub const BATCHED_TOPK: usize = 2048;
+
+impl BatchedShape {
+    /// Query rows of the batch.
+    pub fn rows(&self) -> usize {
+        self.b * self.s_q * self.h_q
+    }
+
+    /// Keys each query row attends.
+    pub fn keys(&self) -> usize {
+        self.topk.unwrap_or(self.s_k)
+    }
+
+    /// Floating-point operations: 2 x rows x keys x (576 + 512), QK^T and PV.
+    pub fn flops(&self) -> f64 {
+        2.0 * self.rows() as f64 * self.keys() as f64 * (D_QK + crate::layout::D_LATENT) as f64
+    }
+
+    /// The fewest bytes a call moves: each attended cache row read once (a dense request's
+    /// context once for all its rows; a sparse query token's selected rows once for its heads,
+    /// with their indices), the query rows read and the f32 partials written.
+    pub fn bytes(&self) -> f64 {
+        let row = match self.kind {
+            BatchedKind::SparseFp8 => crate::fp8::FP8_ROW_BYTES,
+            _ => D_QK * 2,
+        };
+        let cache = match self.topk {
+            None => self.b * self.s_k * row,
+            Some(k) => self.b * self.s_q * k * (row + 4),
+        };
+        let io = self.rows() * (D_QK * 2 + (crate::layout::D_LATENT + 2) * 4);
+        (cache + io) as f64
+    }
+}
+
+/// FlashMLA's benchmark grid (its `tests/test_flash_mla*.py` decode shapes): b = 64 and 128,
+/// s_q = 1 and 2, h_q = 16, 64 and 128, s_k = 4096 and 8192; dense over bf16, then sparse
+/// top-2048 over bf16 and over FP8. `scripts/torch_baselines.py` measures SDPA on the same grid.
+pub fn batched_shapes() -> Vec<BatchedShape> {
+    let mut out = Vec::new();
+    for kind in [
+        BatchedKind::Dense,
+        BatchedKind::Sparse,
+        BatchedKind::SparseFp8,
+    ] {
+        for b in [64, 128] {
+            for s_q in [1, 2] {
+                for h_q in [16, 64, 128] {
+                    for s_k in [4096, 8192] {
+                        let topk = (kind != BatchedKind::Dense).then_some(BATCHED_TOPK);
+                        out.push(BatchedShape {
+                            b,
+                            s_q,
+                            h_q,
+                            s_k,
+                            topk,
+                            kind,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// PyTorch's figures for the same grid, measured by `scripts/torch_baselines.py` on the same
+/// GPU in the same run: its bf16 matrix-product rate (the compute roofline), its device copy
+/// rate, and SDPA's time per shape.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct TorchBaselines {
+    /// torch's version.
+    pub torch: String,
+    /// The device torch saw.
+    pub device: String,
+    /// An 8192^3 bf16 matrix product on random data, TFLOP/s.
+    pub matmul_tflops: f64,
+    /// A device-to-device copy, bytes read plus written per second, TB/s.
+    pub copy_tbps: f64,
+    /// SDPA per shape (heads folded into the query length: every head attends the one latent).
+    pub sdpa: Vec<SdpaTime>,
+}
+
+/// SDPA's time on one shape.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct SdpaTime {
+    /// The shape (`kind` is `dense` or `sparse`; SDPA runs on bf16 for both sparse rows).
+    pub shape: BatchedShape,
+    /// Microseconds per call (the sparse rows' gather not included).
+    pub us: f64,
+}
+
+/// One row of `kvroute bench kernels --batched`.
+#[derive(Debug, Clone, Serialize)]
+pub struct BatchedRow {
+    /// The shape.
+    pub shape: BatchedShape,
+    /// Row tiles per block and the grid (work items, splits) the planner chose.
+    pub row_tiles: usize,
+    /// Work items x splits.
+    pub grid: (usize, usize),
+    /// Median microseconds per batch (the decode kernel and, when split, its combine).
+    pub us: f64,
+    /// [`BatchedShape::bytes`] per second, TB/s.
+    pub tbps: f64,
+    /// [`BatchedShape::flops`] per second, TFLOP/s.
+    pub tflops: f64,
+    /// The roofline's time: the larger of the bytes at the copy rate and the flops at the
+    /// matrix rate (the latter only with torch's figures), microseconds.
+    pub roofline_us: f64,
+    /// Which of the two binds: `memory` or `compute`.
+    pub bound: &'static str,
+    /// `roofline_us / us`.
+    pub of_roofline: f64,
+    /// `tflops` over torch's matrix rate.
+    pub of_matmul: Option<f64>,
+    /// SDPA on the same shape, microseconds.
+    pub sdpa_us: Option<f64>,
+}
+
+/// `kvroute bench kernels --backend cuda --batched`.
+#[derive(Debug, Clone, Serialize)]
+pub struct BatchedBench {
+    /// The GPU.
+    pub device: String,
+    /// A device-to-device copy of 1 GiB in this run, bytes read plus written, TB/s.
+    pub copy_tbps: f64,
+    /// torch's figures, when given.
+    pub torch: Option<TorchBaselines>,
+    /// One dense call of one query row over 2048 tokens (a contiguous cache), microseconds:
+    /// the smallest thing a holder runs.
+    pub single_mq1_2048_us: f64,
+    /// The grid.
+    pub rows: Vec<BatchedRow>,
+}
+
+/// `base` repeated to `len` elements: the batched bench's pool is 16,384 random rows over
+/// and over, so that every call reads its rows at distinct addresses without generating (or
+/// quantizing) gigabytes on the host row by row.
+fn tiled<T: Copy>(base: &[T], len: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(len);
+    while out.len() < len {
+        let n = (len - out.len()).min(base.len());
+        out.extend_from_slice(&base[..n]);
+    }
+    out
+}
+
+/// Times `launch` on `gpu`: the median of `reps` event-timed batches of launches, each batch
+/// sized to run about 20 ms (`quick`: 3 launches, one batch).
+fn time_launches(
+    gpu: &Gpu,
+    quick: bool,
+    mut launch: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    let first = gpu.time_us(1, &mut launch)?;
+    let (iters, reps) = if quick {
+        (3, 1)
+    } else {
+        (((20_000.0 / first.max(1.0)) as usize).clamp(5, 500), 3)
+    };
+    let mut t: Vec<f64> = (0..reps)
+        .map(|_| gpu.time_us(iters, &mut launch))
+        .collect::<Result<_>>()?;
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// The batched kernels at FlashMLA's shapes on `gpu`, each beside the roofline measured in
+/// this run (the device copy here; the matrix rate and SDPA from `torch`, measured by
+/// `scripts/torch_baselines.py` on the same GPU just before).
+pub fn gpu_batched(
+    gpu: &Gpu,
+    quick: bool,
+    shapes: &[BatchedShape],
+    torch: Option<TorchBaselines>,
+) -> Result<BatchedBench> {
+    use crate::{DecodeRequest, KvPool};
+
+    let copy_bytes = 1usize << 30;
+    let copy_us = gpu.time_copy_us(copy_bytes, if quick { 3 } else { 20 })?;
+    let copy_tbps = 2.0 * copy_bytes as f64 / copy_us / 1e6;
+    let single = {
+        let (c, q) = (rows(w::DENSE_CT, 1), rows(1, 2));
+        let (cache, q) = (Cache::contiguous(&c)?, Queries::new(&q)?);
+        let mut p = gpu.prepare_partial(&q, &cache, None, SCALE)?;
+        time_launches(gpu, quick, || gpu.launch_partial(&mut p))?
+    };
+    // One pool for every shape: the largest batch's contexts, 64-token blocks in a shuffled
+    // order, bf16 and FP8.
+    let most = shapes.iter().map(|s| s.b * s.s_k).max().unwrap_or(0);
+    let blocks = most.div_ceil(BATCHED_BLOCK);
+    let distinct = rows(16_384, 3);
+    let bf16_rows = tiled(&distinct, blocks * BATCHED_BLOCK * D_QK);
+    let bf16_pool = gpu.upload_pool(&KvPool::bf16(&bf16_rows, BATCHED_BLOCK)?)?;
+    drop(bf16_rows);
+    let fp8_rows = tiled(
+        &crate::fp8::quantize(&distinct)?,
+        blocks * BATCHED_BLOCK * crate::fp8::FP8_ROW_BYTES,
+    );
+    let fp8_pool = gpu.upload_pool(&KvPool::fp8(&fp8_rows, BATCHED_BLOCK)?)?;
+    drop(fp8_rows);
+    let mut order: Vec<u32> = (0..blocks as u32).collect();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move |n: usize| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % n as u64) as usize
+    };
+    for i in (1..order.len()).rev() {
+        order.swap(i, next(i + 1));
+    }
+    let mut out = Vec::new();
+    for &shape in shapes {
+        let per = shape.s_k.div_ceil(BATCHED_BLOCK);
+        let tables: Vec<&[u32]> = (0..shape.b)
+            .map(|r| &order[r * per..(r + 1) * per])
+            .collect();
+        let q_rows = rows(shape.rows(), 5);
+        let mut sel = Vec::new();
+        if let Some(k) = shape.topk {
+            let mut all: Vec<i32> = (0..shape.s_k as i32).collect();
+            for _ in 0..shape.b * shape.s_q {
+                for i in 0..k {
+                    let j = i + next(shape.s_k - i);
+                    all.swap(i, j);
+                }
+                sel.extend_from_slice(&all[..k]);
+            }
+        }
+        let per_req = shape.s_q * shape.h_q;
+        let requests: Vec<DecodeRequest<'_>> = (0..shape.b)
+            .map(|r| {
+                let q = Queries::new(&q_rows[r * per_req * D_QK..(r + 1) * per_req * D_QK])?;
+                Ok(match shape.topk {
+                    None => DecodeRequest::dense(q, tables[r], shape.s_k),
+                    Some(k) => {
+                        let idx = &sel[r * shape.s_q * k..(r + 1) * shape.s_q * k];
+                        let s = Selection::new(idx, k, shape.h_q, per_req, shape.s_k)?;
+                        DecodeRequest::sparse(q, tables[r], shape.s_k, s)
+                    }
+                })
+            })
+            .collect::<Result<_>>()?;
+        let pool = if shape.kind == BatchedKind::SparseFp8 {
+            &fp8_pool
+        } else {
+            &bf16_pool
+        };
+        let mut prepared = gpu.prepare_batched(pool, &requests, SCALE)?;
+        let us = time_launches(gpu, quick, || gpu.launch_batched(pool, &mut prepared))?;
+        let matmul = torch.as_ref().map(|t| t.matmul_tflops);
+        let mem_us = shape.bytes() / (copy_tbps * 1e6);
+        let cmp_us = matmul.map_or(0.0, |m| shape.flops() / (m * 1e6));
+        let sdpa_us = torch.as_ref().and_then(|t| {
+            let want = BatchedShape {
+                kind: match shape.kind {
+                    BatchedKind::Dense => BatchedKind::Dense,
+                    _ => BatchedKind::Sparse,
+                },
+                ..shape
+            };
+            t.sdpa.iter().find(|s| s.shape == want).map(|s| s.us)
+        });
+        let tflops = shape.flops() / us / 1e6;
+        out.push(BatchedRow {
+            shape,
+            row_tiles: prepared.row_tiles(),
+            grid: prepared.grid(),
+            us,
+            tbps: shape.bytes() / us / 1e6,
+            tflops,
+            roofline_us: mem_us.max(cmp_us),
+            bound: if cmp_us > mem_us { "compute" } else { "memory" },
+            of_roofline: mem_us.max(cmp_us) / us,
+            of_matmul: matmul.map(|m| tflops / m),
+            sdpa_us,
+        });
+    }
+    Ok(BatchedBench {
+        device: crate::describe(Backend::Cuda)?,
+        copy_tbps,
+        torch,
+        single_mq1_2048_us: single,
+        rows: out,
+    })
+}

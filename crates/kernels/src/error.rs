@@ -82,6 +82,14 @@ pub enum KernelError {
         /// Second position.
         second: usize,
     },
+    /// One request of a batched call ([`crate::partial_batched`]) is refused: which one, and why.
+    #[error("request {request}: {source}")]
+    Request {
+        /// The request's position in the batch.
+        request: usize,
+        /// What is wrong with it.
+        source: Box<KernelError>,
+    },
     /// The CUDA backend was asked for and cannot run here.
     #[error("CUDA backend unavailable: {0}")]
     CudaUnavailable(String),

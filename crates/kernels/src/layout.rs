@@ -48,6 +48,9 @@ pub struct Cache<'a> {
     rows: &'a [u16],
     table: Option<&'a [u32]>,
     tokens: usize,
+    /// Tokens per page (paged), and its log2 where it is a power of two.
+    block: usize,
+    shift: Option<u32>,
 }
 
 impl<'a> Cache<'a> {
@@ -64,22 +67,42 @@ impl<'a> Cache<'a> {
             rows,
             table: None,
             tokens: rows.len() / D_QK,
+            block: PAGE_TOKENS,
+            shift: None,
         })
     }
 
     /// `tokens` tokens in a pool of 64-token pages: token `t` is row `t % 64` of page
     /// `table[t / 64]`. Every page the tokens touch is checked against the pool.
     pub fn paged(pool: &'a [u16], table: &'a [u32], tokens: usize) -> Result<Self, KernelError> {
-        let page_elems = PAGE_TOKENS * D_QK;
+        Self::paged_blocks(pool, PAGE_TOKENS, table, tokens)
+    }
+
+    /// [`Cache::paged`] over pages of `block_tokens` tokens (any positive number): token `t`
+    /// is row `t % block_tokens` of page `table[t / block_tokens]`.
+    pub fn paged_blocks(
+        pool: &'a [u16],
+        block_tokens: usize,
+        table: &'a [u32],
+        tokens: usize,
+    ) -> Result<Self, KernelError> {
+        if block_tokens == 0 {
+            return Err(KernelError::Parameter {
+                what: "tokens per block",
+                value: 0.0,
+                why: "must be positive",
+            });
+        }
+        let page_elems = block_tokens * D_QK;
         if !pool.len().is_multiple_of(page_elems) {
             return Err(KernelError::Shape {
-                what: "paged pool (whole 64-token pages)",
+                what: "paged pool (whole blocks of rows)",
                 expected: pool.len() / page_elems * page_elems,
                 got: pool.len(),
             });
         }
         let pages = pool.len() / page_elems;
-        let used = tokens.div_ceil(PAGE_TOKENS);
+        let used = tokens.div_ceil(block_tokens);
         if table.len() < used {
             return Err(KernelError::Shape {
                 what: "block table (pages for the tokens)",
@@ -92,6 +115,10 @@ impl<'a> Cache<'a> {
             rows: pool,
             table: Some(table),
             tokens,
+            block: block_tokens,
+            shift: block_tokens
+                .is_power_of_two()
+                .then(|| block_tokens.trailing_zeros()),
         })
     }
 
@@ -105,11 +132,28 @@ impl<'a> Cache<'a> {
         (self.rows, self.table)
     }
 
+    /// Tokens per page of a paged cache.
+    pub(crate) fn block_tokens(&self) -> usize {
+        self.block
+    }
+
+    /// Token `t`'s (page index in the table, row within the page).
+    #[inline(always)]
+    fn page_of(&self, t: usize) -> (usize, usize) {
+        match self.shift {
+            Some(s) => (t >> s, t & (self.block - 1)),
+            None => (t / self.block, t % self.block),
+        }
+    }
+
     #[inline(always)]
     fn row_start(&self, t: usize) -> usize {
         match self.table {
             None => t * D_QK,
-            Some(table) => (table[t / PAGE_TOKENS] as usize * PAGE_TOKENS + t % PAGE_TOKENS) * D_QK,
+            Some(table) => {
+                let (page, at) = self.page_of(t);
+                (table[page] as usize * self.block + at) * D_QK
+            }
         }
     }
 
@@ -126,7 +170,7 @@ impl<'a> Cache<'a> {
     pub(crate) fn run(&self, t0: usize, n: usize) -> Option<&'a [u16]> {
         match self.table {
             None => Some(&self.rows[t0 * D_QK..(t0 + n) * D_QK]),
-            Some(_) if t0 / PAGE_TOKENS == (t0 + n - 1) / PAGE_TOKENS => {
+            Some(_) if self.page_of(t0).0 == self.page_of(t0 + n - 1).0 => {
                 let start = self.row_start(t0);
                 Some(&self.rows[start..start + n * D_QK])
             }

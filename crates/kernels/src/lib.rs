@@ -32,12 +32,14 @@
 //! # Ok::<(), kvroute_kernels::KernelError>(())
 //! ```
 
+mod batch;
 #[cfg(feature = "bench")]
 pub mod bench;
 pub mod bf16;
 mod cpu;
 pub mod cuda;
 mod error;
+pub mod fp8;
 pub mod layout;
 
 mod merge;
@@ -48,6 +50,7 @@ pub mod rope;
 mod splice;
 pub mod workload;
 
+pub use batch::{DecodeRequest, KvPool, KvRows, PoolShape};
 pub use cpu::Isa;
 pub use error::KernelError;
 pub use layout::{Cache, Queries, RopeLayout, Selection};
@@ -264,6 +267,29 @@ pub fn partial_sparse(
     };
     p.check_finite(|r| attends(&sel, r))?;
     Ok(p)
+}
+
+/// Batched paged decode ([`batch`]): every request of `requests` against `pool`, one
+/// [`Partial`] per request. On CUDA the whole batch is one launch of the tensor-core kernel
+/// (two when it splits the keys), with the pool uploaded for the call; [`cuda::Gpu`] also
+/// runs it over a pool kept on the device. A request refused (its table, selection or query
+/// rows) or a row that is not finite is a [`KernelError::Request`] naming the request. An
+/// empty batch gives no partials.
+pub fn partial_batched(
+    backend: Backend,
+    pool: &KvPool<'_>,
+    requests: &[DecodeRequest<'_>],
+    scale: f32,
+) -> Result<Vec<Partial>, KernelError> {
+    batch::check_batch(&pool.shape(), requests, scale)?;
+    let rows = requests.iter().map(|r| r.queries().len()).sum();
+    let parts = match engine(backend, Call::Partial { rows })? {
+        Engine::Cpu(isa) => batch::host(batch::Host::Cpu(isa), pool, requests, scale)?,
+        Engine::Reference => batch::host(batch::Host::Reference, pool, requests, scale)?,
+        Engine::Cuda(gpu) => gpu.partial_batched(pool, requests, scale)?,
+    };
+    batch::check_results(requests, &parts)?;
+    Ok(parts)
 }
 
 /// Whether query row `r` selects at least one token (not only padding).

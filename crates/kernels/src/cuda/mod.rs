@@ -6,55 +6,47 @@
 //! before touching either, so on a machine without CUDA every entry point returns
 //! [`KernelError::CudaUnavailable`].
 //!
-//! Two ways in:
-//! - the host API ([`Gpu::partial_dense`], [`Gpu::partial_sparse`], [`Gpu::merge`],
-//!   [`Gpu::splice`], and [`crate::Backend::Cuda`]): host slices in, host results out, every
-//!   transfer included;
-//! - resident cache rows ([`Gpu::upload_rows`], [`Gpu::partial_resident`]): a holder's chunks
-//!   uploaded once, each call moving only its query rows up and its partial down;
-//! - resident inputs ([`Gpu::prepare_partial`], [`Gpu::prepare_splice`]): everything uploaded
-//!   once and launched many times, which is how the benchmarks time the kernels alone.
+//! Every partial runs on the tensor-core decode kernel ([`decode`]): a batch of requests over
+//! a paged pool in one launch, a single cache being the one-request batch. Ways in:
+//! - the host API ([`Gpu::partial_batched`], [`Gpu::partial_dense`], [`Gpu::partial_sparse`],
+//!   [`Gpu::merge`], [`Gpu::splice`], and [`crate::Backend::Cuda`]): host slices in, host
+//!   results out, every transfer included;
+//! - a pool kept on the device ([`Gpu::upload_pool`], [`Gpu::partial_batched_resident`]) or
+//!   contiguous rows ([`Gpu::upload_rows`], [`Gpu::partial_resident`]): a holder's chunks
+//!   uploaded once, each call moving only its query rows up and its partials down;
+//! - resident inputs ([`Gpu::prepare_batched`], [`Gpu::prepare_partial`],
+//!   [`Gpu::prepare_splice`]): everything uploaded once and launched many times, which is how
+//!   the benchmarks time the kernels alone.
 
+mod decode;
 pub mod nvrtc;
 
+pub use decode::{DevicePool, PreparedBatch};
+
 use std::ops::Range;
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DriverError,
     LaunchConfig, PushKernelArg,
     sys::{CUdevice_attribute, CUfunction_attribute},
 };
 use cudarc::nvrtc::Ptx;
 use serde::Serialize;
 
+use crate::batch::{DecodeRequest, KvPool, PoolShape};
 use crate::error::KernelError;
-use crate::layout::{Cache, D_LATENT, D_QK, D_ROPE, PARTIAL_ROW_BYTES, Queries, Selection};
+use crate::layout::{Cache, D_LATENT, D_QK, D_ROPE, Queries, Selection};
 use crate::partial::{Partial, WireOut};
 use crate::rope::PAIRS;
 use crate::splice::SpliceJob;
 pub use nvrtc::KernelResources;
 
-/// Query rows per block of `mla_partial` (one warp each; `ROWS` in kernels.cu).
-const ROWS: usize = 8;
-/// Cache tokens per shared-memory tile (`TILE` in kernels.cu).
-const TILE: usize = 16;
-/// Threads per block of `mla_partial`, `mla_combine`, `mla_splice`.
-const PARTIAL_THREADS: u32 = (ROWS * 32) as u32;
+/// Threads per block of `mla_combine`, `mla_splice`.
 const COMBINE_THREADS: u32 = 512;
 /// Output dims one `mla_combine` block finishes (`COMBINE_DIMS` in kernels.cu).
 const COMBINE_DIMS: usize = 128;
 const SPLICE_THREADS: u32 = 256;
-/// Blocks per SM the split-K planner aims for. A block works through its tiles one load
-/// after another, so the loads in flight come from many blocks: with 80 registers per
-/// thread three are resident per SM, and about eight per SM (queued ones start as others
-/// finish) was the fastest split at Mq = 64-256 on an H200 (docs/kernels.md).
-const BLOCKS_PER_SM: usize = 8;
-/// The most splits the planner makes: each is a part the combine reads back (2 KB a row),
-/// and past about 256 of them the combine cost more than the extra splits gained.
-const MAX_SPLITS: usize = 256;
-/// CUDA's grid.y limit.
-const MAX_GRID_Y: usize = 65_535;
 /// `mla_combine`'s `wire` argument when its rows go to `out_o` / `out_m` / `out_l`.
 const NULL_WIRE: u64 = 0;
 
@@ -102,12 +94,14 @@ pub struct LoadedKernel {
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    partial: CudaFunction,
+    /// `mla_decode_*`, by [`decode::DECODE_KERNELS`]'s order.
+    decode: Vec<CudaFunction>,
     combine: CudaFunction,
     splice: CudaFunction,
     info: GpuInfo,
-    /// [`Gpu::partial_resident`]'s buffers, kept between calls (one call at a time).
+    /// The resident calls' buffers, kept between calls (one call at a time).
     scratch: Mutex<Scratch>,
+    launches: decode::LaunchCount,
 }
 
 /// Why no GPU can be used here, or `Ok` with nothing when one can (without opening it).
@@ -152,17 +146,23 @@ impl Gpu {
         let sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver("SM count"))?;
-        let (partial, combine, splice) = (
-            load("mla_partial")?,
-            load("mla_combine")?,
-            load("mla_splice")?,
-        );
-        let loaded = [
-            ("mla_partial", &partial),
-            ("mla_combine", &combine),
-            ("mla_splice", &splice),
-        ]
-        .into_iter()
+        let (combine, splice) = (load("mla_combine")?, load("mla_splice")?);
+        let decode = decode::DECODE_KERNELS
+            .iter()
+            .map(|name| load(name))
+            .collect::<Result<Vec<_>, _>>()?;
+        for (i, f) in decode.iter().enumerate() {
+            // More than 48 KB of dynamic shared memory is refused until asked for.
+            let (_, bytes) = decode::decode_layout(1 << (i % 3), i >= 3);
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                i32::try_from(bytes).unwrap_or(i32::MAX),
+            )
+            .map_err(driver("raising the decode kernel's shared memory"))?;
+        }
+        let loaded = [("mla_combine", &combine), ("mla_splice", &splice)]
+            .into_iter()
+            .chain(decode::DECODE_KERNELS.iter().copied().zip(&decode))
         .map(|(name, f)| {
             let get = |what: &'static str, attribute| {
                 f.get_attribute(attribute)
@@ -205,15 +205,19 @@ impl Gpu {
             host_wire: Vec::new(),
             q: stream.alloc_zeros(1).map_err(driver("allocation"))?,
             sel: stream.alloc_zeros(1).map_err(driver("allocation"))?,
+            tables: stream.alloc_zeros(1).map_err(driver("allocation"))?,
+            reqs: stream.alloc_zeros(1).map_err(driver("allocation"))?,
+            work: stream.alloc_zeros(1).map_err(driver("allocation"))?,
         };
         Ok(Self {
-            partial,
+            decode,
             combine,
             splice,
             stream,
             ctx,
             info,
             scratch: Mutex::new(scratch),
+            launches: decode::LaunchCount::default(),
         })
     }
 
@@ -299,8 +303,9 @@ impl Gpu {
         Ok(buf.slice(..n))
     }
 
-    /// Uploads a dense or sparse partial's inputs (checked as by [`crate::partial_dense`] /
-    /// [`crate::partial_sparse`]) and plans its split-K grid.
+    /// Uploads a dense (`sel` = `None`) or sparse partial's inputs (checked as by
+    /// [`crate::partial_dense`] / [`crate::partial_sparse`]) to launch again and again: the
+    /// one-request case of [`Gpu::prepare_batched`].
     pub fn prepare_partial(
         &self,
         q: &Queries<'_>,
@@ -308,190 +313,26 @@ impl Gpu {
         sel: Option<&Selection<'_>>,
         scale: f32,
     ) -> Result<PreparedPartial, KernelError> {
-        self.prepare_partial_split(q, cache, sel, scale, None)
+        let (pool, table) = one_pool(cache)?;
+        let request = one_request(q, &table, cache.tokens(), sel);
+        let dev = self.upload_pool(&pool)?;
+        let batch = self
+            .prepare_batched(&dev, &[request], scale)
+            .map_err(unwrap_one)?;
+        Ok(PreparedPartial { pool: dev, batch })
     }
 
-    /// [`Gpu::prepare_partial`] with the split chosen by the caller: `tiles_per_split`
-    /// tiles of 16 keys per block (at least one), or `None` for the planner's choice. For
-    /// measuring the planner against the alternatives.
-    pub fn prepare_partial_split(
-        &self,
-        q: &Queries<'_>,
-        cache: &Cache<'_>,
-        sel: Option<&Selection<'_>>,
-        scale: f32,
-        tiles_per_split: Option<usize>,
-    ) -> Result<PreparedPartial, KernelError> {
-        let plan = self.plan(q, cache.tokens(), sel, scale, tiles_per_split)?;
-        let (pool, table) = cache.parts();
-        Ok(PreparedPartial {
-            q: self.upload(q.as_slice())?,
-            cache: self.upload(pool)?,
-            table: table.map(|t| self.upload(t)).transpose()?,
-            sel: sel.map(|s| self.upload(s.raw())).transpose()?,
-            ws: self.workspace(&plan)?,
-            plan,
-        })
-    }
-
-    /// Checks a partial's shape (as [`crate::partial_dense`] / [`crate::partial_sparse`]
-    /// do, the selection against `tokens` cache tokens) and plans its split-K grid.
-    fn plan(
-        &self,
-        q: &Queries<'_>,
-        tokens: usize,
-        sel: Option<&Selection<'_>>,
-        scale: f32,
-        tiles_per_split: Option<usize>,
-    ) -> Result<SplitK, KernelError> {
-        crate::check_scale(scale)?;
-        if q.is_empty() {
-            return Err(KernelError::Empty("query rows"));
-        }
-        let mq = q.len();
-        let (keys, groups_per_token, groups) = match sel {
-            None => (tokens, 1, mq.div_ceil(ROWS)),
-            Some(sel) => {
-                Selection::new(sel.raw(), sel.k(), sel.rows_per_token(), mq, tokens)?;
-                let per_token = sel.rows_per_token().div_ceil(ROWS);
-                (sel.k(), per_token, mq / sel.rows_per_token() * per_token)
-            }
-        };
-        if groups > MAX_GRID_Y {
-            return Err(KernelError::Parameter {
-                what: "query row groups (CUDA grid.y)",
-                value: groups as f64,
-                why: "at most 65535 groups of 8 rows per launch",
-            });
-        }
-        let tiles = keys.div_ceil(TILE).max(1);
-        let keys_per_split = tiles_per_split.map_or_else(
-            || plan_tiles_per_split(tiles, groups, self.info.sms),
-            |t| t.clamp(1, tiles),
-        ) * TILE;
-        let splits = keys.div_ceil(keys_per_split).max(1);
-        let to_i32 = |what: &'static str, v: usize| {
-            i32::try_from(v).map_err(|_| KernelError::Parameter {
-                what,
-                value: v as f64,
-                why: "exceeds the kernel's 32-bit index",
-            })
-        };
-        Ok(SplitK {
-            mq: to_i32("query rows", mq)?,
-            keys: to_i32("keys", keys)?,
-            rows_per_token: to_i32("rows per token", sel.map_or(1, |s| s.rows_per_token()))?,
-            groups_per_token: to_i32("groups per token", groups_per_token)?,
-            keys_per_split: to_i32("keys per split", keys_per_split)?,
-            groups,
-            splits,
-            scale,
-        })
-    }
-
-    /// The split states and the finished partial of `plan`, in device memory.
-    fn workspace(&self, plan: &SplitK) -> Result<Workspace, KernelError> {
-        let (states, out) = plan.workspace_lens();
-        Ok(Workspace {
-            states: self.zeros(states)?,
-            out: self.zeros(out)?,
-        })
-    }
-
-    /// Launches a prepared partial (split-K pass, then the combine) without waiting.
+    /// Launches a prepared partial without waiting.
     pub fn launch_partial(&self, p: &mut PreparedPartial) -> Result<(), KernelError> {
-        let (q, cache, sel) = (
-            p.q.slice(..),
-            p.cache.slice(..),
-            p.sel.as_ref().map(|s| s.slice(..)),
-        );
-        let inputs = SplitKInputs {
-            q: &q,
-            cache: &cache,
-            table: p.table.as_ref(),
-            sel: sel.as_ref(),
-        };
-        self.launch_split_k(&p.plan, &inputs, &mut p.ws, None)
-    }
-
-    /// Launches `mla_partial` and `mla_combine` for `plan` on `inputs`, into `ws`.
-    fn launch_split_k(
-        &self,
-        plan: &SplitK,
-        inputs: &SplitKInputs<'_, '_>,
-        ws: &mut Workspace,
-        wire: Option<&mut CudaViewMut<'_, u8>>,
-    ) -> Result<(), KernelError> {
-        if plan.keys == 0 {
-            // A dense partial over an empty cache: the empty partial, nothing to launch.
-            return Ok(());
-        }
-        const NULL: u64 = 0;
-        let mut b = self.stream.launch_builder(&self.partial);
-        b.arg(inputs.q).arg(&plan.mq).arg(inputs.cache);
-        match inputs.table {
-            Some(t) => b.arg(t),
-            None => b.arg(&NULL),
-        };
-        match inputs.sel {
-            Some(s) => b.arg(s),
-            None => b.arg(&NULL),
-        };
-        b.arg(&plan.keys)
-            .arg(&plan.rows_per_token)
-            .arg(&plan.groups_per_token)
-            .arg(&plan.keys_per_split)
-            .arg(&plan.scale);
-        let (mq, states) = (plan.mq as usize, plan.splits * plan.mq as usize);
-        let (mut ws_o, mut ws_ml) = ws.states.split_at_mut(states * D_LATENT);
-        let (mut ws_m, mut ws_l) = ws_ml.split_at_mut(states);
-        b.arg(&mut ws_o).arg(&mut ws_m).arg(&mut ws_l);
-        let grid = (plan.splits as u32, plan.groups as u32, 1);
-        // SAFETY: the arguments match mla_partial's signature in order and type; every index
-        // the kernel forms was bounded by `plan` (Selection checked against the cache's
-        // tokens, the block table against the pool), and the workspace holds splits x mq rows.
-        unsafe { b.launch(config(grid, PARTIAL_THREADS)) }.map_err(driver("mla_partial"))?;
-        let (parts, normalized) = (plan.splits as i32, 0i32);
-        let (ws_o, ws_ml) = ws.states.split_at(states * D_LATENT);
-        let (ws_m, ws_l) = ws_ml.split_at(states);
-        let (mut o, mut ml) = ws.out.split_at_mut(mq * D_LATENT);
-        let (mut m, mut l) = ml.split_at_mut(mq);
-        let mut c = self.stream.launch_builder(&self.combine);
-        c.arg(&ws_o)
-            .arg(&ws_m)
-            .arg(&ws_l)
-            .arg(&parts)
-            .arg(&plan.mq)
-            .arg(&normalized)
-            .arg(&mut o)
-            .arg(&mut m)
-            .arg(&mut l);
-        match wire {
-            Some(w) => c.arg(w),
-            None => c.arg(&NULL_WIRE),
-        };
-        // SAFETY: as above; parts x mq states in the workspace, mq rows out (to `wire`, which
-        // holds mq rows of 1032 bytes, when given).
-        unsafe { c.launch(config(combine_grid(plan.mq as u32), COMBINE_THREADS)) }
-            .map_err(driver("mla_combine"))?;
-        Ok(())
+        self.launch_batched(&p.pool, &mut p.batch)
     }
 
     /// The last launched result of `p`, downloaded (waits for it).
     pub fn read_partial(&self, p: &PreparedPartial) -> Result<Partial, KernelError> {
-        self.read_split_k(&p.plan, &p.ws)
-    }
-
-    fn read_split_k(&self, plan: &SplitK, ws: &Workspace) -> Result<Partial, KernelError> {
-        let mq = plan.mq as usize;
-        if plan.keys == 0 {
-            return Ok(Partial::empty(mq));
-        }
-        // One copy: o, then m, then l (a kept workspace may be longer).
-        let mut o = self.download(&ws.out, mq * (D_LATENT + 2))?;
-        let l = o.split_off(mq * (D_LATENT + 1));
-        let m = o.split_off(mq * D_LATENT);
-        Ok(Partial { o, m, l })
+        let mut parts = self.read_batched(&p.batch)?;
+        parts
+            .pop()
+            .ok_or_else(|| KernelError::Cuda("a one-request batch gave no partial".into()))
     }
 
     /// Uploads contiguous cache rows (`[tokens, 576]` bf16, as [`Cache::contiguous`] takes
@@ -519,19 +360,11 @@ impl Gpu {
         sel: Option<&Selection<'_>>,
         scale: f32,
     ) -> Result<Partial, KernelError> {
-        let call = ResidentCall {
-            tokens,
-            q,
-            sel,
-            scale,
-        };
-        let plan = self.resident_plan(rows, &call)?;
-        if plan.keys == 0 {
-            return Ok(Partial::empty(q.len()));
-        }
-        let mut scratch = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
-        self.launch_resident(&mut scratch, rows, (&plan, &call), false)?;
-        self.read_split_k(&plan, &scratch.ws)
+        let (plan, kv) = self.resident_plan(rows, &tokens, q, sel, scale)?;
+        let mut parts = self.run_batch(&kv, &plan, None)?;
+        parts
+            .pop()
+            .ok_or_else(|| KernelError::Cuda("a one-request batch gave no partial".into()))
     }
 
     /// [`Gpu::partial_resident`] into its wire rows (`out`, one per query row), encoded on the
@@ -548,48 +381,26 @@ impl Gpu {
         out: &mut WireOut<'_>,
     ) -> Result<(), KernelError> {
         crate::error::check_len("partial wire rows", q.len(), out.rows())?;
-        let call = ResidentCall {
-            tokens,
-            q,
-            sel,
-            scale,
-        };
-        let plan = self.resident_plan(rows, &call)?;
-        if plan.keys == 0 {
-            return out.write(&Partial::empty(q.len()));
-        }
-        let mut scratch = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
-        self.launch_resident(&mut scratch, rows, (&plan, &call), true)?;
-        let Scratch {
-            wire, host_wire, ..
-        } = &mut *scratch;
-        let dev = wire.slice(..plan.mq as usize * PARTIAL_ROW_BYTES);
-        host_wire.resize(dev.len(), 0);
-        self.stream
-            .memcpy_dtoh(&dev, host_wire.as_mut_slice())
-            .map_err(driver("download"))?;
-        for (row, src) in out
-            .row_slices()
-            .iter_mut()
-            .zip(host_wire.chunks_exact(PARTIAL_ROW_BYTES))
-        {
-            row.copy_from_slice(src);
-        }
+        let (plan, kv) = self.resident_plan(rows, &tokens, q, sel, scale)?;
+        self.run_batch(&kv, &plan, Some(out))?;
         Ok(())
     }
 
-    /// A resident call checked (the rows this GPU's, the range inside them) and planned.
-    fn resident_plan(
+    /// A resident call checked (the rows this GPU's, the range inside them) and planned as a
+    /// one-request batch over the range's rows (one block of its length).
+    fn resident_plan<'r>(
         &self,
-        rows: &DeviceRows,
-        call: &ResidentCall<'_, '_>,
-    ) -> Result<SplitK, KernelError> {
+        rows: &'r DeviceRows,
+        tokens: &Range<usize>,
+        q: &Queries<'_>,
+        sel: Option<&Selection<'_>>,
+        scale: f32,
+    ) -> Result<(decode::DecodePlan, CudaView<'r, u16>), KernelError> {
         if !Arc::ptr_eq(rows.rows.context(), &self.ctx) {
             return Err(KernelError::Cuda(
                 "resident rows uploaded to another GPU context".into(),
             ));
         }
-        let tokens = &call.tokens;
         if tokens.start > tokens.end || tokens.end > rows.tokens {
             return Err(KernelError::Parameter {
                 what: "resident token range end",
@@ -597,51 +408,22 @@ impl Gpu {
                 why: "must lie within the uploaded rows, start <= end",
             });
         }
-        self.plan(call.q, tokens.len(), call.sel, call.scale, None)
-    }
-
-    /// Stages a planned resident call's query rows and selection in the kept buffers and
-    /// launches it: its result lands in the kept workspace, or with `wire` in the kept wire
-    /// rows.
-    fn launch_resident(
-        &self,
-        scratch: &mut Scratch,
-        rows: &DeviceRows,
-        (plan, call): (&SplitK, &ResidentCall<'_, '_>),
-        wire: bool,
-    ) -> Result<(), KernelError> {
-        let Scratch {
-            ws,
-            wire: wire_rows,
-            q,
-            sel,
-            ..
-        } = scratch;
-        let (states_len, out_len) = plan.workspace_lens();
-        self.grow(&mut ws.states, states_len)?;
-        self.grow(&mut ws.out, out_len)?;
-        let q = self.stage(q, call.q.as_slice())?;
-        let sel = call.sel.map(|s| self.stage(sel, s.raw())).transpose()?;
+        let shape = PoolShape {
+            block_tokens: tokens.len().max(1),
+            blocks: 1,
+            fp8: false,
+        };
+        let request = one_request(q, &[0], tokens.len(), sel);
+        let plan = decode::DecodePlan::new(shape, &[request], scale, self.info.sms)
+            .map_err(unwrap_one)?;
         // An empty range attends nothing (sparse: every index is padding), and a view of no
         // elements cannot be made: the whole upload stands in, unread.
-        let cache = if call.tokens.is_empty() {
+        let kv = if tokens.is_empty() {
             rows.rows.slice(..)
         } else {
-            rows.rows
-                .slice(call.tokens.start * D_QK..call.tokens.end * D_QK)
+            rows.rows.slice(tokens.start * D_QK..tokens.end * D_QK)
         };
-        let inputs = SplitKInputs {
-            q: &q,
-            cache: &cache,
-            table: None,
-            sel: sel.as_ref(),
-        };
-        if !wire {
-            return self.launch_split_k(plan, &inputs, ws, None);
-        }
-        let bytes = plan.mq as usize * PARTIAL_ROW_BYTES;
-        self.grow(wire_rows, bytes)?;
-        self.launch_split_k(plan, &inputs, ws, Some(&mut wire_rows.slice_mut(..bytes)))
+        Ok((plan, kv))
     }
 
     /// Dense partial attention on the GPU, host to host.
@@ -810,15 +592,6 @@ impl Gpu {
     }
 }
 
-/// The split-K planner: how many tiles of keys each block of `mla_partial` takes, given
-/// `tiles` tiles of keys and `groups` row groups on `sms` SMs. Enough blocks for about
-/// `BLOCKS_PER_SM` per SM, but no more than `MAX_SPLITS` splits, in whole tiles.
-fn plan_tiles_per_split(tiles: usize, groups: usize, sms: usize) -> usize {
-    let for_blocks = (tiles * groups.max(1)).div_ceil((sms * BLOCKS_PER_SM).max(1));
-    let for_combine = tiles.div_ceil(MAX_SPLITS);
-    for_blocks.max(for_combine).clamp(1, tiles.max(1))
-}
-
 /// `mla_combine`'s grid for `rows` rows: a block for each `COMBINE_DIMS` dims of each row.
 fn combine_grid(rows: u32) -> (u32, u32, u32) {
     (rows, (D_LATENT / COMBINE_DIMS) as u32, 1)
@@ -832,28 +605,6 @@ fn config(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
     }
 }
 
-/// A partial's split-K shape, checked and planned.
-#[derive(Debug)]
-struct SplitK {
-    mq: i32,
-    keys: i32,
-    rows_per_token: i32,
-    groups_per_token: i32,
-    keys_per_split: i32,
-    groups: usize,
-    splits: usize,
-    scale: f32,
-}
-
-impl SplitK {
-    /// Floats of the workspace's states and of its result: `o`, `m` and `l` of every
-    /// (split, row), and of every row.
-    fn workspace_lens(&self) -> (usize, usize) {
-        let mq = self.mq as usize;
-        (self.splits * mq * (D_LATENT + 2), mq * (D_LATENT + 2))
-    }
-}
-
 /// The split-K pass's states (`o` of every split and row, then their `m`, then their `l`)
 /// and the combine's result (`o`, `m`, `l` of every row, likewise), one allocation each.
 #[derive(Debug)]
@@ -862,18 +613,11 @@ struct Workspace {
     out: CudaSlice<f32>,
 }
 
-/// What `mla_partial` reads.
-struct SplitKInputs<'a, 'b> {
-    q: &'a CudaView<'b, u16>,
-    cache: &'a CudaView<'b, u16>,
-    table: Option<&'a CudaSlice<u32>>,
-    sel: Option<&'a CudaView<'b, i32>>,
-}
-
-/// Buffers [`Gpu::partial_resident`] keeps between calls (grown, never shrunk; one element
-/// each until first used), so that a holder's call allocates nothing once the largest shape
-/// has been seen: the split-K workspace, room for the query rows and the selection, and the
-/// wire rows on the device and on their way to the caller's runs.
+/// Buffers the resident calls keep between calls (grown, never shrunk; one element each
+/// until first used), so that a holder's call allocates nothing once the largest shape has
+/// been seen: the split-K workspace, room for the query rows, tables, per-request and
+/// per-work-item records and selections, and the wire rows on the device and on their way to
+/// the caller's runs.
 #[derive(Debug)]
 struct Scratch {
     ws: Workspace,
@@ -881,25 +625,16 @@ struct Scratch {
     host_wire: Vec<u8>,
     q: CudaSlice<u16>,
     sel: CudaSlice<i32>,
-}
-
-/// A resident call's arguments besides the rows.
-struct ResidentCall<'q, 's> {
-    tokens: Range<usize>,
-    q: &'q Queries<'q>,
-    sel: Option<&'s Selection<'s>>,
-    scale: f32,
+    tables: CudaSlice<u32>,
+    reqs: CudaSlice<i32>,
+    work: CudaSlice<i32>,
 }
 
 /// A partial's inputs and outputs resident on the GPU (see [`Gpu::prepare_partial`]).
 #[derive(Debug)]
 pub struct PreparedPartial {
-    plan: SplitK,
-    q: CudaSlice<u16>,
-    cache: CudaSlice<u16>,
-    table: Option<CudaSlice<u32>>,
-    sel: Option<CudaSlice<i32>>,
-    ws: Workspace,
+    pool: DevicePool,
+    batch: PreparedBatch,
 }
 
 /// Contiguous cache rows kept on a GPU ([`Gpu::upload_rows`]), freed when dropped.
@@ -922,9 +657,40 @@ impl DeviceRows {
 }
 
 impl PreparedPartial {
-    /// The split-K grid: (splits of the keys, row groups).
+    /// The decode kernel's grid: (work items, splits of the keys).
     pub fn grid(&self) -> (usize, usize) {
-        (self.plan.splits, self.plan.groups)
+        self.batch.grid()
+    }
+}
+
+/// A single cache as a pool: a contiguous one is one block of all its tokens, a paged one its
+/// pool; and the block table.
+fn one_pool<'a>(cache: &Cache<'a>) -> Result<(KvPool<'a>, Vec<u32>), KernelError> {
+    let (rows, table) = cache.parts();
+    match table {
+        None => Ok((KvPool::bf16(rows, cache.tokens().max(1))?, vec![0])),
+        Some(t) => Ok((KvPool::bf16(rows, cache.block_tokens())?, t.to_vec())),
+    }
+}
+
+/// The request of a single-cache call.
+fn one_request<'a>(
+    q: &Queries<'a>,
+    table: &'a [u32],
+    tokens: usize,
+    sel: Option<&Selection<'a>>,
+) -> DecodeRequest<'a> {
+    match sel {
+        None => DecodeRequest::dense(*q, table, tokens),
+        Some(sel) => DecodeRequest::sparse(*q, table, tokens, *sel),
+    }
+}
+
+/// A one-request batch's error as the single call's own (without the request's position).
+fn unwrap_one(e: KernelError) -> KernelError {
+    match e {
+        KernelError::Request { source, .. } => *source,
+        other => other,
     }
 }
 
@@ -949,49 +715,5 @@ impl PreparedSplice {
     pub fn bytes_moved(&self) -> usize {
         let per_row = if self.src.is_some() { D_QK } else { D_ROPE };
         2 * self.layers as usize * self.tokens as usize * per_row * 2
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The planner picks, at each operating point swept on an H200 (132 SMs), the split
-    /// that was fastest there or within the sweep's run-to-run noise of it (docs/kernels.md:
-    /// tiles per split 1, 2, 4, 8, 16, 64 against the planner, partial and combine timed
-    /// together).
-    #[test]
-    fn the_split_planner_picks_the_h200_sweeps_fastest_splits() {
-        let h200 = 132;
-        let tiles = |keys: usize| keys.div_ceil(TILE);
-        // (keys, row groups of 8, tiles per split measured fastest)
-        for (keys, groups, best) in [
-            (2048, 1, 1),  // Mq = 1
-            (2048, 2, 1),  // Mq = 16, and sparse top-2048 x 16 heads
-            (2048, 32, 4), // Mq = 256: 152 us against 205 at the old planner's 15
-            (8192, 1, 2),  // Mq = 1: 19.8 us against 27.1 with 512 splits
-            (8192, 16, 8), // Mq = 128: 281 us against 404 at the old planner's 31
-            (2048, 16, 2), // sparse top-2048 x 128 heads
-            (512, 2, 1),   // sparse top-512 x 16 heads
-        ] {
-            assert_eq!(
-                plan_tiles_per_split(tiles(keys), groups, h200),
-                best,
-                "{keys} keys, {groups} groups"
-            );
-        }
-    }
-
-    #[test]
-    fn the_split_planner_stays_in_whole_tiles_of_the_keys() {
-        for tiles in [1, 2, 7, 128, 100_000] {
-            for groups in [0, 1, 3, 65_535] {
-                for sms in [0, 1, 132] {
-                    let t = plan_tiles_per_split(tiles, groups, sms);
-                    assert!((1..=tiles).contains(&t), "{tiles} {groups} {sms}: {t}");
-                    assert!(tiles.div_ceil(t) <= MAX_SPLITS);
-                }
-            }
-        }
     }
 }

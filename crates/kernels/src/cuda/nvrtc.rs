@@ -13,11 +13,25 @@ use serde::Serialize;
 
 use crate::error::KernelError;
 
-/// The CUDA C source of every kernel.
-pub const SOURCE: &str = include_str!("kernels.cu");
+/// The CUDA C source of every kernel: the shared definitions, the CUDA-core kernels, and the
+/// tensor-core decode kernels, as one program.
+pub const SOURCE: &str = concat!(
+    include_str!("common.cu"),
+    include_str!("kernels.cu"),
+    include_str!("decode.cu")
+);
 
 /// The kernels' entry points, in the order the runtime loads them.
-pub const KERNELS: [&str; 3] = ["mla_partial", "mla_combine", "mla_splice"];
+pub const KERNELS: [&str; 8] = [
+    "mla_combine",
+    "mla_splice",
+    "mla_decode_m1",
+    "mla_decode_m2",
+    "mla_decode_m4",
+    "mla_decode_fp8_m1",
+    "mla_decode_fp8_m2",
+    "mla_decode_fp8_m4",
+];
 
 /// What ptxas reported for one kernel.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]

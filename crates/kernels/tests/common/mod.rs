@@ -130,3 +130,153 @@ pub(crate) fn assert_close(got: &Partial, want: &Partial, what: &str) {
         );
     }
 }
+
+/// One request of a batch test: query rows, context tokens, and sparse (k, rows per token).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Req {
+    pub(crate) mq: usize,
+    pub(crate) tokens: usize,
+    pub(crate) sparse: Option<(usize, usize)>,
+}
+
+/// A dense request.
+pub(crate) const fn dense(mq: usize, tokens: usize) -> Req {
+    Req {
+        mq,
+        tokens,
+        sparse: None,
+    }
+}
+
+/// A sparse request: `heads` rows per query token, `new` query tokens, `k` indices each.
+pub(crate) const fn sparse(heads: usize, new: usize, tokens: usize, k: usize) -> Req {
+    Req {
+        mq: heads * new,
+        tokens,
+        sparse: Some((k, heads)),
+    }
+}
+
+/// A batch case: its name, tokens per block, and requests.
+pub(crate) struct BatchCase {
+    pub(crate) name: &'static str,
+    pub(crate) block: usize,
+    pub(crate) reqs: Vec<Req>,
+}
+
+/// The batches every backend is checked on (24 of them): varlen contexts, empty contexts and
+/// all-padding selections, one token, lengths that are not a multiple of the block, blocks
+/// of 1, 16, 64 and 100 tokens, every row-group size the CUDA kernel has (up to 16, 32 and 64
+/// rows, and more), one and two new tokens, and batches of one request.
+pub(crate) fn batch_cases() -> Vec<BatchCase> {
+    let case = |name, block, reqs: &[Req]| BatchCase {
+        name,
+        block,
+        reqs: reqs.to_vec(),
+    };
+    vec![
+        case("one row, one token", 64, &[dense(1, 1)]),
+        case("one row over 2048", 64, &[dense(1, 2048)]),
+        case("16 heads, varlen", 64, &[dense(16, 300), dense(16, 1), dense(16, 129), dense(16, 64)]),
+        case("an empty context among others", 64, &[dense(16, 0), dense(16, 77)]),
+        case("16 heads x 2 tokens", 64, &[dense(32, 1000), dense(32, 65)]),
+        case("64 heads", 64, &[dense(64, 513), dense(64, 90)]),
+        case("128 heads", 64, &[dense(128, 700), dense(128, 33)]),
+        case("128 heads x 2 tokens", 64, &[dense(256, 400)]),
+        case("odd rows", 64, &[dense(3, 100), dense(17, 200), dense(33, 5), dense(70, 64)]),
+        case("blocks of 16", 16, &[dense(16, 250), dense(8, 17)]),
+        case("blocks of 1", 1, &[dense(16, 40), dense(2, 3)]),
+        case("blocks of 100", 100, &[dense(16, 250), dense(64, 99)]),
+        case("many small requests", 64, &[dense(16, 50); 40]),
+        case("sparse top-64, 16 heads", 64, &[sparse(16, 1, 500, 64), sparse(16, 1, 64, 64)]),
+        case("sparse top-2048 over 4096", 64, &[sparse(16, 1, 4096, 2048)]),
+        case("sparse, 16 heads x 2 tokens", 64, &[sparse(16, 2, 300, 100)]),
+        case("sparse, 64 heads", 64, &[sparse(64, 1, 800, 300), sparse(64, 2, 90, 40)]),
+        case("sparse, 128 heads", 64, &[sparse(128, 1, 1000, 500)]),
+        case("sparse k = 1", 16, &[sparse(16, 3, 10, 1)]),
+        case("sparse over an empty context", 64, &[sparse(16, 1, 0, 8), sparse(16, 1, 50, 8)]),
+        case("sparse, blocks of 16, varlen", 16, &[sparse(16, 1, 33, 20), sparse(16, 1, 400, 257)]),
+        case("dense and sparse mixed", 64, &[dense(16, 200), sparse(16, 1, 200, 50)]),
+        case("sparse, 20 rows per token", 64, &[sparse(20, 2, 150, 33)]),
+        case("a long context", 64, &[dense(16, 9000)]),
+    ]
+}
+
+/// A batch's data: a shared pool (bf16, and its FP8 form) whose blocks the requests' tables
+/// take in a shuffled order (one spare block), each request's query rows and selection.
+pub(crate) struct BatchData {
+    pub(crate) block: usize,
+    pub(crate) pool: Vec<u16>,
+    pub(crate) pool8: Vec<u8>,
+    pub(crate) q: Vec<Vec<u16>>,
+    pub(crate) tables: Vec<Vec<u32>>,
+    pub(crate) sel: Vec<Vec<i32>>,
+    pub(crate) reqs: Vec<Req>,
+}
+
+impl BatchData {
+    pub(crate) fn new(rng: &mut Rng, case: &BatchCase) -> Self {
+        let block = case.block;
+        let blocks: usize = case
+            .reqs
+            .iter()
+            .map(|r| r.tokens.div_ceil(block))
+            .sum::<usize>()
+            + 1;
+        let pool = rng.rows(blocks * block);
+        let pool8 = kvroute_kernels::fp8::quantize(&pool).unwrap_or_default();
+        let mut order: Vec<u32> = (0..blocks as u32).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.range(0, i));
+        }
+        let (mut q, mut tables, mut sel, mut next) = (vec![], vec![], vec![], 0);
+        for r in &case.reqs {
+            q.push(rng.rows(r.mq));
+            let used = r.tokens.div_ceil(block);
+            tables.push(order[next..next + used].to_vec());
+            next += used;
+            sel.push(match r.sparse {
+                None => vec![],
+                Some((k, heads)) if r.tokens == 0 => vec![-1; r.mq / heads * k],
+                Some((k, heads)) => rng.selection(r.mq / heads, k, r.tokens),
+            });
+        }
+        Self {
+            block,
+            pool,
+            pool8,
+            q,
+            tables,
+            sel,
+            reqs: case.reqs.clone(),
+        }
+    }
+
+    /// The requests over the pool.
+    pub(crate) fn requests(&self) -> Vec<kvroute_kernels::DecodeRequest<'_>> {
+        use kvroute_kernels::{DecodeRequest, Queries, Selection};
+        self.reqs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let q = Queries::new(&self.q[i]).unwrap();
+                match r.sparse {
+                    None => DecodeRequest::dense(q, &self.tables[i], r.tokens),
+                    Some((k, heads)) => {
+                        let sel = Selection::new(&self.sel[i], k, heads, r.mq, r.tokens).unwrap();
+                        DecodeRequest::sparse(q, &self.tables[i], r.tokens, sel)
+                    }
+                }
+            })
+            .collect()
+    }
+
+    /// The pool, bf16 or FP8.
+    pub(crate) fn pool(&self, fp8: bool) -> kvroute_kernels::KvPool<'_> {
+        if fp8 {
+            kvroute_kernels::KvPool::fp8(&self.pool8, self.block).unwrap()
+        } else {
+            kvroute_kernels::KvPool::bf16(&self.pool, self.block).unwrap()
+        }
+    }
+}

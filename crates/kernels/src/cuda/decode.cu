@@ -1,0 +1,414 @@
+// Batched paged MLA decode on the tensor cores: one launch for a batch of requests, each with
+// its own query rows, block table, context length and (sparse) top-k selection, over a pool of
+// bf16 rows (576 = 512 + 64) or FP8 rows (656 B, DeepSeek-V3.2's layout) in blocks of
+// `block_tokens` tokens. Compiled after common.cu.
+//
+// The arithmetic is FlashAttention's (Dao 2023, "FlashAttention-2", algorithm 1) in FlashMLA's
+// shape (one 576-wide latent per token, V = its first 512 dims): S = Q K^T and O += P V on
+// bf16 `mma.sync.m16n8k16` with f32 accumulation, an online softmax in f32 between them. P is
+// rounded to bf16 for the second product (a relative error of at most 2^-9 per weight in o);
+// l sums the f32 values, as FlashAttention and FlashMLA do, so m + ln l, which weighs this
+// partial in every merge, is as exact as the CUDA-core kernel's.
+//
+// Block = 8 warps, one work item (up to BM = 16 MT query rows of one request that share their
+// keys) and one split of its keys (grid = (work items, splits)). Per tile of DEC_BN = 32 keys:
+//   load    cp.async of the tile's rows (gathered through the block table, or the selection)
+//           STAGES tiles ahead into shared memory; FP8 rows are dequantized to bf16 there;
+//   S       warp w computes the n8 column block w % 4 of S for its half of the m16 row tiles
+//           (MT = 1: for half of the 36 k-steps, the halves summed by the softmax);
+//   softmax 256 / BM threads per row: scale, mask, running max, p = exp(s - m) as bf16;
+//   PV      warp w owns output dims 64 w .. 64 w + 63 of every row: 8 n8 tiles x MT m16 tiles
+//           of f32 accumulators, rescaled by exp(m_old - m_new) before each tile.
+// mode 0 writes each (split, row)'s unnormalised state (acc, m, l) at [split * total_rows +
+// row] for mla_combine (kernels.cu); mode 1 (one split) the finished f32 partial; mode 2 (one
+// split) its 1032-byte wire rows.
+//
+// Every fragment layout below is the PTX ISA's ("Matrix Fragments for mma.m16n8k16" and
+// "ldmatrix"); tests/emu runs this file on the CPU with those layouts emulated.
+
+#define DEC_WARPS 8
+#define DEC_THREADS (DEC_WARPS * WARP)
+// Keys per tile.
+#define DEC_BN 32
+// Shared-memory row strides in bf16: 16 B of padding puts the 8 rows one ldmatrix reads in 8
+// different groups of 4 banks (a 1152-byte stride would put all 8 in the same one).
+#define DEC_KROW (D_QK + 8)
+#define DEC_PROW (DEC_BN + 8)
+// f32 stride of the S buffer.
+#define DEC_SROW (DEC_BN + 8)
+// An FP8 row: 512 e4m3, 4 f32 scales (one per 128 dims), 64 bf16 RoPE values (layout.rs).
+#define FP8_ROW_BYTES 656
+#define FP8_SCALES_AT 512
+#define FP8_ROPE_AT 528
+
+#ifndef KVROUTE_EMU
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+
+// d += a b: a 16x16 bf16 (row), b 16x8 bf16 (col), d 16x8 f32.
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16 bytes global -> shared, asynchronously; src_bytes = 0 writes 16 zero bytes instead.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(smem_u32(dst)), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+
+#define DEC_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+}
+
+// One e4m3 byte (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities,
+// S.1111.111 is NaN) as f32, exactly.
+__device__ __forceinline__ float e4m3_to_f32(unsigned v) {
+    const unsigned sign = (v & 0x80u) << 24, e = (v >> 3) & 0xfu, m = v & 7u;
+    if (e == 15u && m == 7u) return __uint_as_float(0x7fc00000u);
+    const float mag = e == 0u ? (float)m * 0.001953125f  // m * 2^-9, subnormal
+                              : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return __uint_as_float(__float_as_uint(mag) | sign);
+}
+
+// Shared-memory layout of one block, in bytes: the query rows, the pipeline's stages, for FP8
+// the dequantized tile, S, P, per-row (alpha, m, l), and each stage's valid-key flags.
+// cuda/decode.rs repeats `stages` and `bytes` (tests/cuda_emulated.rs checks they agree).
+template <int MT, bool FP8>
+struct DecCfg {
+    static constexpr int BM = 16 * MT;
+    static constexpr int STAGES = FP8 ? (MT == 4 ? 4 : 6) : (MT == 1 ? 5 : MT == 2 ? 4 : 3);
+    static constexpr int SBUFS = MT == 1 ? 2 : 1;
+    static constexpr int ROW_BYTES = FP8 ? FP8_ROW_BYTES : D_QK * 2;
+    static constexpr int STAGE_ROW = FP8 ? FP8_ROW_BYTES : DEC_KROW * 2;
+    static constexpr int STAGE_BYTES = DEC_BN * STAGE_ROW;
+    static constexpr int Q_AT = 0;
+    static constexpr int K_AT = Q_AT + BM * DEC_KROW * 2;
+    static constexpr int T_AT = K_AT + STAGES * STAGE_BYTES;
+    static constexpr int S_AT = T_AT + (FP8 ? DEC_BN * DEC_KROW * 2 : 0);
+    static constexpr int P_AT = S_AT + SBUFS * BM * DEC_SROW * 4;
+    static constexpr int STATS_AT = P_AT + BM * DEC_PROW * 2;
+    static constexpr int VALID_AT = STATS_AT + 3 * BM * 4;
+    static constexpr int BYTES = VALID_AT + STAGES * DEC_BN * 4;
+};
+
+// reqs[r] = (first entry of its block table in `tables`, context tokens, keys (tokens dense,
+// k sparse), tiles of keys per split); work[i] = (request, first query row (of all rows),
+// rows, first index of its selection in `sel`, or -1 dense). The host checked every table
+// entry against the pool and every selected index against its request's context.
+template <int MT, bool FP8>
+__device__ __forceinline__ void decode_body(
+    const bf16_t* __restrict__ q, const unsigned char* __restrict__ kv, int block_tokens,
+    const unsigned* __restrict__ tables, const int4* __restrict__ reqs,
+    const int4* __restrict__ work, const int* __restrict__ sel, int total_rows, float scale,
+    int mode, float* __restrict__ out_o, float* __restrict__ out_m, float* __restrict__ out_l,
+    unsigned char* __restrict__ wire)
+{
+    typedef DecCfg<MT, FP8> C;
+    DEC_DYNAMIC_SMEM(smem);
+    bf16_t* const qs = reinterpret_cast<bf16_t*>(smem + C::Q_AT);
+    float* const ss = reinterpret_cast<float*>(smem + C::S_AT);
+    bf16_t* const ps = reinterpret_cast<bf16_t*>(smem + C::P_AT);
+    float* const alpha_s = reinterpret_cast<float*>(smem + C::STATS_AT);
+    float* const m_s = alpha_s + C::BM;
+    float* const l_s = m_s + C::BM;
+    int* const valid_s = reinterpret_cast<int*>(smem + C::VALID_AT);
+
+    const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
+    const int g = lane >> 2, t4 = lane & 3;  // a fragment's row group and column pair
+    const int4 wk = work[blockIdx.x];
+    const int4 rq = reqs[wk.x];
+    const int split = blockIdx.y;
+    const int row0 = wk.y, nrows = wk.z;
+    const bool sparse = wk.w >= 0;
+    const int tiles = (rq.z + DEC_BN - 1) / DEC_BN;
+    const int tile0 = min(tiles, split * rq.w);
+    const int ntiles = min(tiles, tile0 + rq.w) - tile0;
+
+    for (int c = tid; c < C::BM * (D_QK / 8); c += DEC_THREADS) {
+        const int r = c / (D_QK / 8), part = c % (D_QK / 8);
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r < nrows) v = *reinterpret_cast<const uint4*>(q + (long long)(row0 + r) * D_QK + part * 8);
+        *reinterpret_cast<uint4*>(qs + r * DEC_KROW + part * 8) = v;
+    }
+
+    // Tile loads: thread tid copies key tid / 8 of a tile, its 16-byte pieces tid % 8,
+    // tid % 8 + 8, ...; a padding or out-of-range key is zero-filled (so P = 0 meets V = 0,
+    // never garbage) and flagged invalid.
+    const int lj = tid / 8, lsub = tid % 8;
+    auto issue = [&](int tile, int stage) {
+        const int key = tile * DEC_BN + lj;
+        long long tok = -1;
+        if (key < rq.z) tok = sparse ? (long long)sel[wk.w + key] : (long long)key;
+        const unsigned char* src = kv;
+        if (tok >= 0) {
+            const long long page = tables[rq.x + tok / block_tokens];
+            src = kv + (page * block_tokens + tok % block_tokens) * C::ROW_BYTES;
+        }
+        unsigned char* dst = smem + C::K_AT + stage * C::STAGE_BYTES + lj * C::STAGE_ROW;
+        const int bytes = tok >= 0 ? 16 : 0;
+        for (int p = lsub; p < C::ROW_BYTES / 16; p += 8) cp_async_16(dst + p * 16, src + p * 16, bytes);
+        if (lsub == 0) valid_s[stage * DEC_BN + lj] = tok >= 0;
+    };
+
+    // The softmax's rows: TPR consecutive threads (one warp's lanes) per row, CPT keys each.
+    constexpr int TPR = DEC_THREADS / C::BM;
+    constexpr int CPT = DEC_BN / TPR;
+    const int srow = tid / TPR, scol = (tid % TPR) * CPT;
+    float row_m = neg_inf(), row_l = 0.0f;
+
+    float acc[MT][8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][n][i] = 0.0f;
+
+#pragma unroll
+    for (int st = 0; st < C::STAGES - 1; ++st) {
+        if (st < ntiles) issue(tile0 + st, st);
+        cp_async_commit();
+    }
+
+    for (int it = 0; it < ntiles; ++it) {
+        cp_async_wait<C::STAGES - 2>();  // this thread's copies of tile `it` have landed
+        __syncthreads();                 // everyone's; and every warp is done with tile it - 1
+        {
+            const int next = it + C::STAGES - 1;
+            if (next < ntiles) issue(tile0 + next, next % C::STAGES);
+            cp_async_commit();
+        }
+        const int stage = it % C::STAGES;
+        const bf16_t* kt = reinterpret_cast<const bf16_t*>(smem + C::K_AT + stage * C::STAGE_BYTES);
+        if (FP8) {
+            // Dequantize: thread (lj, lsub) converts dims 64 lsub .. 64 lsub + 63 of key lj (all
+            // under scale lsub / 2) and copies 8 of its RoPE values.
+            const unsigned char* raw = smem + C::K_AT + stage * C::STAGE_BYTES + lj * FP8_ROW_BYTES;
+            bf16_t* tile = reinterpret_cast<bf16_t*>(smem + C::T_AT);
+            bf16_t* dst = tile + lj * DEC_KROW;
+            const float sc = reinterpret_cast<const float*>(raw + FP8_SCALES_AT)[lsub / 2];
+            const unsigned* src = reinterpret_cast<const unsigned*>(raw + lsub * 64);
+            unsigned* out = reinterpret_cast<unsigned*>(dst + lsub * 64);
+#pragma unroll
+            for (int w = 0; w < 16; ++w) {
+                const unsigned b = src[w];
+                out[2 * w] = pack_bf16x2(e4m3_to_f32(b & 0xffu) * sc, e4m3_to_f32((b >> 8) & 0xffu) * sc);
+                out[2 * w + 1] = pack_bf16x2(e4m3_to_f32((b >> 16) & 0xffu) * sc, e4m3_to_f32(b >> 24) * sc);
+            }
+            *reinterpret_cast<uint4*>(dst + D_LATENT + lsub * 8) =
+                *reinterpret_cast<const uint4*>(raw + FP8_ROPE_AT + lsub * 16);
+            __syncthreads();
+            kt = tile;
+        }
+
+        // S = Q K^T. Warp w: keys 8 (w % 4) .. + 7; row tiles mt0 .. mt0 + MPW - 1 over all 36
+        // k-steps, or (MT = 1) row tile 0 over k-steps 18 (w / 4) .. + 17. Two accumulators
+        // per row tile (even and odd k-steps) keep two MMAs in flight.
+        {
+            constexpr int MPW = MT == 1 ? 1 : MT / 2;
+            constexpr int KSTEPS = MT == 1 ? D_QK / 16 / 2 : D_QK / 16;
+            const int nt = warp % 4, grp = warp / 4;
+            const int mt0 = MT == 1 ? 0 : grp * MPW;
+            const int ks0 = MT == 1 ? grp * KSTEPS : 0;
+            float s[MPW][2][4];
+#pragma unroll
+            for (int i = 0; i < MPW; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) s[i][0][j] = s[i][1][j] = 0.0f;
+            // B (K rows as columns): lanes 0-7 address keys 0-7 at dims +0, lanes 8-15 at +8,
+            // 16-23 at +16, 24-31 at +24: the b0, b1 of k-steps ks and ks + 1.
+            const bf16_t* kb = kt + (nt * 8 + (lane & 7)) * DEC_KROW + (lane >> 3) * 8;
+            // A (query rows): lanes 0-15 address rows 0-15 at dims +0, lanes 16-31 at +8.
+            const bf16_t* qa = qs + (mt0 * 16 + (lane & 15)) * DEC_KROW + (lane >> 4) * 8;
+#pragma unroll 2
+            for (int ks = ks0; ks < ks0 + KSTEPS; ks += 2) {
+                unsigned b[4];
+                ldsm_x4(b, kb + ks * 16);
+#pragma unroll
+                for (int i = 0; i < MPW; ++i) {
+                    unsigned a0[4], a1[4];
+                    ldsm_x4(a0, qa + i * 16 * DEC_KROW + ks * 16);
+                    ldsm_x4(a1, qa + i * 16 * DEC_KROW + (ks + 1) * 16);
+                    mma_16816(s[i][0], a0, b[0], b[1]);
+                    mma_16816(s[i][1], a1, b[2], b[3]);
+                }
+            }
+            float* sb = ss + (MT == 1 ? grp : 0) * C::BM * DEC_SROW;
+#pragma unroll
+            for (int i = 0; i < MPW; ++i) {
+                const int r = (mt0 + i) * 16 + g, c = nt * 8 + t4 * 2;
+                sb[r * DEC_SROW + c] = s[i][0][0] + s[i][1][0];
+                sb[r * DEC_SROW + c + 1] = s[i][0][1] + s[i][1][1];
+                sb[(r + 8) * DEC_SROW + c] = s[i][0][2] + s[i][1][2];
+                sb[(r + 8) * DEC_SROW + c + 1] = s[i][0][3] + s[i][1][3];
+            }
+        }
+        __syncthreads();
+
+        // The online softmax of row srow over keys scol .. scol + CPT - 1.
+        {
+            const int* vs = valid_s + stage * DEC_BN;
+            float p[CPT];
+            float tmax = neg_inf();
+#pragma unroll
+            for (int j = 0; j < CPT; ++j) {
+                float x = ss[srow * DEC_SROW + scol + j];
+                if (MT == 1) x += ss[C::BM * DEC_SROW + srow * DEC_SROW + scol + j];
+                x = vs[scol + j] ? x * scale : neg_inf();
+                p[j] = x;
+                tmax = fmaxf(tmax, x);
+            }
+#pragma unroll
+            for (int off = TPR / 2; off > 0; off >>= 1)
+                tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+            const float m_new = fmaxf(row_m, tmax);
+            float alpha = 1.0f, sum = 0.0f;
+            if (m_new != neg_inf()) {  // else no valid key yet: nothing to rescale, p = 0
+                alpha = expf(row_m - m_new);
+#pragma unroll
+                for (int j = 0; j < CPT; ++j) {
+                    p[j] = expf(p[j] - m_new);
+                    sum += p[j];
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < CPT; ++j) p[j] = 0.0f;
+            }
+#pragma unroll
+            for (int off = TPR / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+            row_l = row_l * alpha + sum;
+            row_m = m_new;
+            unsigned* prow = reinterpret_cast<unsigned*>(ps + srow * DEC_PROW + scol);
+#pragma unroll
+            for (int j = 0; j < CPT; j += 2) prow[j / 2] = pack_bf16x2(p[j], p[j + 1]);
+            if (tid % TPR == 0) alpha_s[srow] = alpha;
+        }
+        __syncthreads();
+
+        // O += P V over this warp's 64 dims.
+        {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const float lo = alpha_s[mt * 16 + g], hi = alpha_s[mt * 16 + g + 8];
+#pragma unroll
+                for (int n = 0; n < 8; ++n) {
+                    acc[mt][n][0] *= lo;
+                    acc[mt][n][1] *= lo;
+                    acc[mt][n][2] *= hi;
+                    acc[mt][n][3] *= hi;
+                }
+            }
+            // A (P rows): as Q's. B (V, key-major): with .trans, lanes 0-7 address keys 0-7 and
+            // lanes 8-15 keys 8-15 at dims +0, lanes 16-31 the same keys at dims +8: b0, b1 of
+            // two n8 tiles.
+            const bf16_t* pa = ps + (lane & 15) * DEC_PROW + (lane >> 4) * 8;
+            const bf16_t* vb = kt + ((lane & 7) + ((lane >> 3) & 1) * 8) * DEC_KROW + warp * 64 + (lane >> 4) * 8;
+#pragma unroll
+            for (int kk = 0; kk < DEC_BN / 16; ++kk) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], pa + mt * 16 * DEC_PROW + kk * 16);
+#pragma unroll
+                for (int np = 0; np < 4; ++np) {
+                    unsigned b[4];
+                    ldsm_x4_trans(b, vb + kk * 16 * DEC_KROW + np * 16);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816(acc[mt][2 * np], a[mt], b[0], b[1]);
+                        mma_16816(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();  // no copy may land after the block has gone
+
+    if (tid % TPR == 0) {
+        m_s[srow] = row_m;
+        l_s[srow] = row_l;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = mt * 16 + g + half * 8;
+            if (r >= nrows) continue;
+            const long long row = row0 + r;
+            const float m = m_s[r], l = l_s[r];
+            const long long at = mode == 0 ? (long long)split * total_rows + row : row;
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                const int dim = warp * 64 + n * 8 + t4 * 2;
+                float x = acc[mt][n][2 * half], y = acc[mt][n][2 * half + 1];
+                if (mode != 0) {
+                    x = l > 0.0f ? x / l : 0.0f;
+                    y = l > 0.0f ? y / l : 0.0f;
+                }
+                if (mode == 2) {
+                    *reinterpret_cast<unsigned*>(wire + row * WIRE_ROW_BYTES + dim * 2) = pack_bf16x2(x, y);
+                } else {
+                    *reinterpret_cast<float2*>(out_o + at * D_LATENT + dim) = make_float2(x, y);
+                }
+            }
+            if (warp == 0 && t4 == 0) {
+                if (mode == 2) {
+                    float* ml = reinterpret_cast<float*>(wire + row * WIRE_ROW_BYTES + D_LATENT * 2);
+                    ml[0] = m;
+                    ml[1] = l;
+                } else {
+                    out_m[at] = m;
+                    out_l[at] = l;
+                }
+            }
+        }
+    }
+}
+
+#define DEC_PARAMS                                                                          \
+    const bf16_t *__restrict__ q, const unsigned char *__restrict__ kv, int block_tokens,    \
+        const unsigned *__restrict__ tables, const int4 *__restrict__ reqs,                  \
+        const int4 *__restrict__ work, const int *__restrict__ sel, int total_rows,          \
+        float scale, int mode, float *__restrict__ out_o, float *__restrict__ out_m,         \
+        float *__restrict__ out_l, unsigned char *__restrict__ wire
+#define DEC_ARGS q, kv, block_tokens, tables, reqs, work, sel, total_rows, scale, mode, out_o, out_m, out_l, wire
+
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1) mla_decode_m1(DEC_PARAMS) { decode_body<1, false>(DEC_ARGS); }
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1) mla_decode_m2(DEC_PARAMS) { decode_body<2, false>(DEC_ARGS); }
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1) mla_decode_m4(DEC_PARAMS) { decode_body<4, false>(DEC_ARGS); }
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1) mla_decode_fp8_m1(DEC_PARAMS) { decode_body<1, true>(DEC_ARGS); }
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1) mla_decode_fp8_m2(DEC_PARAMS) { decode_body<2, true>(DEC_ARGS); }
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1) mla_decode_fp8_m4(DEC_PARAMS) { decode_body<4, true>(DEC_ARGS); }
