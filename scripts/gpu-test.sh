@@ -47,13 +47,21 @@ bench() {
     "$kvroute" --json bench kernels --backend cuda --quick > "$out/bench.json" &&
         "$kvroute" bench kernels --backend cuda --quick | tee "$out/bench.txt"
 }
-# Nsight Compute's speed-of-light reading of the first launch of each decode kernel variant
-# in a quick batched run: what binds each (memory, tensor pipes, latency).
+# Nsight Compute's readings of one launch of the decode kernel at four shapes of the grid
+# (memory-bound dense, compute-bound dense, sparse bf16, sparse FP8): what binds each.
 ncu_readings() {
-    ncu --clock-control none --section SpeedOfLight --section Occupancy \
-        -k regex:mla_decode --launch-count 6 \
-        "$kvroute" bench kernels --backend cuda --batched --quick 2>&1 | tee "$out/ncu.txt" |
-        grep -E 'mla_decode|Throughput|Duration|Achieved Occupancy|Registers' | head -80
+    local shape
+    : > "$out/ncu.txt"
+    for shape in "dense b=64 s_q=1 h_q=16 s_k=4096" "dense b=128 s_q=1 h_q=128 s_k=8192" \
+        "sparse b=128 s_q=2 h_q=16 s_k=8192" "sparse-fp8 b=128 s_q=1 h_q=128 s_k=8192"; do
+        echo "### $shape" >> "$out/ncu.txt"
+        ncu --clock-control none --launch-skip 1 --launch-count 1 -k regex:mla_decode \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis \
+            --section MemoryWorkloadAnalysis --section WarpStateStats \
+            "$kvroute" bench kernels --backend cuda --batched --quick --only "$shape" \
+            >> "$out/ncu.txt" 2>&1 || return 1
+    done
+    grep -E '^###|mla_decode|Duration|DRAM Throughput|Compute \(SM\) Throughput|Memory Throughput|Shared|Issue Slots Busy|Executed Ipc A|stall|Stall|Tensor|Pipe|Warp Cycles Per Issued' "$out/ncu.txt" | head -120
 }
 host_to_host() { "$examples/host_to_host" | tee "$out/host_to_host.txt"; }
 gpu_holder() {

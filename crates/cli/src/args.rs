@@ -596,6 +596,10 @@ pub struct KernelsBenchArgs {
     /// `scripts/torch_baselines.py` (with `--batched`): the compute roofline and SDPA column.
     #[arg(long, value_name = "FILE", requires = "batched")]
     pub torch_baselines: Option<std::path::PathBuf>,
+    /// Only this shape of the grid, as its row names it (`dense b=64 s_q=1 h_q=16 s_k=4096`,
+    /// `sparse ...`, `sparse-fp8 ...`), and not the single call: for a profiler.
+    #[arg(long, value_name = "SHAPE", requires = "batched")]
+    pub only: Option<String>,
 }
 
 /// `kvroute bench transport`.

@@ -458,6 +458,20 @@ pub const BATCHED_BLOCK: usize = 64;
 pub const BATCHED_TOPK: usize = 2048;
 
 impl BatchedShape {
+    /// The shape in words, as `--only` takes it: `dense b=64 s_q=1 h_q=16 s_k=4096`
+    /// (`sparse` or `sparse-fp8` for the top-k rows).
+    pub fn label(&self) -> String {
+        let kind = match self.kind {
+            BatchedKind::Dense => "dense",
+            BatchedKind::Sparse => "sparse",
+            BatchedKind::SparseFp8 => "sparse-fp8",
+        };
+        format!(
+            "{kind} b={} s_q={} h_q={} s_k={}",
+            self.b, self.s_q, self.h_q, self.s_k
+        )
+    }
+
     /// Query rows of the batch.
     pub fn rows(&self) -> usize {
         self.b * self.s_q * self.h_q
@@ -585,8 +599,8 @@ pub struct BatchedBench {
     /// torch's figures, when given.
     pub torch: Option<TorchBaselines>,
     /// One dense call of one query row over 2048 tokens (a contiguous cache), microseconds:
-    /// the smallest thing a holder runs.
-    pub single_mq1_2048_us: f64,
+    /// the smallest thing a holder runs (not measured for a subset of the grid).
+    pub single_mq1_2048_us: Option<f64>,
     /// The grid.
     pub rows: Vec<BatchedRow>,
 }
@@ -605,11 +619,7 @@ fn tiled<T: Copy>(base: &[T], len: usize) -> Vec<T> {
 
 /// Times `launch` on `gpu`: the median of `reps` event-timed batches of launches, each batch
 /// sized to run about 20 ms (`quick`: 3 launches, one batch).
-fn time_launches(
-    gpu: &Gpu,
-    quick: bool,
-    mut launch: impl FnMut() -> Result<()>,
-) -> Result<f64> {
+fn time_launches(gpu: &Gpu, quick: bool, mut launch: impl FnMut() -> Result<()>) -> Result<f64> {
     let first = gpu.time_us(1, &mut launch)?;
     let (iters, reps) = if quick {
         (3, 1)
@@ -625,11 +635,12 @@ fn time_launches(
 
 /// The batched kernels at FlashMLA's shapes on `gpu`, each beside the roofline measured in
 /// this run (the device copy here; the matrix rate and SDPA from `torch`, measured by
-/// `scripts/torch_baselines.py` on the same GPU just before).
+/// `scripts/torch_baselines.py` on the same GPU just before); with `single`, also one
+/// Mq = 1 call over 2048 tokens.
 pub fn gpu_batched(
     gpu: &Gpu,
     quick: bool,
-    shapes: &[BatchedShape],
+    (shapes, single): (&[BatchedShape], bool),
     torch: Option<TorchBaselines>,
 ) -> Result<BatchedBench> {
     use crate::{DecodeRequest, KvPool};
@@ -637,11 +648,13 @@ pub fn gpu_batched(
     let copy_bytes = 1usize << 30;
     let copy_us = gpu.time_copy_us(copy_bytes, if quick { 3 } else { 20 })?;
     let copy_tbps = 2.0 * copy_bytes as f64 / copy_us / 1e6;
-    let single = {
+    let single = if single {
         let (c, q) = (rows(w::DENSE_CT, 1), rows(1, 2));
         let (cache, q) = (Cache::contiguous(&c)?, Queries::new(&q)?);
         let mut p = gpu.prepare_partial(&q, &cache, None, SCALE)?;
-        time_launches(gpu, quick, || gpu.launch_partial(&mut p))?
+        Some(time_launches(gpu, quick, || gpu.launch_partial(&mut p))?)
+    } else {
+        None
     };
     // One pool for every shape: the largest batch's contexts, 64-token blocks in a shuffled
     // order, bf16 and FP8.

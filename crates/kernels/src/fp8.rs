@@ -252,7 +252,8 @@ mod tests {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            let f = ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * (1.0 + (d / 128) as f32 * 30.0);
+            let f =
+                ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * (1.0 + (d / 128) as f32 * 30.0);
             *v = bf16::from_f32(f);
         }
         let q = quantize(&row).unwrap();
@@ -265,7 +266,10 @@ mod tests {
             for d in g * FP8_GROUP..(g + 1) * FP8_GROUP {
                 let (a, b) = (bf16::to_f32(row[d]), bf16::to_f32(back[d]));
                 assert_eq!(b, e4m3_to_f32(q[d]) * s, "dim {d}: exact in bf16");
-                assert!((a - b).abs() <= a.abs() / 16.0 + s * 2f32.powi(-10), "dim {d}: {a} {b}");
+                assert!(
+                    (a - b).abs() <= a.abs() / 16.0 + s * 2f32.powi(-10),
+                    "dim {d}: {a} {b}"
+                );
             }
         }
     }

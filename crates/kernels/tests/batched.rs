@@ -25,7 +25,11 @@ fn every_batch_matches_the_reference_on_every_instruction_set() {
             for isa in common::isas() {
                 let got = partial_batched(Backend::CpuWith(isa), &pool, &requests, SCALE).unwrap();
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert_close(g, w, &format!("{} fp8={fp8} {isa:?} request {i}", case.name));
+                    assert_close(
+                        g,
+                        w,
+                        &format!("{} fp8={fp8} {isa:?} request {i}", case.name),
+                    );
                 }
             }
         }
@@ -37,7 +41,10 @@ fn every_batch_matches_the_reference_on_every_instruction_set() {
 #[test]
 fn a_batch_is_its_requests_one_at_a_time() {
     let mut rng = Rng::new(43);
-    for case in batch_cases().iter().filter(|c| c.name.contains("mixed") || c.name.contains("varlen")) {
+    for case in batch_cases()
+        .iter()
+        .filter(|c| c.name.contains("mixed") || c.name.contains("varlen"))
+    {
         let data = BatchData::new(&mut rng, case);
         let requests = data.requests();
         let got = partial_batched(Backend::Cpu, &data.pool(false), &requests, SCALE).unwrap();
@@ -63,7 +70,10 @@ fn a_batch_is_its_requests_one_at_a_time() {
 fn fp8_stays_within_its_quantization_error_of_bf16() {
     let mut rng = Rng::new(47);
     let (mut worst_o, mut worst_lse, mut sum, mut n) = (0f32, 0f32, 0f64, 0usize);
-    for case in batch_cases().iter().filter(|c| c.name.starts_with("sparse")) {
+    for case in batch_cases()
+        .iter()
+        .filter(|c| c.name.starts_with("sparse"))
+    {
         let data = BatchData::new(&mut rng, case);
         let requests = data.requests();
         let bf = partial_batched(Backend::Reference, &data.pool(false), &requests, SCALE).unwrap();
@@ -84,7 +94,9 @@ fn fp8_stays_within_its_quantization_error_of_bf16() {
         }
     }
     let mean = sum / n as f64;
-    println!("FP8 against bf16: o max abs {worst_o:.3e}, mean abs {mean:.3e}; lse max abs {worst_lse:.3e}");
+    println!(
+        "FP8 against bf16: o max abs {worst_o:.3e}, mean abs {mean:.3e}; lse max abs {worst_lse:.3e}"
+    );
     assert!(
         worst_o <= 0.5 && mean <= 0.03 && worst_lse <= 0.3,
         "{worst_o} {mean} {worst_lse}"
@@ -103,13 +115,22 @@ fn bad_batches_are_typed_errors_naming_the_request() {
     let good = DecodeRequest::dense(q, &[3, 0], 20);
     let cases: Vec<(DecodeRequest<'_>, &str)> = vec![
         (DecodeRequest::dense(q, &[3], 20), "table too short"),
-        (DecodeRequest::dense(q, &[3, 4], 20), "block outside the pool"),
-        (DecodeRequest::dense(Queries::new(&[]).unwrap(), &[0], 3), "no query rows"),
+        (
+            DecodeRequest::dense(q, &[3, 4], 20),
+            "block outside the pool",
+        ),
+        (
+            DecodeRequest::dense(Queries::new(&[]).unwrap(), &[0], 3),
+            "no query rows",
+        ),
     ];
     for (bad, what) in cases {
         for backend in [Backend::Cpu, Backend::Reference] {
             let err = partial_batched(backend, &kv, &[good, bad], SCALE).unwrap_err();
-            assert!(matches!(err, KernelError::Request { request: 1, .. }), "{what}: {err}");
+            assert!(
+                matches!(err, KernelError::Request { request: 1, .. }),
+                "{what}: {err}"
+            );
             assert!(err.to_string().starts_with("request 1: "), "{err}");
         }
     }
@@ -121,7 +142,11 @@ fn bad_batches_are_typed_errors_naming_the_request() {
         Err(KernelError::Request { request: 0, .. })
     ));
     assert!(partial_batched(Backend::Cpu, &kv, &[good], 0.0).is_err());
-    assert!(partial_batched(Backend::Cpu, &kv, &[], SCALE).unwrap().is_empty());
+    assert!(
+        partial_batched(Backend::Cpu, &kv, &[], SCALE)
+            .unwrap()
+            .is_empty()
+    );
     // A NaN in a row a request attends is refused naming the request and the row.
     let mut poisoned = pool.clone();
     poisoned[(3 * 16 + 5) * D_QK + 7] = 0x7fc0;

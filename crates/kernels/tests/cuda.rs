@@ -14,8 +14,9 @@
 //!
 //! Tolerances: the GPU partials run on the tensor cores (decode.cu): scores and the weighted
 //! sum accumulate in f32, and the softmax weights are rounded to bf16 for the second product,
-//! which moves o by at most 2^-9 of the largest |v| (`assert_close_tc`: 5e-3 over N(0, 1)
-//! rows; the CPU emulation of the same kernel measured under 2e-3); m and l are f32, so lse
+//! which moves o by at most 2^-9 of the largest |v| (`assert_close_tc`: 8e-3 over N(0, 1)
+//! rows, whose largest |v| is under 4.5; measured up to 5.04e-3 on an H200, 2e-3 in the CPU
+//! emulation of the same kernel); m and l are f32, so lse
 //! keeps the CPU's bounds (tests/against_reference.rs). The merge runs the same f64 combine as
 //! the CPU (1e-6 abs); the splice rotates in f64 from the same host-computed angles with one
 //! rounding, so it must be bit-identical to the CPU.
@@ -119,9 +120,9 @@ const TESTS: &[(&str, Needs, fn())] = &[
     ),
 ];
 
-/// o within 5e-3 (bf16 softmax weights; see the module's doc), lse as on the CPU.
+/// o within 8e-3 (bf16 softmax weights; see the module's doc), lse as on the CPU.
 fn assert_close_tc(got: &Partial, want: &Partial, what: &str) {
-    const O_ABS_TC: f32 = 5e-3;
+    const O_ABS_TC: f32 = 8e-3;
     let o_err = max_abs(&got.o, &want.o);
     eprintln!("{what}: o max abs error {o_err:.2e}");
     assert!(o_err <= O_ABS_TC, "{what}: o max abs error {o_err}");
@@ -626,7 +627,9 @@ fn batches_match_the_reference() {
                 worst = worst.max(max_abs(&g.o, &w.o));
             }
             let dev = gpu.upload_pool(&pool).unwrap();
-            let resident = gpu.partial_batched_resident(&dev, &requests, SCALE).unwrap();
+            let resident = gpu
+                .partial_batched_resident(&dev, &requests, SCALE)
+                .unwrap();
             assert_eq!(resident, got, "{what}: resident");
             let rows: usize = requests.iter().map(|r| r.queries().len()).sum();
             let mut wire = vec![0u8; rows * kvroute_kernels::layout::PARTIAL_ROW_BYTES];
@@ -641,8 +644,8 @@ fn batches_match_the_reference() {
     println!("  {cases} batches (bf16 and FP8): o within {worst:.2e} of the f64 reference");
 }
 
-/// One batch is one launch of the decode kernel, plus one of the combine when it splits the
-/// keys, however many requests it holds.
+/// One batch is one launch of the decode kernel, split or not (the last block of a work item
+/// combines its splits), however many requests it holds.
 fn a_batch_is_one_launch() {
     let gpu = Gpu::global().unwrap();
     let mut rng = Rng::new(67);
@@ -651,19 +654,28 @@ fn a_batch_is_one_launch() {
     let dev = gpu.upload_pool(&kv).unwrap();
     let q = rng.rows(16);
     let tables: Vec<Vec<u32>> = (0..200u32).map(|i| vec![i, (i + 1) % 200]).collect();
+    let mut split = false;
     for n in [1usize, 8, 199] {
+        // 1 and 8 requests split their keys (few work items for 132 SMs); 199 do not.
         let requests: Vec<DecodeRequest<'_>> = (0..n)
             .map(|i| DecodeRequest::dense(Queries::new(&q).unwrap(), &tables[i], 100))
             .collect();
         let prepared = gpu.prepare_batched(&dev, &requests, SCALE).unwrap();
         let (items, splits) = prepared.grid();
         let before = gpu.decode_launches();
-        let got = gpu.partial_batched_resident(&dev, &requests, SCALE).unwrap();
+        let got = gpu
+            .partial_batched_resident(&dev, &requests, SCALE)
+            .unwrap();
         let launches = gpu.decode_launches() - before;
         println!("  {n} requests: {items} work items x {splits} splits, {launches} launches");
         assert_eq!(got.len(), n);
-        assert_eq!(launches, 1 + u64::from(splits > 1), "{n} requests");
+        assert_eq!(launches, 1, "{n} requests");
+        split |= splits > 1;
     }
+    assert!(
+        split,
+        "no batch split its keys: the fused combine was not counted"
+    );
 }
 
 /// Each decode kernel (1, 2 and 4 row tiles; bf16 and FP8), split and not, on a batch small
@@ -690,7 +702,9 @@ fn every_decode_variant_small() {
             let dev = gpu.upload_pool(&pool).unwrap();
             // Unsplit: the resident call's planner on 132 SMs splits these; a prepared batch
             // plans the same, so both the split and (one request) unsplit paths run.
-            let got = gpu.partial_batched_resident(&dev, &requests, SCALE).unwrap();
+            let got = gpu
+                .partial_batched_resident(&dev, &requests, SCALE)
+                .unwrap();
             for (g, w) in got.iter().zip(&want) {
                 assert_close_tc(g, w, &format!("{heads} heads fp8={fp8}"));
             }

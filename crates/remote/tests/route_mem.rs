@@ -24,6 +24,9 @@ use kvroute_transport::{MemFabric, OnDone, TransferEngine};
 
 const SCALE: f32 = 0.1147;
 
+/// The GPU tests one at a time: they count the process's launches of the decode kernel.
+static ON_THE_GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn spec() -> CorpusSpec {
     CorpusSpec {
         layers: 3,
@@ -230,6 +233,9 @@ fn sparse_calls<'a>(
 #[test]
 fn a_gpu_holder_serves_what_a_cpu_holder_serves() -> Result<()> {
     use kvroute_kernels::KernelError;
+    let _gpu = ON_THE_GPU
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     use kvroute_remote::RemoteError;
     let fabric = MemFabric::new();
     let s = spec();
@@ -334,6 +340,91 @@ fn a_gpu_holder_serves_what_a_cpu_holder_serves() -> Result<()> {
         (g.gpu_resident_bytes, c.gpu_resident_bytes),
         (4 * block_bytes, 0)
     );
+    Ok(())
+}
+
+/// A holder on a GPU serves every (chunk, layer) group of a batch in one launch of the batched
+/// kernel: one request over four chunks, two layers, dense and sparse, is one launch (one
+/// kernel call in the holder's counters) and the same answer as a CPU holder's; requests from
+/// three requesters at once are one launch per batch the holder served, however many requests
+/// a batch held.
+#[test]
+fn a_gpu_holder_serves_a_batch_in_one_launch() -> Result<()> {
+    let _gpu = ON_THE_GPU
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let gpu_dev = match kvroute_kernels::cuda::Gpu::global() {
+        Ok(g) => g,
+        Err(why) => {
+            let required =
+                std::env::var("KVROUTE_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0");
+            assert!(
+                !required,
+                "KVROUTE_REQUIRE_GPU is set and no GPU is usable: {why}"
+            );
+            kvroute_testkit::skip!("one launch per batch on a GPU holder: {why}");
+            return Ok(());
+        }
+    };
+    let fabric = MemFabric::new();
+    let s = spec();
+    let cpu = holder_on(&fabric, &[0, 1, 2, 3], 8, Backend::Cpu)?;
+    let gpu = holder_on(&fabric, &[0, 1, 2, 3], 8, Backend::Cuda)?;
+    let (mut on_cpu, mut on_gpu) = (requester(&fabric, &[&cpu])?, requester(&fabric, &[&gpu])?);
+    let q = queries(16, 900, &s.rope()?, 7);
+    let (_, local) = scattered_selection(120);
+    let mut calls = dense_calls(&q, 0, 0..4);
+    calls.extend(dense_calls(&q, 2, 1..3));
+    calls.extend(sparse_calls(&q, 1, &local, 16));
+    let (before, stats_before) = (gpu_dev.decode_launches(), on_gpu.holder_stats(0)?);
+    let got: Vec<_> = on_gpu.route(&calls).into_iter().collect::<Result<_, _>>()?;
+    let launches = gpu_dev.decode_launches() - before;
+    let stats = on_gpu.holder_stats(0)?;
+    assert_eq!(launches, 1, "ten groups of one request");
+    assert_eq!(stats.kernel_calls - stats_before.kernel_calls, 1);
+    let want: Vec<_> = on_cpu.route(&calls).into_iter().collect::<Result<_, _>>()?;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let d = max_abs(&g.o, &w.o);
+        assert!(d < 8e-3, "call {i}: o {d} from the CPU holder's");
+        for r in 0..g.rows() {
+            assert!((g.lse(r) - w.lse(r)).abs() < 1e-4, "call {i} row {r}");
+        }
+    }
+    // Three requesters at once, 20 steps each.
+    let before = (gpu_dev.decode_launches(), gpu.stats());
+    std::thread::scope(|scope| -> Result<()> {
+        let workers: Vec<_> = (0..3)
+            .map(|_| {
+                let mut req = requester(&fabric, &[&gpu])?;
+                let (q, calls_q) = (q.clone(), local.clone());
+                Ok(scope.spawn(move || -> Result<()> {
+                    for _ in 0..20 {
+                        let mut calls = dense_calls(&q, 0, 0..4);
+                        calls.extend(sparse_calls(&q, 1, &calls_q, 16));
+                        for part in req.route(&calls) {
+                            part?;
+                        }
+                    }
+                    Ok(())
+                }))
+            })
+            .collect::<Result<_>>()?;
+        for w in workers {
+            w.join().expect("requester thread")?;
+        }
+        Ok(())
+    })?;
+    let (launches, after) = (gpu_dev.decode_launches() - before.0, gpu.stats());
+    let (batches, requests) = (
+        after.batches - before.1.batches,
+        after.requests - before.1.requests,
+    );
+    println!(
+        "  60 requests from 3 requesters: {requests} requests in {batches} batches, {launches} launches"
+    );
+    assert_eq!(requests, 60);
+    assert_eq!(launches, batches, "one launch per batch");
+    assert_eq!(after.kernel_calls - before.1.kernel_calls, batches);
     Ok(())
 }
 

@@ -13,15 +13,19 @@
 // Block = 8 warps, one work item (up to BM = 16 MT query rows of one request that share their
 // keys) and one split of its keys (grid = (work items, splits)). Per tile of DEC_BN = 32 keys:
 //   load    cp.async of the tile's rows (gathered through the block table, or the selection)
-//           STAGES tiles ahead into shared memory; FP8 rows are dequantized to bf16 there;
-//   S       warp w computes the n8 column block w % 4 of S for its half of the m16 row tiles
-//           (MT = 1: for half of the 36 k-steps, the halves summed by the softmax);
+//           STAGES tiles ahead into shared memory, their indices loaded one tile earlier
+//           still; FP8 rows are dequantized to bf16 there;
+//   S       warp w computes an (m16 row tile) x (NW n8 key tiles) x (1 / KG of the 576 dims)
+//           block of S: every query and key element is read from shared memory once or
+//           twice a tile, not once per key tile; the KG partial sums meet in the softmax;
 //   softmax 256 / BM threads per row: scale, mask, running max, p = exp(s - m) as bf16;
 //   PV      warp w owns output dims 64 w .. 64 w + 63 of every row: 8 n8 tiles x MT m16 tiles
 //           of f32 accumulators, rescaled by exp(m_old - m_new) before each tile.
-// mode 0 writes each (split, row)'s unnormalised state (acc, m, l) at [split * total_rows +
-// row] for mla_combine (kernels.cu); mode 1 (one split) the finished f32 partial; mode 2 (one
-// split) its 1032-byte wire rows.
+// With one split the block writes the finished partial: f32 (mode 1) or its 1032-byte wire
+// rows (mode 2). With several, each writes its unnormalised state (acc, m, l) at [split *
+// total_rows + row], and the last of a work item's blocks to finish (a counter per work item,
+// reset by that block) combines them as mla_combine would and writes the finished rows: one
+// launch, whatever the split.
 //
 // Every fragment layout below is the PTX ISA's ("Matrix Fragments for mma.m16n8k16" and
 // "ldmatrix"); tests/emu runs this file on the CPU with those layouts emulated.
@@ -40,6 +44,7 @@
 #define FP8_ROW_BYTES 656
 #define FP8_SCALES_AT 512
 #define FP8_ROPE_AT 528
+#define LOG2E 1.4426950408889634f
 
 #ifndef KVROUTE_EMU
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -86,21 +91,31 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 
+// Two e4m3 (byte 0 the low one) as f32, exactly: through f16x2, which holds every e4m3.
+__device__ __forceinline__ float2 e4m3x2_to_f32x2(unsigned short v) {
+    unsigned h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(v));
+    float lo, hi;
+    asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }"
+        : "=f"(lo), "=f"(hi)
+        : "r"(h2));
+    return make_float2(lo, hi);
+}
+
+// Two f32 as bf16x2 (lo in the low half), round to nearest even in one instruction; equal to
+// f32_to_bf16 on every value but NaN (a NaN stays a NaN, with other payload bits).
+__device__ __forceinline__ unsigned pack_bf16x2_rn(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 #define DEC_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
+// The wire's bf16 rounding, bit for bit bf16.rs's (NaN payloads included).
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
-}
-
-// One e4m3 byte (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities,
-// S.1111.111 is NaN) as f32, exactly.
-__device__ __forceinline__ float e4m3_to_f32(unsigned v) {
-    const unsigned sign = (v & 0x80u) << 24, e = (v >> 3) & 0xfu, m = v & 7u;
-    if (e == 15u && m == 7u) return __uint_as_float(0x7fc00000u);
-    const float mag = e == 0u ? (float)m * 0.001953125f  // m * 2^-9, subnormal
-                              : __uint_as_float(((e + 120u) << 23) | (m << 20));
-    return __uint_as_float(__float_as_uint(mag) | sign);
 }
 
 // Shared-memory layout of one block, in bytes: the query rows, the pipeline's stages, for FP8
@@ -110,7 +125,11 @@ template <int MT, bool FP8>
 struct DecCfg {
     static constexpr int BM = 16 * MT;
     static constexpr int STAGES = FP8 ? (MT == 4 ? 4 : 6) : (MT == 1 ? 5 : MT == 2 ? 4 : 3);
-    static constexpr int SBUFS = MT == 1 ? 2 : 1;
+    // The S phase's split of the work over the 8 warps: NW n8 key tiles each, the 576 dims
+    // in KG groups (MT x (4 / NW) x KG = 8 warps), each group's partial S in its own buffer.
+    static constexpr int NW = MT == 1 ? 2 : 4;
+    static constexpr int KG = MT == 4 ? 2 : 4;
+    static constexpr int SBUFS = KG;
     static constexpr int ROW_BYTES = FP8 ? FP8_ROW_BYTES : D_QK * 2;
     static constexpr int STAGE_ROW = FP8 ? FP8_ROW_BYTES : DEC_KROW * 2;
     static constexpr int STAGE_BYTES = DEC_BN * STAGE_ROW;
@@ -121,7 +140,8 @@ struct DecCfg {
     static constexpr int P_AT = S_AT + SBUFS * BM * DEC_SROW * 4;
     static constexpr int STATS_AT = P_AT + BM * DEC_PROW * 2;
     static constexpr int VALID_AT = STATS_AT + 3 * BM * 4;
-    static constexpr int BYTES = VALID_AT + STAGES * DEC_BN * 4;
+    static constexpr int FLAG_AT = VALID_AT + STAGES * DEC_BN * 4;
+    static constexpr int BYTES = FLAG_AT + 16;
 };
 
 // reqs[r] = (first entry of its block table in `tables`, context tokens, keys (tokens dense,
@@ -133,8 +153,9 @@ __device__ __forceinline__ void decode_body(
     const bf16_t* __restrict__ q, const unsigned char* __restrict__ kv, int block_tokens,
     const unsigned* __restrict__ tables, const int4* __restrict__ reqs,
     const int4* __restrict__ work, const int* __restrict__ sel, int total_rows, float scale,
-    int mode, float* __restrict__ out_o, float* __restrict__ out_m, float* __restrict__ out_l,
-    unsigned char* __restrict__ wire)
+    int mode, float* __restrict__ ws_o, float* __restrict__ ws_m, float* __restrict__ ws_l,
+    int* __restrict__ counters, float* __restrict__ out_o, float* __restrict__ out_m,
+    float* __restrict__ out_l, unsigned char* __restrict__ wire)
 {
     typedef DecCfg<MT, FP8> C;
     DEC_DYNAMIC_SMEM(smem);
@@ -145,12 +166,13 @@ __device__ __forceinline__ void decode_body(
     float* const m_s = alpha_s + C::BM;
     float* const l_s = m_s + C::BM;
     int* const valid_s = reinterpret_cast<int*>(smem + C::VALID_AT);
+    int* const flag_s = reinterpret_cast<int*>(smem + C::FLAG_AT);
 
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const int g = lane >> 2, t4 = lane & 3;  // a fragment's row group and column pair
     const int4 wk = work[blockIdx.x];
     const int4 rq = reqs[wk.x];
-    const int split = blockIdx.y;
+    const int split = blockIdx.y, splits = gridDim.y;
     const int row0 = wk.y, nrows = wk.z;
     const bool sparse = wk.w >= 0;
     const int tiles = (rq.z + DEC_BN - 1) / DEC_BN;
@@ -166,17 +188,21 @@ __device__ __forceinline__ void decode_body(
 
     // Tile loads: thread tid copies key tid / 8 of a tile, its 16-byte pieces tid % 8,
     // tid % 8 + 8, ...; a padding or out-of-range key is zero-filled (so P = 0 meets V = 0,
-    // never garbage) and flagged invalid.
+    // never garbage) and flagged invalid. A key's token (sparse: a load from the selection)
+    // and its block (a load from the table) are fetched two and one tiles before the tile's
+    // copies are issued, so no copy waits on the loads that address it.
     const int lj = tid / 8, lsub = tid % 8;
-    auto issue = [&](int tile, int stage) {
-        const int key = tile * DEC_BN + lj;
-        long long tok = -1;
-        if (key < rq.z) tok = sparse ? (long long)sel[wk.w + key] : (long long)key;
+    auto token_of = [&](int tile) -> int {
+        const int key = (tile0 + tile) * DEC_BN + lj;
+        if (tile >= ntiles || key >= rq.z) return -1;
+        return sparse ? sel[wk.w + key] : key;
+    };
+    auto block_of = [&](int tok) -> unsigned {
+        return tok >= 0 ? tables[rq.x + tok / block_tokens] : 0u;
+    };
+    auto issue = [&](int stage, int tok, unsigned block) {
         const unsigned char* src = kv;
-        if (tok >= 0) {
-            const long long page = tables[rq.x + tok / block_tokens];
-            src = kv + (page * block_tokens + tok % block_tokens) * C::ROW_BYTES;
-        }
+        if (tok >= 0) src = kv + ((long long)block * block_tokens + tok % block_tokens) * C::ROW_BYTES;
         unsigned char* dst = smem + C::K_AT + stage * C::STAGE_BYTES + lj * C::STAGE_ROW;
         const int bytes = tok >= 0 ? 16 : 0;
         for (int p = lsub; p < C::ROW_BYTES / 16; p += 8) cp_async_16(dst + p * 16, src + p * 16, bytes);
@@ -199,34 +225,50 @@ __device__ __forceinline__ void decode_body(
 
 #pragma unroll
     for (int st = 0; st < C::STAGES - 1; ++st) {
-        if (st < ntiles) issue(tile0 + st, st);
+        const int tok = token_of(st);
+        if (st < ntiles) issue(st, tok, block_of(tok));
         cp_async_commit();
     }
+    // The next tile to issue (STAGES - 1): its token and block; the one after: its token.
+    int tok_a = token_of(C::STAGES - 1);
+    unsigned block_a = block_of(tok_a);
+    int tok_b = token_of(C::STAGES);
 
     for (int it = 0; it < ntiles; ++it) {
         cp_async_wait<C::STAGES - 2>();  // this thread's copies of tile `it` have landed
         __syncthreads();                 // everyone's; and every warp is done with tile it - 1
         {
             const int next = it + C::STAGES - 1;
-            if (next < ntiles) issue(tile0 + next, next % C::STAGES);
+            if (next < ntiles) issue(next % C::STAGES, tok_a, block_a);
             cp_async_commit();
+            // Loads whose values are first used an iteration from now.
+            tok_a = tok_b;
+            block_a = block_of(tok_a);
+            tok_b = token_of(next + 2);
         }
         const int stage = it % C::STAGES;
         const bf16_t* kt = reinterpret_cast<const bf16_t*>(smem + C::K_AT + stage * C::STAGE_BYTES);
         if (FP8) {
-            // Dequantize: thread (lj, lsub) converts dims 64 lsub .. 64 lsub + 63 of key lj (all
-            // under scale lsub / 2) and copies 8 of its RoPE values.
+            // Dequantize: thread (lj, lsub) converts 8-byte pieces c = lsub + 8 i of key lj's
+            // latent (dims 8 c .. 8 c + 7, under scale c / 16) and copies 8 of its RoPE
+            // values. Each 8 lanes of one key read and write consecutive bytes (no bank
+            // conflicts).
             const unsigned char* raw = smem + C::K_AT + stage * C::STAGE_BYTES + lj * FP8_ROW_BYTES;
             bf16_t* tile = reinterpret_cast<bf16_t*>(smem + C::T_AT);
             bf16_t* dst = tile + lj * DEC_KROW;
-            const float sc = reinterpret_cast<const float*>(raw + FP8_SCALES_AT)[lsub / 2];
-            const unsigned* src = reinterpret_cast<const unsigned*>(raw + lsub * 64);
-            unsigned* out = reinterpret_cast<unsigned*>(dst + lsub * 64);
+            const float* scales = reinterpret_cast<const float*>(raw + FP8_SCALES_AT);
 #pragma unroll
-            for (int w = 0; w < 16; ++w) {
-                const unsigned b = src[w];
-                out[2 * w] = pack_bf16x2(e4m3_to_f32(b & 0xffu) * sc, e4m3_to_f32((b >> 8) & 0xffu) * sc);
-                out[2 * w + 1] = pack_bf16x2(e4m3_to_f32((b >> 16) & 0xffu) * sc, e4m3_to_f32(b >> 24) * sc);
+            for (int i = 0; i < D_LATENT / 64; ++i) {
+                const int c = lsub + 8 * i;
+                const float sc = scales[i / 2];
+                const uint2 b = *reinterpret_cast<const uint2*>(raw + 8 * c);
+                const float2 v0 = e4m3x2_to_f32x2((unsigned short)(b.x & 0xffffu));
+                const float2 v1 = e4m3x2_to_f32x2((unsigned short)(b.x >> 16));
+                const float2 v2 = e4m3x2_to_f32x2((unsigned short)(b.y & 0xffffu));
+                const float2 v3 = e4m3x2_to_f32x2((unsigned short)(b.y >> 16));
+                *reinterpret_cast<uint4*>(dst + 8 * c) = make_uint4(
+                    pack_bf16x2_rn(v0.x * sc, v0.y * sc), pack_bf16x2_rn(v1.x * sc, v1.y * sc),
+                    pack_bf16x2_rn(v2.x * sc, v2.y * sc), pack_bf16x2_rn(v3.x * sc, v3.y * sc));
             }
             *reinterpret_cast<uint4*>(dst + D_LATENT + lsub * 8) =
                 *reinterpret_cast<const uint4*>(raw + FP8_ROPE_AT + lsub * 16);
@@ -234,46 +276,43 @@ __device__ __forceinline__ void decode_body(
             kt = tile;
         }
 
-        // S = Q K^T. Warp w: keys 8 (w % 4) .. + 7; row tiles mt0 .. mt0 + MPW - 1 over all 36
-        // k-steps, or (MT = 1) row tile 0 over k-steps 18 (w / 4) .. + 17. Two accumulators
-        // per row tile (even and odd k-steps) keep two MMAs in flight.
+        // S = Q K^T. Warp w = (mt * (4 / NW) + ng) * KG + kg: row tile mt, key tiles
+        // ng NW .. ng NW + NW - 1, dims 576 kg / KG .. over KSTEPS k-steps. Two accumulators
+        // per key tile (even and odd k-steps) keep more MMAs in flight.
         {
-            constexpr int MPW = MT == 1 ? 1 : MT / 2;
-            constexpr int KSTEPS = MT == 1 ? D_QK / 16 / 2 : D_QK / 16;
-            const int nt = warp % 4, grp = warp / 4;
-            const int mt0 = MT == 1 ? 0 : grp * MPW;
-            const int ks0 = MT == 1 ? grp * KSTEPS : 0;
-            float s[MPW][2][4];
+            constexpr int NW = C::NW, KG = C::KG, NG = 4 / NW, KSTEPS = D_QK / 16 / KG;
+            const int kg = warp % KG, ng = (warp / KG) % NG, mt = warp / (KG * NG);
+            float s[NW][2][4];
 #pragma unroll
-            for (int i = 0; i < MPW; ++i)
+            for (int n = 0; n < NW; ++n)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) s[i][0][j] = s[i][1][j] = 0.0f;
-            // B (K rows as columns): lanes 0-7 address keys 0-7 at dims +0, lanes 8-15 at +8,
-            // 16-23 at +16, 24-31 at +24: the b0, b1 of k-steps ks and ks + 1.
-            const bf16_t* kb = kt + (nt * 8 + (lane & 7)) * DEC_KROW + (lane >> 3) * 8;
+                for (int j = 0; j < 4; ++j) s[n][0][j] = s[n][1][j] = 0.0f;
             // A (query rows): lanes 0-15 address rows 0-15 at dims +0, lanes 16-31 at +8.
-            const bf16_t* qa = qs + (mt0 * 16 + (lane & 15)) * DEC_KROW + (lane >> 4) * 8;
-#pragma unroll 2
-            for (int ks = ks0; ks < ks0 + KSTEPS; ks += 2) {
-                unsigned b[4];
-                ldsm_x4(b, kb + ks * 16);
+            const bf16_t* qa = qs + (mt * 16 + (lane & 15)) * DEC_KROW + (lane >> 4) * 8;
+            // B (keys as columns), two key tiles per ldmatrix: lanes 0-7 address keys 0-7 at
+            // dims +0, 8-15 the same keys at +8, 16-23 keys 8-15 at +0, 24-31 at +8.
+            const bf16_t* kb = kt + (ng * NW * 8 + (lane & 7) + (lane >> 4) * 8) * DEC_KROW + ((lane >> 3) & 1) * 8;
 #pragma unroll
-                for (int i = 0; i < MPW; ++i) {
-                    unsigned a0[4], a1[4];
-                    ldsm_x4(a0, qa + i * 16 * DEC_KROW + ks * 16);
-                    ldsm_x4(a1, qa + i * 16 * DEC_KROW + (ks + 1) * 16);
-                    mma_16816(s[i][0], a0, b[0], b[1]);
-                    mma_16816(s[i][1], a1, b[2], b[3]);
+            for (int i = 0; i < KSTEPS; ++i) {
+                const int ks = kg * KSTEPS + i;
+                unsigned a[4];
+                ldsm_x4(a, qa + ks * 16);
+#pragma unroll
+                for (int pr = 0; pr < NW / 2; ++pr) {
+                    unsigned b[4];
+                    ldsm_x4(b, kb + pr * 16 * DEC_KROW + ks * 16);
+                    mma_16816(s[2 * pr][i & 1], a, b[0], b[1]);
+                    mma_16816(s[2 * pr + 1][i & 1], a, b[2], b[3]);
                 }
             }
-            float* sb = ss + (MT == 1 ? grp : 0) * C::BM * DEC_SROW;
+            float* sb = ss + kg * C::BM * DEC_SROW;
 #pragma unroll
-            for (int i = 0; i < MPW; ++i) {
-                const int r = (mt0 + i) * 16 + g, c = nt * 8 + t4 * 2;
-                sb[r * DEC_SROW + c] = s[i][0][0] + s[i][1][0];
-                sb[r * DEC_SROW + c + 1] = s[i][0][1] + s[i][1][1];
-                sb[(r + 8) * DEC_SROW + c] = s[i][0][2] + s[i][1][2];
-                sb[(r + 8) * DEC_SROW + c + 1] = s[i][0][3] + s[i][1][3];
+            for (int n = 0; n < NW; ++n) {
+                const int r = mt * 16 + g, c = (ng * NW + n) * 8 + t4 * 2;
+                sb[r * DEC_SROW + c] = s[n][0][0] + s[n][1][0];
+                sb[r * DEC_SROW + c + 1] = s[n][0][1] + s[n][1][1];
+                sb[(r + 8) * DEC_SROW + c] = s[n][0][2] + s[n][1][2];
+                sb[(r + 8) * DEC_SROW + c + 1] = s[n][0][3] + s[n][1][3];
             }
         }
         __syncthreads();
@@ -285,8 +324,9 @@ __device__ __forceinline__ void decode_body(
             float tmax = neg_inf();
 #pragma unroll
             for (int j = 0; j < CPT; ++j) {
-                float x = ss[srow * DEC_SROW + scol + j];
-                if (MT == 1) x += ss[C::BM * DEC_SROW + srow * DEC_SROW + scol + j];
+                float x = 0.0f;
+#pragma unroll
+                for (int kg = 0; kg < C::KG; ++kg) x += ss[(kg * C::BM + srow) * DEC_SROW + scol + j];
                 x = vs[scol + j] ? x * scale : neg_inf();
                 p[j] = x;
                 tmax = fmaxf(tmax, x);
@@ -297,10 +337,12 @@ __device__ __forceinline__ void decode_body(
             const float m_new = fmaxf(row_m, tmax);
             float alpha = 1.0f, sum = 0.0f;
             if (m_new != neg_inf()) {  // else no valid key yet: nothing to rescale, p = 0
-                alpha = expf(row_m - m_new);
+                // exp(x) as 2^(x log2 e): ex2.approx, within 2 ulp, where expf's accurate
+                // range reduction costs several times the instructions.
+                alpha = exp2f((row_m - m_new) * LOG2E);
 #pragma unroll
                 for (int j = 0; j < CPT; ++j) {
-                    p[j] = expf(p[j] - m_new);
+                    p[j] = exp2f((p[j] - m_new) * LOG2E);
                     sum += p[j];
                 }
             } else {
@@ -313,7 +355,7 @@ __device__ __forceinline__ void decode_body(
             row_m = m_new;
             unsigned* prow = reinterpret_cast<unsigned*>(ps + srow * DEC_PROW + scol);
 #pragma unroll
-            for (int j = 0; j < CPT; j += 2) prow[j / 2] = pack_bf16x2(p[j], p[j + 1]);
+            for (int j = 0; j < CPT; j += 2) prow[j / 2] = pack_bf16x2_rn(p[j], p[j + 1]);
             if (tid % TPR == 0) alpha_s[srow] = alpha;
         }
         __syncthreads();
@@ -361,6 +403,8 @@ __device__ __forceinline__ void decode_body(
         l_s[srow] = row_l;
     }
     __syncthreads();
+    // One split: the finished rows. Several: this split's state, for the last block.
+    const bool split_state = splits > 1;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -369,15 +413,17 @@ __device__ __forceinline__ void decode_body(
             if (r >= nrows) continue;
             const long long row = row0 + r;
             const float m = m_s[r], l = l_s[r];
-            const long long at = mode == 0 ? (long long)split * total_rows + row : row;
+            const long long at = split_state ? (long long)split * total_rows + row : row;
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
                 const int dim = warp * 64 + n * 8 + t4 * 2;
                 float x = acc[mt][n][2 * half], y = acc[mt][n][2 * half + 1];
-                if (mode != 0) {
-                    x = l > 0.0f ? x / l : 0.0f;
-                    y = l > 0.0f ? y / l : 0.0f;
+                if (split_state) {
+                    *reinterpret_cast<float2*>(ws_o + at * D_LATENT + dim) = make_float2(x, y);
+                    continue;
                 }
+                x = l > 0.0f ? x / l : 0.0f;
+                y = l > 0.0f ? y / l : 0.0f;
                 if (mode == 2) {
                     *reinterpret_cast<unsigned*>(wire + row * WIRE_ROW_BYTES + dim * 2) = pack_bf16x2(x, y);
                 } else {
@@ -385,7 +431,10 @@ __device__ __forceinline__ void decode_body(
                 }
             }
             if (warp == 0 && t4 == 0) {
-                if (mode == 2) {
+                if (split_state) {
+                    ws_m[at] = m;
+                    ws_l[at] = l;
+                } else if (mode == 2) {
                     float* ml = reinterpret_cast<float*>(wire + row * WIRE_ROW_BYTES + D_LATENT * 2);
                     ml[0] = m;
                     ml[1] = l;
@@ -396,15 +445,97 @@ __device__ __forceinline__ void decode_body(
             }
         }
     }
+    if (!split_state) return;
+
+    // The last block of this work item to get here combines every split's state (the
+    // threadFenceReduction pattern: each block's states are visible before its count).
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) flag_s[0] = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
+    __syncthreads();
+    if (!flag_s[0]) return;
+    __threadfence();
+    // As mla_combine: parts with l = 0 are skipped, a part whose m or l is not finite
+    // poisons the row (NaN), weights exp(m_s - max m) in f64, one division at the end. Per
+    // row, every split's (m, l) is staged in shared memory (the S buffers are free) by one
+    // load a thread, so the loads of o, the only ones left, are all in flight together.
+    // Thread tid finishes dims 2 tid and 2 tid + 1 of every row.
+    float* const cm = ss;
+    float* const cl = ss + DEC_THREADS;
+    double* const cw = reinterpret_cast<double*>(ss + 2 * DEC_THREADS);
+    for (int r = 0; r < nrows; ++r) {
+        const long long row = row0 + r;
+        for (int sp = tid; sp < splits; sp += DEC_THREADS) {
+            const long long at = (long long)sp * total_rows + row;
+            cm[sp] = __ldcg(ws_m + at);
+            cl[sp] = __ldcg(ws_l + at);
+        }
+        __syncthreads();
+        float big = neg_inf();
+        bool poisoned = false;
+        for (int sp = 0; sp < splits; ++sp) {
+            const float mp = cm[sp], lp = cl[sp];
+            if (isnan(mp) || mp == -neg_inf() || !isfinite(lp)) poisoned = true;
+            if (lp > 0.0f) big = fmaxf(big, mp);
+        }
+        const bool empty = poisoned || big == neg_inf();
+        for (int sp = tid; sp < splits; sp += DEC_THREADS)
+            cw[sp] = !empty && cl[sp] > 0.0f ? exp((double)cm[sp] - (double)big) : 0.0;
+        __syncthreads();
+        double x = 0.0, y = 0.0, lsum = 0.0;
+        if (!empty) {
+            // A skipped split's o is zero (an empty state), and weighs 0.
+#pragma unroll 4
+            for (int sp = 0; sp < splits; ++sp) {
+                const long long at = (long long)sp * total_rows + row;
+                const float2 o = __ldcg(reinterpret_cast<const float2*>(ws_o + at * D_LATENT) + tid);
+                const double w = cw[sp];
+                lsum += w * (double)cl[sp];
+                x += w * (double)o.x;
+                y += w * (double)o.y;
+            }
+        }
+        __syncthreads();  // the staged statistics are read before the next row's are written
+        float fx, fy, fm, fl;
+        if (poisoned) {
+            fx = fy = fm = fl = __int_as_float(0x7fc00000);
+        } else if (big == neg_inf()) {
+            fx = fy = 0.0f;
+            fm = neg_inf();
+            fl = 0.0f;
+        } else {
+            fx = (float)(x / lsum);
+            fy = (float)(y / lsum);
+            fm = big;
+            fl = (float)lsum;
+        }
+        if (mode == 2) {
+            unsigned char* wr = wire + row * WIRE_ROW_BYTES;
+            *reinterpret_cast<unsigned*>(wr + tid * 4) = pack_bf16x2(fx, fy);
+            if (tid == 0) {
+                float* ml = reinterpret_cast<float*>(wr + D_LATENT * 2);
+                ml[0] = fm;
+                ml[1] = fl;
+            }
+        } else {
+            *reinterpret_cast<float2*>(out_o + row * D_LATENT + 2 * tid) = make_float2(fx, fy);
+            if (tid == 0) {
+                out_m[row] = fm;
+                out_l[row] = fl;
+            }
+        }
+    }
+    if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
 }
 
 #define DEC_PARAMS                                                                          \
     const bf16_t *__restrict__ q, const unsigned char *__restrict__ kv, int block_tokens,    \
         const unsigned *__restrict__ tables, const int4 *__restrict__ reqs,                  \
         const int4 *__restrict__ work, const int *__restrict__ sel, int total_rows,          \
-        float scale, int mode, float *__restrict__ out_o, float *__restrict__ out_m,         \
-        float *__restrict__ out_l, unsigned char *__restrict__ wire
-#define DEC_ARGS q, kv, block_tokens, tables, reqs, work, sel, total_rows, scale, mode, out_o, out_m, out_l, wire
+        float scale, int mode, float *__restrict__ ws_o, float *__restrict__ ws_m,           \
+        float *__restrict__ ws_l, int *__restrict__ counters, float *__restrict__ out_o,     \
+        float *__restrict__ out_m, float *__restrict__ out_l, unsigned char *__restrict__ wire
+#define DEC_ARGS q, kv, block_tokens, tables, reqs, work, sel, total_rows, scale, mode, ws_o, ws_m, ws_l, counters, out_o, out_m, out_l, wire
 
 extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1) mla_decode_m1(DEC_PARAMS) { decode_body<1, false>(DEC_ARGS); }
 extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1) mla_decode_m2(DEC_PARAMS) { decode_body<2, false>(DEC_ARGS); }

@@ -6,15 +6,15 @@
 //! request's rows in blocks; a sparse request's rows of one query token), `MT` (1, 2 or 4) the
 //! smallest that holds the largest group, and the keys of every request into the same number
 //! of splits ([`choose_splits`]). Grid = (work items, splits): one split writes the finished
-//! partial (or its wire rows) directly; several write per-split states that `mla_combine`
-//! finishes in a second launch.
+//! partial (or its wire rows) directly; with several, each writes its state and the last of a
+//! work item's blocks combines them: one launch either way.
 
 use std::sync::atomic::Ordering;
 use std::sync::{PoisonError, atomic::AtomicU64};
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use super::{COMBINE_THREADS, Gpu, NULL_WIRE, Workspace, combine_grid, config, driver};
+use super::{Gpu, NULL_WIRE, Workspace, driver};
 use crate::batch::{DecodeRequest, KvPool, PoolShape, check_batch, check_results};
 use crate::error::KernelError;
 use crate::layout::{D_LATENT, PARTIAL_ROW_BYTES};
@@ -25,7 +25,7 @@ pub(crate) const DEC_THREADS: u32 = 256;
 /// Keys per tile (`DEC_BN`).
 pub(crate) const DEC_BN: usize = 32;
 /// The fewest tiles of keys a split takes: a split pays for filling its pipeline.
-const MIN_TILES_PER_SPLIT: usize = 4;
+const MIN_TILES_PER_SPLIT: usize = 2;
 /// The most splits: each is a part `mla_combine` reads back (2 KB a row).
 const MAX_SPLITS: usize = 256;
 /// The kernels, by (FP8, MT = 1, 2, 4).
@@ -52,15 +52,21 @@ pub(crate) const fn decode_layout(mt: usize, fp8: bool) -> (usize, usize) {
         (false, 2) => 4,
         (false, _) => 3,
     };
-    let sbufs = if mt == 1 { 2 } else { 1 };
-    let stage_row = if fp8 { crate::fp8::FP8_ROW_BYTES } else { KROW * 2 };
+    // KG: the S phase's groups of dims, one buffer of partial scores each.
+    let sbufs = if mt == 4 { 2 } else { 4 };
+    let stage_row = if fp8 {
+        crate::fp8::FP8_ROW_BYTES
+    } else {
+        KROW * 2
+    };
     let bytes = bm * KROW * 2
         + stages * DEC_BN * stage_row
         + if fp8 { DEC_BN * KROW * 2 } else { 0 }
         + sbufs * bm * SROW * 4
         + bm * PROW * 2
         + 3 * bm * 4
-        + stages * DEC_BN * 4;
+        + stages * DEC_BN * 4
+        + 16;
     (stages, bytes)
 }
 
@@ -71,13 +77,14 @@ fn kernel_index(mt: usize, fp8: bool) -> usize {
 
 /// How many splits of the keys a batch of `work` work items gets on `sms` SMs (one block per
 /// SM: each takes most of an SM's shared memory), when its longest request has `max_tiles`
-/// tiles of keys: the fewest that reach the lowest waves-per-split (time goes as the number
-/// of waves of blocks over the work each block does), each extra split kept only for a gain
-/// of more than 5%, and at least [`MIN_TILES_PER_SPLIT`] tiles a split.
+/// tiles of keys: the fewest that reach the lowest time, taken as the waves of blocks times
+/// the tiles a block works through, each extra split kept only for a gain of more than 5%
+/// (the last block of a work item combines the splits), and at least
+/// [`MIN_TILES_PER_SPLIT`] tiles a split.
 pub(crate) fn choose_splits(work: usize, max_tiles: usize, sms: usize) -> usize {
     let (work, sms) = (work.max(1), sms.max(1));
     let most = max_tiles.div_ceil(MIN_TILES_PER_SPLIT).clamp(1, MAX_SPLITS);
-    let cost = |s: usize| (work * s).div_ceil(sms) as f64 / s as f64;
+    let cost = |s: usize| ((work * s).div_ceil(sms) * max_tiles.div_ceil(s).max(1)) as f64;
     let mut best = (cost(1), 1);
     for s in 2..=most {
         let c = cost(s);
@@ -127,6 +134,19 @@ impl DecodePlan {
         requests: &[DecodeRequest<'_>],
         scale: f32,
         sms: usize,
+    ) -> Result<Self, KernelError> {
+        Self::with_splits(shape, requests, scale, |work, tiles| {
+            choose_splits(work, tiles, sms)
+        })
+    }
+
+    /// [`DecodePlan::new`] with the number of splits chosen by `splits(work items, most
+    /// tiles of a request)` (at least 1).
+    pub(crate) fn with_splits(
+        shape: PoolShape,
+        requests: &[DecodeRequest<'_>],
+        scale: f32,
+        splits: impl FnOnce(usize, usize) -> usize,
     ) -> Result<Self, KernelError> {
         check_batch(&shape, requests, scale)?;
         let group = |r: &DecodeRequest<'_>| {
@@ -188,14 +208,18 @@ impl DecodePlan {
             };
             let tiles = keys.div_ceil(DEC_BN);
             max_tiles = max_tiles.max(tiles);
-            plan.reqs
-                .extend([table_at, index("tokens", r.tokens())?, index("keys", keys)?, 0]);
+            plan.reqs.extend([
+                table_at,
+                index("tokens", r.tokens())?,
+                index("keys", keys)?,
+                0,
+            ]);
             plan.rows = first + mq;
         }
         plan.row_starts.push(plan.rows);
         index("query rows", plan.rows)?;
         index("selected indices", plan.sel.len())?;
-        plan.splits = choose_splits(plan.work.len() / 4, max_tiles, sms);
+        plan.splits = splits(plan.work.len() / 4, max_tiles).clamp(1, MAX_SPLITS);
         for r in plan.reqs.chunks_exact_mut(4) {
             let tiles = (r[2] as usize).div_ceil(DEC_BN);
             r[3] = tiles.div_ceil(plan.splits) as i32;
@@ -208,16 +232,12 @@ impl DecodePlan {
         self.work.len() / 4
     }
 
-    /// The kernel's `mode`: 0 split states for the combine, 1 the f32 partial, 2 wire rows.
-    fn mode(&self, wire: bool) -> i32 {
-        match (self.splits, wire) {
-            (1, false) => 1,
-            (1, true) => 2,
-            _ => 0,
-        }
+    /// The kernel's `mode`: 1 the f32 partial, 2 wire rows.
+    fn mode(wire: bool) -> i32 {
+        if wire { 2 } else { 1 }
     }
 
-    /// Floats of the workspace's states and of its result (as [`super::SplitK`]'s).
+    /// Floats of the workspace's split states (none unsplit) and of its result.
     fn workspace_lens(&self) -> (usize, usize) {
         let per = D_LATENT + 2;
         let states = if self.splits > 1 { self.splits } else { 0 };
@@ -271,6 +291,7 @@ pub struct PreparedBatch {
     work: CudaSlice<i32>,
     sel: CudaSlice<i32>,
     ws: Workspace,
+    counters: CudaSlice<i32>,
 }
 
 impl PreparedBatch {
@@ -294,7 +315,7 @@ struct DecodeInputs<'a> {
     sel: CudaView<'a, i32>,
 }
 
-/// Kernel launches counted (partial and combine): what a test asserts batching with.
+/// Kernel launches counted: what a test asserts batching with.
 #[derive(Debug, Default)]
 pub(crate) struct LaunchCount(AtomicU64);
 
@@ -305,8 +326,7 @@ impl LaunchCount {
 }
 
 impl Gpu {
-    /// Kernel launches of the decode path so far (the batched kernel and its combine), in
-    /// this process.
+    /// Launches of the decode kernel so far, in this process.
     pub fn decode_launches(&self) -> u64 {
         self.launches.0.load(Ordering::Relaxed)
     }
@@ -317,6 +337,44 @@ impl Gpu {
             bytes: self.upload(pool.bytes())?,
             shape: pool.shape(),
         })
+    }
+
+    /// Uploads a bf16 pool in `parts`, one after another (each a whole number of blocks of
+    /// `block_tokens` rows): what a holder does with its chunks, so that one batch can attend
+    /// any of them. Returns the pool and each part's first block.
+    pub fn upload_pool_parts(
+        &self,
+        parts: &[&[u16]],
+        block_tokens: usize,
+    ) -> Result<(DevicePool, Vec<u32>), KernelError> {
+        let mut firsts = Vec::with_capacity(parts.len());
+        let mut blocks = 0usize;
+        for part in parts {
+            firsts.push(u32::try_from(blocks).map_err(|_| KernelError::Parameter {
+                what: "pool blocks",
+                value: blocks as f64,
+                why: "exceeds a block table's 32-bit entries",
+            })?);
+            blocks += KvPool::bf16(part, block_tokens)?.shape().blocks;
+        }
+        let block_bytes = block_tokens * crate::layout::D_QK * 2;
+        let mut bytes: CudaSlice<u8> = self.zeros(blocks * block_bytes)?;
+        for (part, &first) in parts.iter().zip(&firsts) {
+            let host = KvPool::bf16(part, block_tokens)?.bytes();
+            if host.is_empty() {
+                continue;
+            }
+            let at = first as usize * block_bytes;
+            self.stream
+                .memcpy_htod(host, &mut bytes.slice_mut(at..at + host.len()))
+                .map_err(driver("upload"))?;
+        }
+        let shape = PoolShape {
+            block_tokens,
+            blocks,
+            fp8: false,
+        };
+        Ok((DevicePool { bytes, shape }, firsts))
     }
 
     /// [`crate::partial_batched`] on this GPU, host to host: the pool is uploaded for the call.
@@ -379,6 +437,7 @@ impl Gpu {
         let (states, out) = plan.workspace_lens();
         self.grow(&mut s.ws.states, states)?;
         self.grow(&mut s.ws.out, out)?;
+        self.grow(&mut s.counters, plan.work_items())?;
         let inputs = DecodeInputs {
             q: self.stage(&mut s.q, &plan.q)?,
             tables: self.stage(&mut s.tables, &plan.tables)?,
@@ -387,14 +446,20 @@ impl Gpu {
             sel: self.stage(&mut s.sel, &plan.sel)?,
         };
         let Some(out) = wire else {
-            self.launch_decode(plan, kv, &inputs, &mut s.ws, None)?;
+            self.launch_decode(plan, kv, &inputs, (&mut s.ws, &mut s.counters), None)?;
             let all = self.download(&s.ws.out, out)?;
             return Ok(plan.split_result(&all));
         };
         let bytes = plan.rows * PARTIAL_ROW_BYTES;
         self.grow(&mut s.wire, bytes)?;
         let mut dev = s.wire.slice_mut(..bytes);
-        self.launch_decode(plan, kv, &inputs, &mut s.ws, Some(&mut dev))?;
+        self.launch_decode(
+            plan,
+            kv,
+            &inputs,
+            (&mut s.ws, &mut s.counters),
+            Some(&mut dev),
+        )?;
         s.host_wire.resize(bytes, 0);
         self.stream
             .memcpy_dtoh(&s.wire.slice(..bytes), s.host_wire.as_mut_slice())
@@ -428,6 +493,7 @@ impl Gpu {
                 states: self.zeros(states)?,
                 out: self.zeros(out)?,
             },
+            counters: self.zeros(plan.work_items())?,
             plan,
         })
     }
@@ -450,7 +516,13 @@ impl Gpu {
             work: p.work.slice(..),
             sel: p.sel.slice(..),
         };
-        self.launch_decode(&p.plan, &pool.bytes.slice(..), &inputs, &mut p.ws, None)
+        self.launch_decode(
+            &p.plan,
+            &pool.bytes.slice(..),
+            &inputs,
+            (&mut p.ws, &mut p.counters),
+            None,
+        )
     }
 
     /// The last launched result of `p`, per request (waits for it).
@@ -459,94 +531,62 @@ impl Gpu {
         Ok(p.plan.split_result(&self.download(&p.ws.out, out)?))
     }
 
-    /// The batched kernel over `kv` (a pool's rows, or a view of resident rows), then with
-    /// several splits the combine: the result in `ws.out`, or with `wire` in its rows.
+    /// The batched kernel over `kv` (a pool's rows, or a view of resident rows): the result in
+    /// `ws.out`, or with `wire` in its rows. `counters` holds a zero per work item (the
+    /// kernel leaves them zero).
     fn launch_decode<T: DeviceRepr>(
         &self,
         plan: &DecodePlan,
         kv: &CudaView<'_, T>,
         inputs: &DecodeInputs<'_>,
-        ws: &mut Workspace,
-        mut wire: Option<&mut CudaViewMut<'_, u8>>,
+        (ws, counters): (&mut Workspace, &mut CudaSlice<i32>),
+        wire: Option<&mut CudaViewMut<'_, u8>>,
     ) -> Result<(), KernelError> {
         if plan.rows == 0 {
             return Ok(());
         }
         let (rows, splits) = (plan.rows, plan.splits);
-        let mode = plan.mode(wire.is_some());
+        let mode = DecodePlan::mode(wire.is_some());
         let (block_tokens, total_rows) = (
             index("tokens per block", plan.shape.block_tokens)?,
             index("query rows", rows)?,
         );
-        {
-            let f = &self.decode[kernel_index(plan.mt, plan.shape.fp8)];
-            let mut b = self.stream.launch_builder(f);
-            b.arg(&inputs.q)
-                .arg(kv)
-                .arg(&block_tokens)
-                .arg(&inputs.tables)
-                .arg(&inputs.reqs)
-                .arg(&inputs.work)
-                .arg(&inputs.sel)
-                .arg(&total_rows)
-                .arg(&plan.scale)
-                .arg(&mode);
-            // Mode 0 writes the split states, 1 the result; mode 2 writes `wire` (the result's
-            // views are passed and unused).
-            let target = if mode == 0 {
-                &mut ws.states
-            } else {
-                &mut ws.out
-            };
-            let parts = if mode == 0 { splits } else { 1 };
-            let (mut o, mut ml) = target.split_at_mut(parts * rows * D_LATENT);
-            let (mut m, mut l) = ml.split_at_mut(parts * rows);
-            b.arg(&mut o).arg(&mut m).arg(&mut l);
-            match (wire.as_deref_mut(), mode) {
-                (Some(w), 2) => b.arg(w),
-                _ => b.arg(&NULL_WIRE),
-            };
-            let grid = (plan.work_items() as u32, splits as u32, 1);
-            let (_, smem) = decode_layout(plan.mt, plan.shape.fp8);
-            let cfg = LaunchConfig {
-                grid_dim: grid,
-                block_dim: (DEC_THREADS, 1, 1),
-                shared_mem_bytes: smem as u32,
-            };
-            // SAFETY: the arguments match decode_body's in order and type. DecodePlan::new
-            // checked every table entry a context token reaches against the pool's blocks and
-            // every selected index against its request's tokens, so the kernel reads inside `kv`
-            // and the staged arrays; it writes `rows` rows (mode 1, 2) or splits x rows states
-            // (mode 0), which the workspace and `wire` hold.
-            unsafe { b.launch(cfg) }.map_err(driver("mla_decode"))?;
-        }
-        self.launches.add(1);
-        if mode != 0 {
-            return Ok(());
-        }
-        let (parts, normalized, mq) = (splits as i32, 0i32, total_rows);
-        let (ws_o, ws_ml) = ws.states.split_at(splits * rows * D_LATENT);
-        let (ws_m, ws_l) = ws_ml.split_at(splits * rows);
+        let f = &self.decode[kernel_index(plan.mt, plan.shape.fp8)];
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&inputs.q)
+            .arg(kv)
+            .arg(&block_tokens)
+            .arg(&inputs.tables)
+            .arg(&inputs.reqs)
+            .arg(&inputs.work)
+            .arg(&inputs.sel)
+            .arg(&total_rows)
+            .arg(&plan.scale)
+            .arg(&mode);
+        let states = if splits > 1 { splits * rows } else { 0 };
+        let (mut ws_o, mut ws_ml) = ws.states.split_at_mut(states * D_LATENT);
+        let (mut ws_m, mut ws_l) = ws_ml.split_at_mut(states);
+        b.arg(&mut ws_o).arg(&mut ws_m).arg(&mut ws_l).arg(counters);
         let (mut o, mut ml) = ws.out.split_at_mut(rows * D_LATENT);
         let (mut m, mut l) = ml.split_at_mut(rows);
-        let mut c = self.stream.launch_builder(&self.combine);
-        c.arg(&ws_o)
-            .arg(&ws_m)
-            .arg(&ws_l)
-            .arg(&parts)
-            .arg(&mq)
-            .arg(&normalized)
-            .arg(&mut o)
-            .arg(&mut m)
-            .arg(&mut l);
+        b.arg(&mut o).arg(&mut m).arg(&mut l);
         match wire {
-            Some(w) => c.arg(w),
-            None => c.arg(&NULL_WIRE),
+            Some(w) => b.arg(w),
+            None => b.arg(&NULL_WIRE),
         };
-        // SAFETY: as mla_combine's other launch: splits x rows states in, rows out (to `wire`,
-        // which holds rows x 1032 bytes, when given).
-        unsafe { c.launch(config(combine_grid(rows as u32), COMBINE_THREADS)) }
-            .map_err(driver("mla_combine"))?;
+        let (_, smem) = decode_layout(plan.mt, plan.shape.fp8);
+        let cfg = LaunchConfig {
+            grid_dim: (plan.work_items() as u32, splits as u32, 1),
+            block_dim: (DEC_THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: the arguments match decode_body's in order and type. DecodePlan::new
+        // checked every table entry a context token reaches against the pool's blocks and
+        // every selected index against its request's tokens, so the kernel reads inside `kv`
+        // and the staged arrays. It writes `rows` rows (f32, or to `wire`, which holds rows x
+        // 1032 bytes), with several splits splits x rows states first, which the workspace
+        // holds, and one counter per work item, which `counters` holds.
+        unsafe { b.launch(cfg) }.map_err(driver("mla_decode"))?;
         self.launches.add(1);
         Ok(())
     }

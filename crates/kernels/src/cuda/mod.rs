@@ -27,8 +27,8 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DriverError,
-    LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DriverError, LaunchConfig,
+    PushKernelArg,
     sys::{CUdevice_attribute, CUfunction_attribute},
 };
 use cudarc::nvrtc::Ptx;
@@ -163,29 +163,29 @@ impl Gpu {
         let loaded = [("mla_combine", &combine), ("mla_splice", &splice)]
             .into_iter()
             .chain(decode::DECODE_KERNELS.iter().copied().zip(&decode))
-        .map(|(name, f)| {
-            let get = |what: &'static str, attribute| {
-                f.get_attribute(attribute)
-                    .map(|v| u32::try_from(v).unwrap_or(0))
-                    .map_err(driver(what))
-            };
-            Ok(LoadedKernel {
-                name: name.to_owned(),
-                registers: get(
-                    "registers",
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS,
-                )?,
-                shared_bytes: get(
-                    "shared memory",
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
-                )?,
-                local_bytes: get(
-                    "local memory",
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
-                )?,
+            .map(|(name, f)| {
+                let get = |what: &'static str, attribute| {
+                    f.get_attribute(attribute)
+                        .map(|v| u32::try_from(v).unwrap_or(0))
+                        .map_err(driver(what))
+                };
+                Ok(LoadedKernel {
+                    name: name.to_owned(),
+                    registers: get(
+                        "registers",
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS,
+                    )?,
+                    shared_bytes: get(
+                        "shared memory",
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                    )?,
+                    local_bytes: get(
+                        "local memory",
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
+                    )?,
+                })
             })
-        })
-        .collect::<Result<Vec<_>, KernelError>>()?;
+            .collect::<Result<Vec<_>, KernelError>>()?;
         let info = GpuInfo {
             name: ctx.name().map_err(driver("name"))?,
             ordinal,
@@ -208,6 +208,7 @@ impl Gpu {
             tables: stream.alloc_zeros(1).map_err(driver("allocation"))?,
             reqs: stream.alloc_zeros(1).map_err(driver("allocation"))?,
             work: stream.alloc_zeros(1).map_err(driver("allocation"))?,
+            counters: stream.alloc_zeros(1).map_err(driver("allocation"))?,
         };
         Ok(Self {
             decode,
@@ -414,8 +415,8 @@ impl Gpu {
             fp8: false,
         };
         let request = one_request(q, &[0], tokens.len(), sel);
-        let plan = decode::DecodePlan::new(shape, &[request], scale, self.info.sms)
-            .map_err(unwrap_one)?;
+        let plan =
+            decode::DecodePlan::new(shape, &[request], scale, self.info.sms).map_err(unwrap_one)?;
         // An empty range attends nothing (sparse: every index is padding), and a view of no
         // elements cannot be made: the whole upload stands in, unread.
         let kv = if tokens.is_empty() {
@@ -628,6 +629,8 @@ struct Scratch {
     tables: CudaSlice<u32>,
     reqs: CudaSlice<i32>,
     work: CudaSlice<i32>,
+    /// The decode kernel's per-work-item counters (zero between launches).
+    counters: CudaSlice<i32>,
 }
 
 /// A partial's inputs and outputs resident on the GPU (see [`Gpu::prepare_partial`]).

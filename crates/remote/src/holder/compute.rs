@@ -1,13 +1,14 @@
 //! Where a holder's partials run: on the CPU over the held region, or on a GPU over copies of
 //! the held chunks uploaded once when the holder starts (resident), so that a call moves only
-//! its query rows up and its partial down.
+//! its query rows up and its partial down, and one launch of the batched kernel serves every
+//! (chunk, layer) group of a batch.
 
 use std::collections::BTreeMap;
 
-use kvroute_kernels::cuda::{DeviceRows, Gpu};
-use kvroute_kernels::layout::D_QK;
+use kvroute_kernels::cuda::{DevicePool, Gpu};
+use kvroute_kernels::layout::{D_QK, PAGE_TOKENS};
 use kvroute_kernels::{
-    Backend, Cache, Call, Queries, Selection, WireOut, partial_dense_wire, partial_resident_wire,
+    Backend, Cache, Call, DecodeRequest, Queries, Selection, WireOut, partial_dense_wire,
     partial_sparse_wire,
 };
 use kvroute_kvstore::ChunkId;
@@ -15,11 +16,23 @@ use kvroute_kvstore::ChunkId;
 use crate::chunks::{HeldChunk, HeldChunks};
 use crate::error::RemoteError;
 
-/// The held chunks' full blocks on one GPU, each uploaded whole (every layer, padding
-/// included, so layer `l`'s tokens start at row `l x padded tokens`).
+/// The held chunks' full blocks on one GPU, one pool of 64-token blocks: each chunk's block
+/// whole (every layer, padding included, so layer `l`'s tokens start `l x padded tokens`
+/// rows in, a whole number of blocks), one after another.
 struct Resident {
     gpu: &'static Gpu,
-    blocks: BTreeMap<ChunkId, DeviceRows>,
+    pool: DevicePool,
+    /// Each chunk's first block in the pool.
+    first: BTreeMap<ChunkId, u32>,
+}
+
+/// One (chunk, layer) group of a batched call: its held chunk, its layer, its query rows, and
+/// for sparse attention its indices, `k` and rows per token.
+pub(super) struct GroupCall<'a> {
+    pub(super) held: &'a HeldChunk,
+    pub(super) layer: u32,
+    pub(super) q: Queries<'a>,
+    pub(super) sel: Option<(&'a [i32], usize, usize)>,
 }
 
 /// A holder's kernels: its backend and, where that runs partials on a GPU, the chunks there.
@@ -63,9 +76,77 @@ impl Compute {
 
     /// Bytes of chunks held on the GPU (0 where none are).
     pub(super) fn resident_bytes(&self) -> usize {
-        self.resident
-            .as_ref()
-            .map_or(0, |r| r.blocks.values().map(DeviceRows::bytes).sum())
+        self.resident.as_ref().map_or(0, |r| r.pool.bytes())
+    }
+
+    /// Whether several groups can be served by one call ([`Compute::batch_wire`]): the GPU
+    /// serves partials of any size here.
+    pub(super) fn batches(&self) -> bool {
+        self.gpu_for(1).is_some()
+    }
+
+    /// The block table of the first `tokens` tokens of layer `layer` of `held` in the pool.
+    fn table(
+        r: &Resident,
+        held: &HeldChunk,
+        layer: u32,
+        tokens: usize,
+    ) -> Result<Vec<u32>, RemoteError> {
+        let first = *r.first.get(&held.id).ok_or(RemoteError::Chunk {
+            chunk: held.id,
+            why: "not on the GPU".into(),
+        })?;
+        let per_layer = held.layout.padded_tokens() / PAGE_TOKENS;
+        let start = first as usize + layer as usize * per_layer;
+        Ok((0..tokens.div_ceil(PAGE_TOKENS))
+            .map(|b| (start + b) as u32)
+            .collect())
+    }
+
+    /// Every group of `calls` (one scale) in one launch on the GPU, written into `out` (their
+    /// rows in order); returns the entries each group's rows attended. `Err` where there is no
+    /// GPU batching here ([`Compute::batches`]) or the batch is refused; a caller then serves
+    /// the groups one by one, which names what is wrong.
+    pub(super) fn batch_wire(
+        &self,
+        chunks: &HeldChunks,
+        calls: &[GroupCall<'_>],
+        scale: f32,
+        out: &mut WireOut<'_>,
+    ) -> Result<Vec<usize>, RemoteError> {
+        let gpu = self.gpu_for(1).ok_or(RemoteError::Kernel(
+            kvroute_kernels::KernelError::CudaUnavailable("no resident GPU".into()),
+        ))?;
+        let mut tables = Vec::with_capacity(calls.len());
+        let mut tokens = Vec::with_capacity(calls.len());
+        for c in calls {
+            let n = chunks.block(c.held)?.layer(c.layer)?.tokens();
+            tables.push(Self::table(gpu, c.held, c.layer, n)?);
+            tokens.push(n);
+        }
+        let requests = calls
+            .iter()
+            .zip(&tables)
+            .zip(&tokens)
+            .map(|((c, table), &n)| {
+                Ok(match c.sel {
+                    None => DecodeRequest::dense(c.q, table, n),
+                    Some((indices, k, per)) => DecodeRequest::sparse(
+                        c.q,
+                        table,
+                        n,
+                        Selection::new(indices, k, per, c.q.len(), n)?,
+                    ),
+                })
+            })
+            .collect::<Result<Vec<_>, RemoteError>>()?;
+        gpu.gpu
+            .partial_batched_resident_wire(&gpu.pool, &requests, scale, out)?;
+        Ok(calls
+            .iter()
+            .zip(&tokens)
+            .map(|(c, &n)| c.sel.map_or(n, |(_, k, _)| k))
+            .collect())
     }
 
     /// The partial of `q` over the first `tokens` tokens of layer `layer` of `held` (all of
@@ -91,13 +172,17 @@ impl Compute {
             .transpose()?;
         let entries = sel.as_ref().map_or(tokens, Selection::k);
         if let Some(gpu) = self.gpu_for(q.len()) {
-            let rows = gpu.blocks.get(&held.id).ok_or(RemoteError::Chunk {
-                chunk: held.id,
-                why: "not on the GPU".into(),
-            })?;
-            let start = layer as usize * (held.layout.layer_elems() / D_QK);
-            let range = start..start + tokens;
-            partial_resident_wire(gpu.gpu, rows, range, q, sel.as_ref(), scale, out)?;
+            let table = Self::table(gpu, held, layer, tokens)?;
+            let request = match sel {
+                None => DecodeRequest::dense(*q, &table, tokens),
+                Some(sel) => DecodeRequest::sparse(*q, &table, tokens, sel),
+            };
+            gpu.gpu
+                .partial_batched_resident_wire(&gpu.pool, &[request], scale, out)
+                .map_err(|e| match e {
+                    kvroute_kernels::KernelError::Request { source, .. } => *source,
+                    other => other,
+                })?;
         } else {
             let cache = Cache::contiguous(&block.rows()[..tokens * D_QK])?;
             match &sel {
@@ -109,12 +194,14 @@ impl Compute {
     }
 }
 
-/// Every held chunk's full block, uploaded to `gpu`.
+/// Every held chunk's full block, uploaded to `gpu` as one pool.
 fn upload(gpu: &'static Gpu, chunks: &HeldChunks) -> Result<Resident, RemoteError> {
-    let mut blocks = BTreeMap::new();
-    for held in chunks.chunks() {
-        let rows = gpu.upload_rows(chunks.block(held)?.elems())?;
-        blocks.insert(held.id, rows);
-    }
-    Ok(Resident { gpu, blocks })
+    let held: Vec<&HeldChunk> = chunks.chunks().iter().collect();
+    let parts = held
+        .iter()
+        .map(|h| Ok(chunks.block(h)?.elems()))
+        .collect::<Result<Vec<_>, RemoteError>>()?;
+    let (pool, firsts) = gpu.upload_pool_parts(&parts, PAGE_TOKENS)?;
+    let first = held.iter().map(|h| h.id).zip(firsts).collect();
+    Ok(Resident { gpu, pool, first })
 }

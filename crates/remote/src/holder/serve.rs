@@ -1,7 +1,9 @@
 //! The holder's serving thread: takes arrived immediates, answers pings, parses every
-//! complete request of a batch, runs one kernel call per (chunk, layer, kind) group straight
-//! into the requests' reply staging, and answers each request with one write.
+//! complete request of a batch, runs one kernel call per (chunk, layer, kind) group (on a GPU,
+//! one launch for every group of the batch) straight into the requests' reply staging, and
+//! answers each request with one write.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -11,6 +13,7 @@ use kvroute_kernels::layout::{D_QK, PARTIAL_ROW_BYTES};
 use kvroute_kernels::{Queries, WireOut};
 use kvroute_transport::{MrDesc, OnDone};
 
+use super::compute::GroupCall;
 use super::{Session, Shared, lock};
 use crate::error::RemoteError;
 use crate::session::HolderStats;
@@ -21,8 +24,21 @@ use crate::wire::{self, Request, SegmentKind, Status};
 pub(super) const TRANSFER_KEY: (u32, u32) = (u32::MAX, u32::MAX);
 
 /// (chunk, layer, (k, rows per token) or (0, 0) for dense, scale bits): segments that one
-/// kernel call serves together.
+/// kernel call serves together (on a GPU, one launch serves every group of a scale).
 type GroupKey = (u32, u16, (u32, u32), u32);
+
+/// A group of segments gathered for its kernel call: its chunk, layer, kind key and scale, its
+/// (request, segment) members, their query rows one after another (borrowed from the slot for
+/// a lone segment) and their indices.
+struct GroupWork<'a> {
+    chunk: u32,
+    layer: u16,
+    key: (u32, u32),
+    scale: f32,
+    segs: Vec<(usize, usize, &'a wire::Segment<'a>)>,
+    queries: Cow<'a, [u16]>,
+    indices: Vec<i32>,
+}
 
 impl Shared {
     /// The serving loop: take arrived immediates, answer pings, serve every complete request
@@ -302,6 +318,8 @@ impl Shared {
         };
         // Per request: bytes of its session's gather staging used so far.
         let mut gathered = vec![0usize; slots.len()];
+        // The partial groups, gathered; transfers are served as they come.
+        let mut work: Vec<GroupWork<'_>> = Vec::new();
         for (&(chunk, layer, key, scale), members) in &groups {
             if key == TRANSFER_KEY {
                 for &(r, s) in members {
@@ -335,14 +353,10 @@ impl Shared {
                 .collect();
             // One segment (the common case): attend straight from the slot. Several: the
             // rows (and indices) are gathered into one batch.
-            let owned;
-            let (queries, indices): (&[u16], Vec<i32>) = match segs.as_slice() {
+            let (queries, indices): (Cow<'_, [u16]>, Vec<i32>) = match segs.as_slice() {
                 [(_, _, seg)] => match seg.query_words() {
-                    Some(words) => (words, seg.indices()),
-                    None => {
-                        owned = seg.queries();
-                        (&owned, seg.indices())
-                    }
+                    Some(words) => (Cow::Borrowed(words), seg.indices()),
+                    None => (Cow::Owned(seg.queries()), seg.indices()),
                 },
                 _ => {
                     let mut q = Vec::new();
@@ -354,11 +368,82 @@ impl Shared {
                         }
                         idx.extend(seg.indices());
                     }
-                    owned = q;
-                    (&owned, idx)
+                    (Cow::Owned(q), idx)
                 }
             };
-            let scale = f32::from_bits(scale);
+            work.push(GroupWork {
+                chunk,
+                layer,
+                key,
+                scale: f32::from_bits(scale),
+                segs,
+                queries,
+                indices,
+            });
+        }
+        // On a GPU, every group of one scale in one launch: the batched kernel takes each
+        // (chunk, layer) group as a request. A refused batch (a bad index in one segment, say)
+        // falls back to the groups one by one below, which names the segment.
+        let mut served = vec![false; work.len()];
+        let mut scales: Vec<u32> = work.iter().map(|w| w.scale.to_bits()).collect();
+        scales.sort_unstable();
+        scales.dedup();
+        for scale in scales.into_iter().filter(|_| self.compute.batches()) {
+            let members: Vec<usize> = (0..work.len())
+                .filter(|&i| work[i].scale.to_bits() == scale)
+                .collect();
+            if members.len() < 2 {
+                continue; // the per-group call below is the same launch
+            }
+            let kernel_started = Instant::now();
+            let result = members
+                .iter()
+                .flat_map(|&i| work[i].segs.iter().map(|&(r, s, seg)| run(r, s, seg.rows)))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(RemoteError::from)
+                .and_then(|runs| Ok(WireOut::new(runs)?))
+                .and_then(|mut out| {
+                    let calls = members
+                        .iter()
+                        .map(|&i| self.group_call(&work[i]))
+                        .collect::<Result<Vec<_>, RemoteError>>()?;
+                    self.compute
+                        .batch_wire(&self.chunks, &calls, f32::from_bits(scale), &mut out)
+                });
+            stats.kernel_calls += 1;
+            match result {
+                Ok(entries) => {
+                    for (&i, entries) in members.iter().zip(entries) {
+                        let w = &work[i];
+                        let rows = w.queries.len() / D_QK;
+                        served[i] = true;
+                        stats.rows += rows as u64;
+                        stats.gpu_rows += rows as u64;
+                        stats.row_tokens += (rows * entries) as u64;
+                        stats.segments += w.segs.len() as u64;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(%e, "batched launch refused; serving its groups one by one")
+                }
+            }
+            stats.kernel_us += kernel_started.elapsed().as_secs_f64() * 1e6;
+        }
+        for w in work
+            .iter()
+            .zip(&served)
+            .filter(|(_, s)| !**s)
+            .map(|(w, _)| w)
+        {
+            let GroupWork {
+                chunk,
+                layer,
+                key,
+                scale,
+                ref segs,
+                ref queries,
+                ref indices,
+            } = *w;
             let kernel_started = Instant::now();
             // The kernel writes every row straight into its request's reply staging.
             let result = segs
@@ -368,7 +453,7 @@ impl Shared {
                 .map_err(RemoteError::from)
                 .and_then(|runs| Ok(WireOut::new(runs)?))
                 .and_then(|mut out| {
-                    self.attend((chunk, layer), key, scale, queries, &indices, &mut out)
+                    self.attend((chunk, layer), key, scale, queries, indices, &mut out)
                 });
             stats.kernel_calls += 1;
             match result {
@@ -389,7 +474,7 @@ impl Shared {
                     // One bad segment (an index out of range) must not fail the others: redo
                     // the group one segment at a time.
                     tracing::debug!(%e, "batched kernel call refused; retrying per segment");
-                    for &(r, s, seg) in &segs {
+                    for &(r, s, seg) in segs {
                         let served = run(r, s, seg.rows)
                             .map_err(RemoteError::from)
                             .and_then(|bytes| Ok(WireOut::new([bytes])?))
@@ -464,6 +549,24 @@ impl Shared {
         total.batches += stats.batches;
         total.refused += stats.refused;
         total.fetches += stats.fetches;
+    }
+
+    /// A gathered group as the batched kernel takes it.
+    fn group_call<'a>(&'a self, w: &'a GroupWork<'_>) -> Result<GroupCall<'a>, RemoteError> {
+        let held =
+            self.chunks
+                .get(kvroute_kvstore::ChunkId(w.chunk))
+                .ok_or(RemoteError::Chunk {
+                    chunk: kvroute_kvstore::ChunkId(w.chunk),
+                    why: "not held".into(),
+                })?;
+        let (k, rows_per_token) = w.key;
+        Ok(GroupCall {
+            held,
+            layer: u32::from(w.layer),
+            q: Queries::new(&w.queries)?,
+            sel: (k > 0).then_some((w.indices.as_slice(), k as usize, rows_per_token as usize)),
+        })
     }
 
     fn attend(

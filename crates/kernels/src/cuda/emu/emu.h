@@ -34,7 +34,9 @@
 #define __align__(n) alignas(n)
 
 struct uint4 { unsigned x, y, z, w; };
+struct Dim3Grid { unsigned x, y, z; };
 struct int4 { int x, y, z, w; };
+struct uint2 { unsigned x, y; };
 struct float2 { float x, y; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 inline float2 make_float2(float x, float y) { return {x, y}; }
@@ -66,7 +68,7 @@ struct State {
     Fiber fibers[kThreads];
     ucontext_t scheduler;
     int current = 0;
-    Dim3 block_idx;
+    Dim3 block_idx, grid_dim;
     unsigned block_gen = 0, block_count = 0;
     unsigned warp_gen[kWarps] = {}, warp_count[kWarps] = {};
     // Per-warp exchange slots for the warp-wide instructions, double-buffered by barrier
@@ -224,6 +226,7 @@ inline void launch(Dim3 grid, size_t smem_bytes, void (*body)()) {
     for (unsigned by = 0; by < grid.y; ++by) {
         for (unsigned bx = 0; bx < grid.x; ++bx) {
             s.block_idx = {bx, by, 0};
+            s.grid_dim = {grid.x, grid.y, grid.z};
             std::fill(s.smem.begin(), s.smem.end(), (unsigned char)0xa5);
             s.block_gen = s.block_count = 0;
             for (int w = 0; w < kWarps; ++w) s.warp_gen[w] = s.warp_count[w] = 0;
@@ -258,10 +261,28 @@ inline void launch(Dim3 grid, size_t smem_bytes, void (*body)()) {
 
 #define threadIdx (emu::me().thread_idx)
 #define blockIdx (emu::st().block_idx)
+#define gridDim (emu::st().grid_dim)
 #define __syncthreads() emu::block_barrier()
 #define DEC_DYNAMIC_SMEM(name) unsigned char* name = emu::st().smem.data()
 
 inline float __shfl_xor_sync(unsigned, float v, int off) { return emu::shfl_xor(v, off); }
+// Blocks run one after another, so a fence has nothing to order and an atomic nothing to race.
+inline void __threadfence() {}
+inline int atomicAdd(int* p, int v) { const int old = *p; *p += v; return old; }
+template <typename T>
+inline T __ldcg(const T* p) { return *p; }
+using std::isfinite;
+using std::isnan;
+
+// e4m3 (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; S.1111.111 NaN) as f32, exactly
+// (the PTX conversion to f16x2 is exact, and so is f16 to f32).
+inline float emu_e4m3(unsigned v) {
+    const unsigned sign = (v & 0x80u) << 24, e = (v >> 3) & 0xfu, m = v & 7u;
+    if (e == 15u && m == 7u) return __uint_as_float(0x7fc00000u);
+    const float mag = e == 0u ? (float)m * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return __uint_as_float(__float_as_uint(mag) | sign);
+}
+inline float2 e4m3x2_to_f32x2(unsigned short v) { return {emu_e4m3(v & 0xffu), emu_e4m3(v >> 8)}; }
 inline void ldsm_x4(unsigned (&r)[4], const void* p) { emu::ldsm(r, p, false); }
 inline void ldsm_x4_trans(unsigned (&r)[4], const void* p) { emu::ldsm(r, p, true); }
 inline void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { emu::mma(d, a, b0, b1); }

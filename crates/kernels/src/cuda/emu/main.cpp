@@ -3,9 +3,14 @@
 //   emu --layout prints each variant's (MT, FP8, stages, shared-memory bytes).
 // IN: ten i32 (MT, FP8, block tokens, total rows, mode, work items, splits, scale's f32 bits,
 // 0, 0), then six blobs, each a u64 byte count and the bytes: q, kv, tables, reqs, work, sel.
-// OUT: four blobs: o, m, l, wire (every output poisoned with NaN / 0xff before the launch).
+// OUT: five blobs: o, m, l (mode 1), wire (mode 2), and the work items' counters after the
+// launch (every output poisoned with NaN / 0xff before the launch; the split states too).
 #include "emu.h"
 #include "../common.cu"
+// cvt.rn.bf16x2.f32: round to nearest even, as f32_to_bf16 (NaN payloads aside).
+inline unsigned pack_bf16x2_rn(float lo, float hi) {
+    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+}
 #include "../decode.cu"
 
 #include <fstream>
@@ -23,6 +28,8 @@ struct Args {
     int total_rows;
     float scale;
     int mode;
+    float *ws_o, *ws_m, *ws_l;
+    int* counters;
     float *o, *m, *l;
     unsigned char* wire;
 };
@@ -31,7 +38,7 @@ static Args A;
 template <int MT, bool FP8>
 void body() {
     decode_body<MT, FP8>(A.q, A.kv, A.block_tokens, A.tables, A.reqs, A.work, A.sel, A.total_rows,
-                         A.scale, A.mode, A.o, A.m, A.l, A.wire);
+                         A.scale, A.mode, A.ws_o, A.ws_m, A.ws_l, A.counters, A.o, A.m, A.l, A.wire);
 }
 
 template <int MT, bool FP8>
@@ -77,13 +84,16 @@ int main(int argc, char** argv) {
     std::memcpy(&scale, &h[7], 4);
     auto q = blob(in, at), kv = blob(in, at), tables = blob(in, at), reqs = blob(in, at),
          work = blob(in, at), sel = blob(in, at);
-    const size_t states = mode == 0 ? (size_t)splits * rows : (size_t)rows;
-    std::vector<float> o(states * D_LATENT + 1, NAN), m(states + 1, NAN), l(states + 1, NAN);
+    const size_t states = (size_t)splits * rows;
+    std::vector<float> ws_o(states * D_LATENT + 1, NAN), ws_m(states + 1, NAN), ws_l(states + 1, NAN);
+    std::vector<int> counters(works + 1, 0);
+    std::vector<float> o((size_t)rows * D_LATENT + 1, NAN), m(rows + 1, NAN), l(rows + 1, NAN);
     std::vector<unsigned char> wire((size_t)rows * WIRE_ROW_BYTES + 1, 0xff);
     A = {reinterpret_cast<const bf16_t*>(q.data()), kv.data(), h[2],
          reinterpret_cast<const unsigned*>(tables.data()), reinterpret_cast<const int4*>(reqs.data()),
          reinterpret_cast<const int4*>(work.data()), reinterpret_cast<const int*>(sel.data()), rows,
-         scale, mode, o.data(), m.data(), l.data(), wire.data()};
+         scale, mode, ws_o.data(), ws_m.data(), ws_l.data(), counters.data(), o.data(), m.data(),
+         l.data(), wire.data()};
     void (*b)() = nullptr;
     size_t bytes = 0;
 #define PICK(M, F) if (mt == M && fp8 == F) { b = body<M, F>; bytes = DecCfg<M, F>::BYTES; }
@@ -92,9 +102,10 @@ int main(int argc, char** argv) {
     if (!b) { std::fprintf(stderr, "emu: no variant MT=%d FP8=%d\n", mt, fp8); return 2; }
     emu::launch({(unsigned)works, (unsigned)splits, 1}, bytes, b);
     std::ofstream out(argv[2], std::ios::binary);
-    put(out, o.data(), states * D_LATENT * 4);
-    put(out, m.data(), states * 4);
-    put(out, l.data(), states * 4);
+    put(out, o.data(), (size_t)rows * D_LATENT * 4);
+    put(out, m.data(), (size_t)rows * 4);
+    put(out, l.data(), (size_t)rows * 4);
     put(out, wire.data(), (size_t)rows * WIRE_ROW_BYTES);
+    put(out, counters.data(), (size_t)works * 4);
     return out.good() ? 0 : 1;
 }
