@@ -125,23 +125,24 @@ pub enum Call {
 
 /// The fewest query rows for which [`Backend::Auto`] runs a partial on the GPU.
 ///
-/// Measured host to host on an H100 machine with 16 Xeon cores (docs/kernels.md, "Host to
-/// host"): the GPU partial costs about 200 us plus 73 us per MB of cache to upload, so at
-/// ct = 2048 it took 222 us at 1 row against the CPU's 64, was even at 16 rows (244 against
-/// 259) and 2.5x faster at 64 (292 against 728); at ct = 8192, 737 against 126 at 1 row, 722
-/// against 460 at 16, 886 against 1692 at 64. A merge of host partials was 5-20x slower on
-/// the GPU at every size tried (8 x 256 rows: 2180 us against 343), and a splice uploads and
-/// downloads its whole pool (63.7 MB each way for 27 x 2048 rows, several ms at that rate,
-/// against 0.3-0.7 ms on two CPU cores), so [`Backend::Auto`] runs those on the CPU.
+/// Measured host to host on an H200 machine with 16 Xeon cores (docs/kernels.md, "Host to
+/// host"; the batched tensor-core kernel): the GPU partial pays for uploading its cache, so at
+/// ct = 2048 it took 243 us at 1 row against the CPU's 69, was even at 16 rows (296 against
+/// 273), ahead at 64 (590 against 729) and 1.8x faster at 128 (648 against 1135); at ct = 8192,
+/// 785 against 137 at 1 row, 1822 against 1709 at 64, 1280 against 3085 at 128. A merge of
+/// host partials was 7-25x slower on the GPU at every size tried (8 x 256 rows: 1764 us
+/// against 258), and a splice uploads and downloads its whole pool (63.7 MB each way for 27 x
+/// 2048 rows, several ms, against 0.3-0.7 ms on two CPU cores), so [`Backend::Auto`] runs
+/// those on the CPU.
 pub const AUTO_GPU_MIN_ROWS: usize = 64;
 
 /// The fewest query rows for which [`Backend::Auto`] runs a partial over resident cache rows
 /// ([`Call::ResidentPartial`]) on the GPU rather than over the host copy on the CPU: every
 /// call. Measured as a holder runs it (host query rows in, wire rows out) on an H200 machine
 /// with 16 Xeon cores (docs/kernels.md, "Chunks resident on the GPU"): at ct = 2048 the GPU
-/// took 37-38 us at 1 row against the CPU's 73-94, 60-67 against 284-324 at 16 and 357-436
-/// against 1708-1732 at 256; at ct = 8192, 45-46 against 120-121 at 1 row. With nothing to
-/// upload but the queries, no row count was faster on the CPU.
+/// took 36.8 us at 1 row against the CPU's 63.9, 102 against 258 at 16 and 515 against 1654
+/// at 256; at ct = 8192, 65.2 against 135.8 at 1 row. With nothing to upload but the queries,
+/// no row count was faster on the CPU.
 pub const AUTO_RESIDENT_MIN_ROWS: usize = 1;
 
 impl Backend {
@@ -269,7 +270,7 @@ pub fn partial_sparse(
     Ok(p)
 }
 
-/// Batched paged decode ([`batch`]): every request of `requests` against `pool`, one
+/// Batched paged decode ([`KvPool`], [`DecodeRequest`]): every request of `requests` against `pool`, one
 /// [`Partial`] per request. On CUDA the whole batch is one launch of the tensor-core kernel
 /// (two when it splits the keys), with the pool uploaded for the call; [`cuda::Gpu`] also
 /// runs it over a pool kept on the device. A request refused (its table, selection or query

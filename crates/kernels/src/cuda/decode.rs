@@ -26,7 +26,7 @@ pub(crate) const DEC_THREADS: u32 = 256;
 pub(crate) const DEC_BN: usize = 32;
 /// The fewest tiles of keys a split takes: a split pays for filling its pipeline.
 const MIN_TILES_PER_SPLIT: usize = 2;
-/// The most splits: each is a part `mla_combine` reads back (2 KB a row).
+/// The most splits: the last block of a work item reads back 2 KB a split and row.
 const MAX_SPLITS: usize = 256;
 /// The kernels, by (FP8, MT = 1, 2, 4).
 pub(crate) const DECODE_KERNELS: [&str; 6] = [

@@ -6,7 +6,7 @@
 //! before touching either, so on a machine without CUDA every entry point returns
 //! [`KernelError::CudaUnavailable`].
 //!
-//! Every partial runs on the tensor-core decode kernel ([`decode`]): a batch of requests over
+//! Every partial runs on the tensor-core decode kernel (`decode.cu`): a batch of requests over
 //! a paged pool in one launch, a single cache being the one-request batch. Ways in:
 //! - the host API ([`Gpu::partial_batched`], [`Gpu::partial_dense`], [`Gpu::partial_sparse`],
 //!   [`Gpu::merge`], [`Gpu::splice`], and [`crate::Backend::Cuda`]): host slices in, host
