@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use kvroute_costmodel::request::Selection;
-use kvroute_costmodel::{CostBreakdown, Primitive, Request};
+use kvroute_costmodel::{Allowed, CostBreakdown, Primitive, Request};
 use kvroute_kernels::{
     Backend, Cache, Partial, Queries, Rope, merge, partial_dense, partial_sparse,
 };
@@ -258,7 +258,16 @@ impl Run<'_> {
         } else {
             self.req.live_replicas(chunk)
         };
-        let chosen = self.cal.selector.decide(&replicas, *request)?;
+        // A forced primitive is the only one the selector may choose: it still picks the
+        // holder, priced for that primitive.
+        let request = match self.force {
+            Some(p) => Request {
+                allowed: Allowed::only(p),
+                ..*request
+            },
+            None => *request,
+        };
+        let chosen = self.cal.selector.decide(&replicas, request)?;
         let holder = if sparse {
             None
         } else {
