@@ -17,31 +17,74 @@ use crate::dispatch::{MergedStep, route_merged};
 use crate::error::{RemoteError, RouteError};
 use crate::requester::{Call, Requester, Sparse};
 
-type Job = Box<dyn FnOnce(&mut Requester) + Send>;
+/// A job for a [`Worker`]'s value.
+type Job<S> = Box<dyn FnOnce(&mut S) + Send>;
+
+/// A value owned by a thread of its own, which runs the jobs sent to it in order; dropping it
+/// finishes the queued jobs, then stops the thread and drops the value.
+#[derive(Debug)]
+pub(crate) struct Worker<S> {
+    jobs: Option<Sender<Job<S>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl<S: Send + 'static> Worker<S> {
+    /// Moves `state` onto a new thread named `name`.
+    pub(crate) fn spawn(mut state: S, name: &str) -> Result<Self, RemoteError> {
+        let (jobs, rx) = crossbeam_channel::unbounded::<Job<S>>();
+        let thread = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || {
+                for job in rx {
+                    job(&mut state);
+                }
+            })
+            .map_err(RemoteError::io("starting a worker thread"))?;
+        Ok(Self {
+            jobs: Some(jobs),
+            thread: Some(thread),
+        })
+    }
+
+    /// Runs `f` on the thread, in call order; its result comes back through the [`Reply`].
+    pub(crate) fn with<T, F>(&self, f: F) -> Reply<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut S) -> T + Send + 'static,
+    {
+        let slot = Arc::new(Slot::default());
+        let completer = Completer(Some(slot.clone()));
+        let job: Job<S> = Box::new(move |state| completer.complete(f(state)));
+        // A send that fails drops the job and with it the completer, which resolves the reply
+        // as stopped.
+        if let Some(jobs) = &self.jobs {
+            let _ = jobs.send(job);
+        }
+        Reply { slot }
+    }
+}
+
+impl<S> Drop for Worker<S> {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
 
 /// A requester served by a thread of its own; dropping it finishes the queued calls, then
 /// stops the thread and drops the requester.
 #[derive(Debug)]
 pub struct BackgroundRequester {
-    jobs: Option<Sender<Job>>,
-    thread: Option<JoinHandle<()>>,
+    worker: Worker<Requester>,
 }
 
 impl BackgroundRequester {
     /// Moves `requester` onto a new thread.
-    pub fn spawn(mut requester: Requester) -> Result<Self, RemoteError> {
-        let (jobs, rx) = crossbeam_channel::unbounded::<Job>();
-        let thread = std::thread::Builder::new()
-            .name("kvroute-requester".into())
-            .spawn(move || {
-                for job in rx {
-                    job(&mut requester);
-                }
-            })
-            .map_err(RemoteError::io("starting the requester's thread"))?;
+    pub fn spawn(requester: Requester) -> Result<Self, RemoteError> {
         Ok(Self {
-            jobs: Some(jobs),
-            thread: Some(thread),
+            worker: Worker::spawn(requester, "kvroute-requester")?,
         })
     }
 
@@ -52,15 +95,7 @@ impl BackgroundRequester {
         T: Send + 'static,
         F: FnOnce(&mut Requester) -> T + Send + 'static,
     {
-        let slot = Arc::new(Slot::default());
-        let completer = Completer(Some(slot.clone()));
-        let job: Job = Box::new(move |requester| completer.complete(f(requester)));
-        // A send that fails drops the job and with it the completer, which resolves the reply
-        // as stopped.
-        if let Some(jobs) = &self.jobs {
-            let _ = jobs.send(job);
-        }
-        Reply { slot }
+        self.worker.with(f)
     }
 
     /// [`Requester::route`] of owned calls.
@@ -77,15 +112,6 @@ impl BackgroundRequester {
             let calls: Vec<Call<'_>> = calls.iter().map(OwnedCall::as_call).collect();
             route_merged(req, &calls)
         })
-    }
-}
-
-impl Drop for BackgroundRequester {
-    fn drop(&mut self) {
-        drop(self.jobs.take());
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
     }
 }
 

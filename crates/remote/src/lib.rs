@@ -37,6 +37,7 @@ pub mod probe;
 #[allow(unsafe_code)]
 mod requester;
 pub mod session;
+pub mod step;
 #[allow(unsafe_code)]
 pub mod wire;
 

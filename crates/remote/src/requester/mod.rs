@@ -567,6 +567,11 @@ impl Requester {
             .collect()
     }
 
+    /// The softmax scale sent with every route (the configuration's).
+    pub fn scale(&self) -> f32 {
+        self.config.scale
+    }
+
     /// Holders connected at start, alive or not.
     pub fn holders(&self) -> usize {
         self.links.len()
