@@ -102,14 +102,7 @@ impl FetchCache {
             return Some(fetched);
         }
         while self.used + bytes > self.budget {
-            let victim = self
-                .entries
-                .iter()
-                .enumerate()
-                .filter(|(_, e)| !pinned.contains(&(e.chunk, e.start)))
-                .min_by_key(|(_, e)| e.last_used)
-                .map(|(i, _)| i);
-            let Some(i) = victim else {
+            let Some(i) = self.least_recent(pinned) else {
                 return Some(fetched);
             };
             self.remove(req, i);
@@ -139,14 +132,7 @@ impl FetchCache {
         pinned: &[(ChunkId, i64)],
     ) -> bool {
         while req.free_pool_pages() < pages {
-            let victim = self
-                .entries
-                .iter()
-                .enumerate()
-                .filter(|(_, e)| !pinned.contains(&(e.chunk, e.start)))
-                .min_by_key(|(_, e)| e.last_used)
-                .map(|(i, _)| i);
-            let Some(i) = victim else {
+            let Some(i) = self.least_recent(pinned) else {
                 return false;
             };
             self.remove(req, i);
@@ -182,6 +168,16 @@ impl FetchCache {
         while !self.entries.is_empty() {
             self.remove(req, self.entries.len() - 1);
         }
+    }
+
+    /// The least recently used entry not in `pinned`.
+    fn least_recent(&self, pinned: &[(ChunkId, i64)]) -> Option<usize> {
+        self.entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| !pinned.contains(&(e.chunk, e.start)))
+            .min_by_key(|(_, e)| e.last_used)
+            .map(|(i, _)| i)
     }
 
     fn remove(&mut self, req: &mut Requester, i: usize) {
