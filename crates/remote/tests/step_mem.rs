@@ -1,4 +1,5 @@
-//! The step API end to end over the `mem` fabric: a batch of requests with shared and private
+//! The step API end to end over the `mem` fabric (and libfabric's `shm` provider where it
+//! loads): a batch of requests with shared and private
 //! chunks placed at their own positions, and their own KV paged at several block sizes,
 //! attended per layer through `Stepper::step` (routes, fetches, the fetch cache, gathers) and
 //! checked against single-instance attention over each request's whole context at its
@@ -22,7 +23,7 @@ use kvroute_remote::step::{
     OwnedStepRequest, Picks, StepConfig, StepError, StepRequest, Stepper, calibrate,
 };
 use kvroute_remote::{Holder, HolderConfig, RequesterConfig};
-use kvroute_transport::{MemFabric, TransferEngine};
+use kvroute_transport::{FabricConfig, MemFabric, ProviderChoice, TransferEngine};
 
 const SCALE: f32 = 0.1147;
 const HEADS: usize = 16;
@@ -39,7 +40,34 @@ fn spec() -> CorpusSpec {
     }
 }
 
+/// Where the test's engines run: the in-process `mem` fabric, or libfabric's `shm` provider.
+#[derive(Clone, Copy)]
+enum Net<'a> {
+    Mem(&'a MemFabric),
+    Shm,
+}
+
+impl Net<'_> {
+    fn engine(self) -> Result<TransferEngine> {
+        Ok(match self {
+            Net::Mem(fabric) => TransferEngine::mem(fabric, 1)?,
+            Net::Shm => {
+                let config = FabricConfig {
+                    provider: ProviderChoice::Shm,
+                    required: true,
+                    ..FabricConfig::default()
+                };
+                TransferEngine::fabric(&config, Default::default())?.0
+            }
+        })
+    }
+}
+
 fn holder(fabric: &MemFabric, chunks: &[u32]) -> Result<Holder> {
+    holder_on(Net::Mem(fabric), chunks)
+}
+
+fn holder_on(net: Net<'_>, chunks: &[u32]) -> Result<Holder> {
     let config = HolderConfig {
         backend: Backend::Cpu,
         max_requesters: 4,
@@ -47,13 +75,22 @@ fn holder(fabric: &MemFabric, chunks: &[u32]) -> Result<Holder> {
         reply_bytes: 1 << 20,
         ..HolderConfig::default()
     };
-    common::start_holder(TransferEngine::mem(fabric, 1)?, &spec(), chunks, config)
+    common::start_holder(net.engine()?, &spec(), chunks, config)
 }
 
 /// A stepper over `holders`, calibrated with a short probe sweep, `force` as given, a fetch
 /// budget of `budget_chunks` chunks.
 fn stepper(
     fabric: &MemFabric,
+    holders: &[&Holder],
+    force: Option<Primitive>,
+    budget_chunks: usize,
+) -> Result<Stepper> {
+    stepper_on(Net::Mem(fabric), holders, force, budget_chunks)
+}
+
+fn stepper_on(
+    net: Net<'_>,
     holders: &[&Holder],
     force: Option<Primitive>,
     budget_chunks: usize,
@@ -69,7 +106,10 @@ fn stepper(
         max_holders: 4,
     };
     let addrs: Vec<_> = holders.iter().map(|h| h.addr()).collect();
-    let mut req = common::connect(fabric, &addrs, config)?;
+    let mut req = match net {
+        Net::Mem(fabric) => common::connect(fabric, &addrs, config)?,
+        Net::Shm => kvroute_remote::Requester::connect(net.engine()?, &addrs, config)?,
+    };
     let mut model = model_preset("deepseek-v2-lite")?.dims;
     model.layers = s.layers;
     let probe = ProbeConfig {
@@ -606,5 +646,30 @@ fn bad_requests_are_refused_naming_what_is_wrong() -> Result<()> {
         other => panic!("{other:?}"),
     }
     assert!(st.step(0, &[ok])?.outputs[0].l.iter().all(|&l| l > 0.0));
+    Ok(())
+}
+
+/// Over libfabric's `shm` provider, between engines of their own: the selector's choice and
+/// every primitive forced, dense and sparse, each request's output its whole context's
+/// attention.
+#[test]
+fn over_shm_a_batch_matches_one_instance_per_request() -> Result<()> {
+    if let Err(why) = Net::Shm.engine() {
+        kvroute_testkit::skip!("libfabric's shm provider is not usable here: {why}");
+        return Ok(());
+    }
+    let (a, b) = (holder_on(Net::Shm, &[0, 1])?, holder_on(Net::Shm, &[2, 3])?);
+    for sparse in [false, true] {
+        for force in [None, Some(Primitive::Route), Some(Primitive::Fetch)] {
+            let mut st = stepper_on(Net::Shm, &[&a, &b], force, 8)?;
+            let batch = Batch::new(sparse, 23);
+            run_and_check(
+                &mut st,
+                &batch,
+                &format!("shm, sparse {sparse}, forced {force:?}"),
+            )?;
+            drop(st.into_requester());
+        }
+    }
     Ok(())
 }
