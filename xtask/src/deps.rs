@@ -36,7 +36,7 @@ pub(crate) const SYSTEM_PACKAGES: &[SystemPackage] = &[
     },
     SystemPackage {
         apt: "g++",
-        needed_for: "libFuzzer's runtime, compiled by `cargo xtask fuzz` (libfuzzer-sys)",
+        needed_for: "libFuzzer's runtime, compiled by `cargo xtask fuzz` (libfuzzer-sys), and the CPU emulation of the CUDA decode kernel that kvroute-kernels' tests compile (C++20)",
     },
     SystemPackage {
         apt: "fio",
