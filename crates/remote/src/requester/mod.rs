@@ -678,7 +678,8 @@ impl Requester {
             .ok_or(RouteError::NoHolder(chunk))
     }
 
-    fn entry(&self, chunk: ChunkId) -> Result<&ChunkEntry, RouteError> {
+    /// A chunk's registry entry: its layout and stored positions (every replica's).
+    pub(crate) fn entry(&self, chunk: ChunkId) -> Result<&ChunkEntry, RouteError> {
         // Replicas share layout and positions (the registry refuses one that differs).
         self.registry
             .holders(chunk)

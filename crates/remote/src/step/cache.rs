@@ -149,10 +149,8 @@ impl FetchCache {
         while i < self.entries.len() {
             let e = &self.entries[i];
             let changed = req
-                .registry()
-                .holders(e.chunk)
+                .entry(e.chunk)
                 .ok()
-                .and_then(|h| h.first())
                 .is_some_and(|now| now.layout != e.layout || now.positions != e.positions);
             if changed {
                 self.remove(req, i);

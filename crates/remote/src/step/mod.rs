@@ -89,268 +89,25 @@
 mod background;
 mod cache;
 mod calibrate;
+mod transfer;
+mod types;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use kvroute_costmodel::{Allowed, CostModelError, ModelDims, Primitive, Request};
+use kvroute_costmodel::{Allowed, Primitive, Request};
 use kvroute_kernels::layout::D_QK;
-use kvroute_kernels::{
-    Backend, Cache, KernelError, Partial, Queries, Rope, Selection, merge, partial_dense,
-    partial_sparse,
-};
+use kvroute_kernels::{Partial, Queries, Selection, merge, partial_dense, partial_sparse};
 use kvroute_kvstore::ChunkId;
-use kvroute_sched::SchedError;
-use serde::Serialize;
-use thiserror::Error;
 
 pub use background::{BackgroundStepper, OwnedChunkRef, OwnedLocalKv, OwnedStepRequest};
 pub use calibrate::{Calibrated, CalibrationInputs, calibrate, memcpy_gbps};
+pub use types::{
+    ChunkRef, Decided, How, LocalKv, Picks, StepConfig, StepError, StepOutput, StepReport,
+    StepRequest, StepStats,
+};
 
-use crate::error::{RemoteError, RouteError};
-use crate::requester::{Call, GatherPart, Requester, Sparse};
+use crate::requester::Requester;
 use cache::FetchCache;
-
-/// Why a step failed.
-#[derive(Debug, Error)]
-pub enum StepError {
-    /// No holder of the chunk could be reached (each tried was lost), or none is registered.
-    #[error("{chunk}: no reachable copy ({why})")]
-    NoCopy {
-        /// The chunk.
-        chunk: ChunkId,
-        /// What happened to the copies tried.
-        why: String,
-    },
-    /// A call about a chunk failed for another reason than a lost holder (refused, a bad
-    /// reply).
-    #[error("{chunk}: {source}")]
-    Chunk {
-        /// The chunk.
-        chunk: ChunkId,
-        /// What failed.
-        source: RouteError,
-    },
-    /// A request of the batch is malformed.
-    #[error("request {request}: {why}")]
-    Request {
-        /// Its position in the batch.
-        request: usize,
-        /// What is wrong.
-        why: String,
-    },
-    /// The stepper's configuration.
-    #[error("step configuration: {0}")]
-    Config(String),
-    /// The requester.
-    #[error(transparent)]
-    Remote(#[from] RemoteError),
-    /// A route or transfer.
-    #[error(transparent)]
-    Route(#[from] RouteError),
-    /// A kernel refused its inputs (a non-finite row, a bad shape).
-    #[error(transparent)]
-    Kernel(#[from] KernelError),
-    /// The selector.
-    #[error(transparent)]
-    Sched(#[from] SchedError),
-    /// The cost model.
-    #[error(transparent)]
-    CostModel(#[from] CostModelError),
-}
-
-/// How a [`Stepper`] runs.
-#[derive(Debug, Clone)]
-pub struct StepConfig {
-    /// The model the chunks are the KV of (the cost model's dimensions).
-    pub model: ModelDims,
-    /// The rotation the chunks were stored with (fetched chunks are spliced with it, routed
-    /// queries rotated with it).
-    pub rope: Rope,
-    /// Bytes of fetched chunks kept across layers and steps (each a chunk's full block, every
-    /// layer); at most the requester's pool.
-    pub fetch_budget: usize,
-    /// One primitive for every (chunk, request) (`Fetch` means gather for sparse requests),
-    /// the selector still choosing the holder; `None` lets the selector choose. `Local` is
-    /// refused: re-prefilling a chunk needs the model.
-    pub force: Option<Primitive>,
-    /// The backend of the local partials.
-    pub backend: Backend,
-    /// How often the holders are asked for their load and kernel (at most once a step).
-    pub poll_every: Duration,
-}
-
-impl StepConfig {
-    /// Defaults for `model` and `rope`: a 1 GiB fetch budget, the selector choosing, the
-    /// CPU's kernels, holders polled every 500 ms.
-    pub fn new(model: ModelDims, rope: Rope) -> Self {
-        Self {
-            model,
-            rope,
-            fetch_budget: 1 << 30,
-            force: None,
-            backend: Backend::Cpu,
-            poll_every: Duration::from_millis(500),
-        }
-    }
-}
-
-/// Selected tokens: per query token, `k` indices (-1 = padding; a repeated index counts once
-/// per occurrence), shared by the token's heads.
-#[derive(Debug, Clone, Copy)]
-pub struct Picks<'a> {
-    /// `[query tokens, k]`.
-    pub indices: &'a [i32],
-    /// Indices per query token.
-    pub k: usize,
-}
-
-/// A remote chunk a request attends: the chunk, the position its first token has in the
-/// request's context (its tokens at `start..start + tokens`), and for sparse attention the
-/// chunk-local indices selected.
-#[derive(Debug, Clone, Copy)]
-pub struct ChunkRef<'a> {
-    /// The chunk.
-    pub chunk: ChunkId,
-    /// Position of its first token in this request's context.
-    pub start: i64,
-    /// Sparse: the chunk-local tokens selected.
-    pub picks: Option<Picks<'a>>,
-}
-
-impl ChunkRef<'_> {
-    /// Every token of `chunk`, placed at `start`.
-    pub fn dense(chunk: ChunkId, start: i64) -> Self {
-        Self {
-            chunk,
-            start,
-            picks: None,
-        }
-    }
-}
-
-/// A request's own KV at the layer: its prompt prefix and generated tokens, as the engine
-/// keeps them (contiguous, or paged with any block size: [`Cache::paged_blocks`]), at the
-/// request's positions; for sparse attention the indices selected in it.
-#[derive(Debug, Clone, Copy)]
-pub struct LocalKv<'a> {
-    /// The rows.
-    pub cache: Cache<'a>,
-    /// Sparse: the tokens selected.
-    pub picks: Option<Picks<'a>>,
-}
-
-impl<'a> LocalKv<'a> {
-    /// Every row of `cache`.
-    pub fn dense(cache: Cache<'a>) -> Self {
-        Self { cache, picks: None }
-    }
-}
-
-/// One request of a step.
-#[derive(Debug, Clone, Copy)]
-pub struct StepRequest<'a> {
-    /// Query rows, `[heads x new tokens, 576]` bf16 (raw bits), rotated at their positions.
-    pub queries: &'a [u16],
-    /// Query rows per query token (its heads).
-    pub heads: usize,
-    /// The remote chunks attended. Sparse requests give every chunk its picks.
-    pub chunks: &'a [ChunkRef<'a>],
-    /// The request's own KV.
-    pub local: Option<LocalKv<'a>>,
-}
-
-impl StepRequest<'_> {
-    fn sparse(&self) -> bool {
-        self.chunks.first().is_some_and(|c| c.picks.is_some())
-            || self.local.is_some_and(|l| l.picks.is_some())
-    }
-}
-
-/// How one (request, chunk) pair was attended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum How {
-    /// Routed to a holder.
-    Route,
-    /// Fetched into the cache in this step, then attended here.
-    Fetch,
-    /// Attended from the fetch cache (fetched in an earlier step or layer).
-    Cached,
-    /// Its selected rows gathered for this layer, then attended here.
-    Gather,
-}
-
-/// One (request, chunk) decision of a step.
-#[derive(Debug, Clone, Serialize)]
-pub struct Decided {
-    /// The request's position in the batch.
-    pub request: usize,
-    /// The chunk.
-    pub chunk: ChunkId,
-    /// How it was attended.
-    pub how: How,
-    /// The holder (the requester's index) it was priced on, where one was.
-    pub holder: Option<usize>,
-    /// The selector's predicted time of the chosen primitive, microseconds (`None` for a
-    /// cached chunk or a forced primitive).
-    pub predicted_us: Option<f64>,
-}
-
-/// What one step did, besides its outputs.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct StepReport {
-    /// Every (request, chunk) decision.
-    pub decisions: Vec<Decided>,
-    /// The step's routes, submit to every reply merged, microseconds (0 without routes).
-    pub route_us: f64,
-    /// Fetches of this step, microseconds (transfer and splice).
-    pub fetch_us: f64,
-    /// The gather of this step, microseconds.
-    pub gather_us: f64,
-    /// Local partials (fetched, gathered, own KV) and the merge, microseconds.
-    pub local_us: f64,
-    /// The whole step, microseconds.
-    pub step_us: f64,
-    /// Calls re-sent to a replica after their holder was lost.
-    pub fallbacks: Vec<(ChunkId, String)>,
-}
-
-/// A step's answer: one merged partial per request, and what it did.
-#[derive(Debug, Clone)]
-pub struct StepOutput {
-    /// Request `r`'s merged partial.
-    pub outputs: Vec<Partial>,
-    /// What the step did.
-    pub report: StepReport,
-}
-
-/// Counters over a stepper's lifetime.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct StepStats {
-    /// Steps run.
-    pub steps: u64,
-    /// (request, chunk) pairs routed, fetched in the step, attended from the cache, gathered.
-    pub routes: u64,
-    /// See `routes`.
-    pub fetches: u64,
-    /// See `routes`.
-    pub cached: u64,
-    /// See `routes`.
-    pub gathers: u64,
-    /// Local partials over requests' own KV.
-    pub local: u64,
-    /// Chunk fetches (transfers), and bytes fetched.
-    pub chunk_fetches: u64,
-    /// See `chunk_fetches`.
-    pub fetched_bytes: u64,
-    /// Fetch-cache entries evicted for room, and dropped as changed.
-    pub evicted: u64,
-    /// See `evicted`.
-    pub dropped: u64,
-    /// Bytes the fetch cache holds now.
-    pub cache_bytes: usize,
-    /// Calls and fetches re-sent to a replica.
-    pub fallbacks: u64,
-}
 
 /// The engine-facing object: a requester, its calibrated selector and the fetch cache.
 #[derive(Debug)]
@@ -462,13 +219,7 @@ impl Stepper {
             {
                 continue;
             }
-            let pages = self
-                .req
-                .registry()
-                .holders(chunk)
-                .ok()
-                .and_then(|h| h.first())
-                .map_or(0, |e| e.layout.pages());
+            let pages = self.req.entry(chunk).ok().map_or(0, |e| e.layout.pages());
             if !self.cache.make_room(&mut self.req, pages, &pinned) {
                 let free = self.req.free_pool_pages();
                 if self.config.force == Some(Primitive::Fetch) || self.stored_start(chunk).is_none()
@@ -495,12 +246,7 @@ impl Stepper {
                 continue;
             }
             let fetched = self.fetch(chunk, start, &mut report)?;
-            let entry = self
-                .req
-                .registry()
-                .holders(chunk)
-                .ok()
-                .and_then(|h| h.first());
+            let entry = self.req.entry(chunk).ok();
             let described = entry.map(|e| (e.layout, e.positions.clone()));
             let Some(described) = described else {
                 transient.push(((chunk, start), fetched));
@@ -606,9 +352,7 @@ impl Stepper {
             };
             for c in q.chunks {
                 picks_fit(c.picks, &format!("chunk {}", c.chunk))?;
-                if self.req.registry().holders(c.chunk).is_err()
-                    && !self.cache.contains(c.chunk, c.start)
-                {
+                if self.req.entry(c.chunk).is_err() && !self.cache.contains(c.chunk, c.start) {
                     return Err(StepError::NoCopy {
                         chunk: c.chunk,
                         why: "not registered by any holder".into(),
@@ -646,7 +390,7 @@ impl Stepper {
     /// The chunk's stored start position, if its tokens are stored at consecutive positions
     /// (then a route or gather can attend it at any start by rotating the query).
     fn stored_start(&self, chunk: ChunkId) -> Option<(i64, usize)> {
-        let e = self.req.registry().holders(chunk).ok()?.first()?;
+        let e = self.req.entry(chunk).ok()?;
         let first = *e.positions.first()?;
         let consecutive = e
             .positions
@@ -682,12 +426,7 @@ impl Stepper {
                     });
                     continue;
                 }
-                let entry = self
-                    .req
-                    .registry()
-                    .holders(c.chunk)
-                    .ok()
-                    .and_then(|h| h.first());
+                let entry = self.req.entry(c.chunk).ok();
                 let tokens = entry.map_or(0, |e| e.layout.tokens);
                 let mut request = match c.picks {
                     None => Request::contiguous(rows, tokens.max(1)),
@@ -748,277 +487,6 @@ impl Stepper {
             }
         }
         Ok(pairs)
-    }
-
-    /// Fetches `chunk` spliced to `start..`, from a replica if its first holder is lost.
-    fn fetch(
-        &mut self,
-        chunk: ChunkId,
-        start: i64,
-        report: &mut StepReport,
-    ) -> Result<crate::requester::Fetched, StepError> {
-        let tokens = self
-            .req
-            .registry()
-            .holders(chunk)
-            .ok()
-            .and_then(|h| h.first())
-            .map_or(0, |e| e.positions.len());
-        let to: Vec<i64> = (0..tokens as i64).map(|i| start + i).collect();
-        let mut lost = Vec::new();
-        for _ in 0..2 {
-            match self
-                .req
-                .fetch(chunk, &to, self.config.rope, self.config.backend)
-            {
-                Ok(f) => {
-                    let bytes = self
-                        .config
-                        .model
-                        .chunk_bytes(tokens as u32, f.layers as u32);
-                    let now = self.cal.now_ms();
-                    self.cal.selector.observe_pull(bytes, f.transfer_us, now);
-                    self.stats.chunk_fetches += 1;
-                    self.stats.fetched_bytes += bytes as u64;
-                    return Ok(f);
-                }
-                Err(e) if e.holder_lost() => {
-                    report.fallbacks.push((chunk, e.to_string()));
-                    self.stats.fallbacks += 1;
-                    lost.push(e.to_string());
-                }
-                Err(RouteError::NoHolder(_)) => break,
-                Err(source) => return Err(StepError::Chunk { chunk, source }),
-            }
-        }
-        Err(StepError::NoCopy {
-            chunk,
-            why: if lost.is_empty() {
-                "no live holder".into()
-            } else {
-                lost.join("; ")
-            },
-        })
-    }
-
-    /// The query rows a pair sends to (or attends with) the chunk's stored rows: rotated by
-    /// `-(start - stored start)`, or `None` where the delta is 0.
-    fn rotated(&self, q: &StepRequest<'_>, c: &ChunkRef<'_>) -> Option<Vec<u16>> {
-        let (stored, _) = self.stored_start(c.chunk)?;
-        let delta = c.start - stored;
-        if delta == 0 {
-            return None;
-        }
-        let angles = self.config.rope.angles(-delta);
-        let mut rows = q.queries.to_vec();
-        for row in rows.chunks_exact_mut(D_QK) {
-            kvroute_kernels::rope::rotate_row_f64(row, &angles, self.config.rope.layout());
-        }
-        Some(rows)
-    }
-
-    /// Routes the pairs `routes` in one round (one request per holder), re-sending once the
-    /// calls of a lost holder; one partial per pair.
-    fn route(
-        &mut self,
-        layer: u16,
-        requests: &[StepRequest<'_>],
-        routes: &[&Pair],
-        report: &mut StepReport,
-    ) -> Result<Vec<Partial>, StepError> {
-        let rotated: Vec<Option<Vec<u16>>> = routes
-            .iter()
-            .map(|p| {
-                let q = &requests[p.request];
-                self.rotated(q, &q.chunks[p.at])
-            })
-            .collect();
-        let calls: Vec<Call<'_>> = routes
-            .iter()
-            .zip(&rotated)
-            .map(|(p, rot)| {
-                let q = &requests[p.request];
-                let c = &q.chunks[p.at];
-                Call {
-                    chunk: c.chunk,
-                    layer,
-                    queries: rot.as_deref().unwrap_or(q.queries),
-                    sparse: c.picks.map(|s| Sparse {
-                        indices: s.indices,
-                        k: s.k as u32,
-                        rows_per_token: q.heads as u32,
-                    }),
-                }
-            })
-            .collect();
-        // Rows per holder (the selector prices a route by the rows one holder serves).
-        let mut per_holder: Vec<(usize, u32)> = Vec::new();
-        for call in &calls {
-            if let Ok(h) = self.req.holder_for(call.chunk) {
-                let rows = (call.queries.len() / D_QK) as u32;
-                match per_holder.iter_mut().find(|(x, _)| *x == h) {
-                    Some((_, n)) => *n += rows,
-                    None => per_holder.push((h, rows)),
-                }
-            }
-        }
-        let mut out: Vec<Option<Partial>> = vec![None; calls.len()];
-        let mut pending: Vec<usize> = (0..calls.len()).collect();
-        let started = Instant::now();
-        for retry in [false, true] {
-            if pending.is_empty() {
-                break;
-            }
-            let subset: Vec<Call<'_>> = pending.iter().map(|&i| calls[i]).collect();
-            let round = Instant::now();
-            let routed = self.req.stage_copied(&subset).route_wire();
-            let round_us = round.elapsed().as_secs_f64() * 1e6;
-            let kernel_us = (0..subset.len())
-                .filter_map(|j| routed.holder_kernel_us(j, round_us))
-                .fold(0.0, f64::max);
-            let mut failed = Vec::new();
-            for (j, &i) in pending.iter().enumerate() {
-                match routed.partial(j) {
-                    Ok(w) => {
-                        let mut p = Partial::empty(0);
-                        kvroute_kernels::merge_wire(&[w], &mut p)?;
-                        out[i] = Some(p);
-                    }
-                    Err(error) if !retry && error.holder_lost() => {
-                        report.fallbacks.push((calls[i].chunk, error.to_string()));
-                        self.stats.fallbacks += 1;
-                        failed.push(i);
-                    }
-                    Err(error)
-                        if error.holder_lost() || matches!(error, RouteError::NoHolder(_)) =>
-                    {
-                        return Err(StepError::NoCopy {
-                            chunk: calls[i].chunk,
-                            why: error.to_string(),
-                        });
-                    }
-                    Err(source) => {
-                        return Err(StepError::Chunk {
-                            chunk: calls[i].chunk,
-                            source,
-                        });
-                    }
-                }
-            }
-            if !retry && failed.is_empty() {
-                // A clean round: the fabric's part of it, at the most rows one holder served.
-                if let Some(&(_, rows)) = per_holder.iter().max_by_key(|(_, n)| *n) {
-                    let now = self.cal.now_ms();
-                    self.cal
-                        .selector
-                        .observe_route(rows, (round_us - kernel_us).max(0.0), now);
-                }
-            }
-            pending = failed;
-        }
-        report.route_us = started.elapsed().as_secs_f64() * 1e6;
-        out.into_iter()
-            .zip(&calls)
-            .map(|(p, c)| {
-                p.ok_or(StepError::NoCopy {
-                    chunk: c.chunk,
-                    why: "no reply".into(),
-                })
-            })
-            .collect()
-    }
-
-    /// Gathers the selected rows of every pair in `gathers` for `layer` (each pair's distinct
-    /// valid indices once, pair after pair), re-trying once if a holder is lost. Returns the
-    /// rows and, per pair, each of its picks' slot among them; `None` where every pick is
-    /// padding (those pairs attend nothing).
-    fn gather(
-        &mut self,
-        layer: u16,
-        requests: &[StepRequest<'_>],
-        gathers: &[&Pair],
-        report: &mut StepReport,
-    ) -> Result<Option<GatheredRows>, StepError> {
-        let started = Instant::now();
-        let mut tokens: Vec<Vec<i32>> = Vec::with_capacity(gathers.len());
-        let mut remapped: Vec<Vec<i32>> = Vec::with_capacity(gathers.len());
-        let mut offset = 0i32;
-        for p in gathers {
-            let c = &requests[p.request].chunks[p.at];
-            let picks = c.picks.ok_or_else(|| StepError::Request {
-                request: p.request,
-                why: format!("chunk {}: gathered without picks", c.chunk),
-            })?;
-            let mut distinct: Vec<i32> =
-                picks.indices.iter().copied().filter(|&i| i >= 0).collect();
-            distinct.sort_unstable();
-            distinct.dedup();
-            let map = picks
-                .indices
-                .iter()
-                .map(|&i| {
-                    if i < 0 {
-                        -1
-                    } else {
-                        // Present: `distinct` holds every valid index.
-                        offset + distinct.binary_search(&i).unwrap_or(0) as i32
-                    }
-                })
-                .collect();
-            offset += distinct.len() as i32;
-            tokens.push(distinct);
-            remapped.push(map);
-        }
-        let parts: Vec<GatherPart<'_>> = gathers
-            .iter()
-            .zip(&tokens)
-            .filter(|(_, t)| !t.is_empty())
-            .map(|(p, t)| GatherPart {
-                chunk: requests[p.request].chunks[p.at].chunk,
-                tokens: t,
-            })
-            .collect();
-        if parts.is_empty() {
-            // Every pick is padding: nothing to gather; the pairs attend nothing.
-            return Ok(None);
-        }
-        let mut last = None;
-        for _ in 0..2 {
-            match self.req.gather(&parts, &[layer]) {
-                Ok(rows) => {
-                    report.gather_us = started.elapsed().as_secs_f64() * 1e6;
-                    return Ok(Some(GatheredRows { rows, remapped }));
-                }
-                Err(e) if e.holder_lost() => {
-                    let chunk = parts[0].chunk;
-                    report.fallbacks.push((chunk, e.to_string()));
-                    self.stats.fallbacks += 1;
-                    last = Some(e);
-                }
-                Err(RouteError::NoHolder(chunk)) => {
-                    return Err(StepError::NoCopy {
-                        chunk,
-                        why: "no live holder".into(),
-                    });
-                }
-                Err(source) => {
-                    return Err(StepError::Chunk {
-                        chunk: parts[0].chunk,
-                        source,
-                    });
-                }
-            }
-        }
-        // A lost holder twice: name a chunk none of whose holders answers.
-        let dead = parts
-            .iter()
-            .find(|p| self.req.live_replicas(p.chunk).is_empty())
-            .unwrap_or(&parts[0])
-            .chunk;
-        Err(StepError::NoCopy {
-            chunk: dead,
-            why: last.map_or_else(String::new, |e| e.to_string()),
-        })
     }
 
     /// The partials computed here: fetched and cached chunks, gathered rows, and each
