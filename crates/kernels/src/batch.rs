@@ -6,8 +6,8 @@
 //! rows (heads x new tokens), its block table and its context length, and for sparse attention
 //! its top-k selection over that context. The answer is one [`Partial`] per request, in the
 //! crate's convention. The CPU and the reference run the requests side by side (rayon); CUDA
-//! runs the whole batch in one launch of the tensor-core kernel ([`crate::cuda`]), plus one
-//! combine launch when it splits the keys.
+//! runs the whole batch in one launch of the tensor-core kernel ([`crate::cuda`]), whose last
+//! block per work item combines the splits of the keys.
 
 use rayon::prelude::*;
 
@@ -257,18 +257,21 @@ pub(crate) enum Host {
     Reference,
 }
 
-/// The batch on the host, requests side by side (checked already).
+/// The batch on the host, requests side by side (checked already); a non-finite result is
+/// refused ([`check_results`]).
 pub(crate) fn host(
     how: Host,
     pool: &KvPool<'_>,
     requests: &[DecodeRequest<'_>],
     scale: f32,
 ) -> Result<Vec<Partial>, KernelError> {
-    requests
+    let parts = requests
         .par_iter()
         .enumerate()
         .map(|(i, r)| host_request(how, pool, r, scale).map_err(|e| in_request(i, e)))
-        .collect()
+        .collect::<Result<Vec<_>, _>>()?;
+    check_results(requests, &parts)?;
+    Ok(parts)
 }
 
 fn host_request(

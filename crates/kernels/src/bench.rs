@@ -570,7 +570,7 @@ pub struct BatchedRow {
     pub row_tiles: usize,
     /// Work items x splits.
     pub grid: (usize, usize),
-    /// Median microseconds per batch (the decode kernel and, when split, its combine).
+    /// Median microseconds per batch (one launch of the decode kernel, its splits combined).
     pub us: f64,
     /// [`BatchedShape::bytes`] per second, TB/s.
     pub tbps: f64,

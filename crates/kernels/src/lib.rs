@@ -271,8 +271,8 @@ pub fn partial_sparse(
 }
 
 /// Batched paged decode ([`KvPool`], [`DecodeRequest`]): every request of `requests` against `pool`, one
-/// [`Partial`] per request. On CUDA the whole batch is one launch of the tensor-core kernel
-/// (two when it splits the keys), with the pool uploaded for the call; [`cuda::Gpu`] also
+/// [`Partial`] per request. On CUDA the whole batch is one launch of the tensor-core kernel,
+/// split or not, with the pool uploaded for the call; [`cuda::Gpu`] also
 /// runs it over a pool kept on the device. A request refused (its table, selection or query
 /// rows) or a row that is not finite is a [`KernelError::Request`] naming the request. An
 /// empty batch gives no partials.
@@ -289,7 +289,6 @@ pub fn partial_batched(
         Engine::Reference => batch::host(batch::Host::Reference, pool, requests, scale)?,
         Engine::Cuda(gpu) => gpu.partial_batched(pool, requests, scale)?,
     };
-    batch::check_results(requests, &parts)?;
     Ok(parts)
 }
 

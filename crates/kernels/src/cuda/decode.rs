@@ -595,13 +595,11 @@ impl Gpu {
 impl WireOut<'_> {
     /// [`WireOut::check_finite`] over a batch's rows, naming the request.
     fn check_finite_batch(&self, requests: &[DecodeRequest<'_>]) -> Result<(), KernelError> {
-        let mut first = 0;
         let mut owner = Vec::with_capacity(self.rows());
         for (i, r) in requests.iter().enumerate() {
             owner.extend((0..r.queries().len()).map(|row| (i, row)));
-            first += r.queries().len();
         }
-        debug_assert_eq!(first, self.rows());
+        debug_assert_eq!(owner.len(), self.rows());
         self.check_finite(|at| {
             let (i, row) = owner[at];
             requests[i].attends(row)
