@@ -456,74 +456,107 @@ __device__ __forceinline__ void decode_body(
     if (!flag_s[0]) return;
     __threadfence();
     // As mla_combine: parts with l = 0 are skipped, a part whose m or l is not finite
-    // poisons the row (NaN), weights exp(m_s - max m) in f64, one division at the end. Per
-    // row, every split's (m, l) is staged in shared memory (the S buffers are free) by one
-    // load a thread, so the loads of o, the only ones left, are all in flight together.
-    // Thread tid finishes dims 2 tid and 2 tid + 1 of every row.
-    float* const cm = ss;
-    float* const cl = ss + DEC_THREADS;
-    double* const cw = reinterpret_cast<double*>(ss + 2 * DEC_THREADS);
-    for (int r = 0; r < nrows; ++r) {
-        const long long row = row0 + r;
-        for (int sp = tid; sp < splits; sp += DEC_THREADS) {
-            const long long at = (long long)sp * total_rows + row;
-            cm[sp] = __ldcg(ws_m + at);
-            cl[sp] = __ldcg(ws_l + at);
+    // poisons the row (NaN), weights exp(m_s - max m) in f64, one division at the end.
+    // The rows go in groups of RG, as many as the freed pipeline stages hold every
+    // (row, split)'s statistics for: (1) every thread loads some of the group's (m, l) pairs,
+    // all in flight together; (2) a warp per row reduces its max and its poison flag; (3) every
+    // thread computes some of the weights; (4) thread tid sums dims 4 (tid % 128) .. + 3 of
+    // every other row (rows tid / 128, + 2, ...), eight splits' loads in flight at a time.
+    // No step waits on a chain of loads one row or one split long.
+    constexpr int CAP = (C::S_AT - C::K_AT) / 16;
+    double* const cw = reinterpret_cast<double*>(smem + C::K_AT);
+    float* const cm = reinterpret_cast<float*>(cw + CAP);
+    float* const cl = cm + CAP;
+    float* const rbig = alpha_s;  // per row of the group: its max m
+    float* const rbad = m_s;      // 1: poisoned, 0: not
+    const int group = max(1, min(nrows, CAP / splits));
+    for (int r0 = 0; r0 < nrows; r0 += group) {
+        const int rg = min(group, nrows - r0), pairs = rg * splits;
+        for (int p = tid; p < pairs; p += DEC_THREADS) {
+            const int r = p / splits, sp = p % splits;
+            const long long at = (long long)sp * total_rows + row0 + r0 + r;
+            cm[p] = __ldcg(ws_m + at);
+            cl[p] = __ldcg(ws_l + at);
         }
         __syncthreads();
-        float big = neg_inf();
-        bool poisoned = false;
-        for (int sp = 0; sp < splits; ++sp) {
-            const float mp = cm[sp], lp = cl[sp];
-            if (isnan(mp) || mp == -neg_inf() || !isfinite(lp)) poisoned = true;
-            if (lp > 0.0f) big = fmaxf(big, mp);
+        for (int r = warp; r < rg; r += DEC_WARPS) {
+            float big = neg_inf(), bad = 0.0f;
+            for (int sp = lane; sp < splits; sp += WARP) {
+                const float mp = cm[r * splits + sp], lp = cl[r * splits + sp];
+                if (isnan(mp) || mp == -neg_inf() || !isfinite(lp)) bad = 1.0f;
+                if (lp > 0.0f) big = fmaxf(big, mp);
+            }
+#pragma unroll
+            for (int off = WARP / 2; off > 0; off /= 2) {
+                big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, off));
+                bad = fmaxf(bad, __shfl_xor_sync(0xffffffffu, bad, off));
+            }
+            if (lane == 0) {
+                rbig[r] = big;
+                rbad[r] = bad;
+            }
         }
-        const bool empty = poisoned || big == neg_inf();
-        for (int sp = tid; sp < splits; sp += DEC_THREADS)
-            cw[sp] = !empty && cl[sp] > 0.0f ? exp((double)cm[sp] - (double)big) : 0.0;
         __syncthreads();
-        double x = 0.0, y = 0.0, lsum = 0.0;
-        if (!empty) {
-            // A skipped split's o is zero (an empty state), and weighs 0.
-#pragma unroll 4
-            for (int sp = 0; sp < splits; ++sp) {
-                const long long at = (long long)sp * total_rows + row;
-                const float2 o = __ldcg(reinterpret_cast<const float2*>(ws_o + at * D_LATENT) + tid);
-                const double w = cw[sp];
-                lsum += w * (double)cl[sp];
-                x += w * (double)o.x;
-                y += w * (double)o.y;
+        for (int p = tid; p < pairs; p += DEC_THREADS) {
+            const int r = p / splits;
+            const bool empty = rbad[r] != 0.0f || rbig[r] == neg_inf();
+            cw[p] = !empty && cl[p] > 0.0f ? exp((double)cm[p] - (double)rbig[r]) : 0.0;
+        }
+        __syncthreads();
+        const int d4 = (tid % (DEC_THREADS / 2)) * 4;
+        for (int r = tid / (DEC_THREADS / 2); r < rg; r += 2) {
+            const long long row = row0 + r0 + r;
+            const bool poisoned = rbad[r] != 0.0f;
+            const float big = rbig[r];
+            double x0 = 0.0, x1 = 0.0, x2 = 0.0, x3 = 0.0, lsum = 0.0;
+            if (!poisoned && big != neg_inf()) {
+                // A skipped split's o is zero (an empty state), and weighs 0.
+#pragma unroll 8
+                for (int sp = 0; sp < splits; ++sp) {
+                    const long long at = (long long)sp * total_rows + row;
+                    const float4 o = __ldcg(reinterpret_cast<const float4*>(ws_o + at * D_LATENT + d4));
+                    const double w = cw[r * splits + sp];
+                    lsum += w * (double)cl[r * splits + sp];
+                    x0 += w * (double)o.x;
+                    x1 += w * (double)o.y;
+                    x2 += w * (double)o.z;
+                    x3 += w * (double)o.w;
+                }
+            }
+            float f[4], fm, fl;
+            if (poisoned) {
+                f[0] = f[1] = f[2] = f[3] = fm = fl = __int_as_float(0x7fc00000);
+            } else if (big == neg_inf()) {
+                f[0] = f[1] = f[2] = f[3] = 0.0f;
+                fm = neg_inf();
+                fl = 0.0f;
+            } else {
+                f[0] = (float)(x0 / lsum);
+                f[1] = (float)(x1 / lsum);
+                f[2] = (float)(x2 / lsum);
+                f[3] = (float)(x3 / lsum);
+                fm = big;
+                fl = (float)lsum;
+            }
+            const bool first = d4 == 0;
+            if (mode == 2) {
+                unsigned char* wr = wire + row * WIRE_ROW_BYTES;
+                *reinterpret_cast<unsigned*>(wr + d4 * 2) = pack_bf16x2(f[0], f[1]);
+                *reinterpret_cast<unsigned*>(wr + d4 * 2 + 4) = pack_bf16x2(f[2], f[3]);
+                if (first) {
+                    float* ml = reinterpret_cast<float*>(wr + D_LATENT * 2);
+                    ml[0] = fm;
+                    ml[1] = fl;
+                }
+            } else {
+                *reinterpret_cast<float4*>(out_o + row * D_LATENT + d4) = make_float4(f[0], f[1], f[2], f[3]);
+                if (first) {
+                    out_m[row] = fm;
+                    out_l[row] = fl;
+                }
             }
         }
-        __syncthreads();  // the staged statistics are read before the next row's are written
-        float fx, fy, fm, fl;
-        if (poisoned) {
-            fx = fy = fm = fl = __int_as_float(0x7fc00000);
-        } else if (big == neg_inf()) {
-            fx = fy = 0.0f;
-            fm = neg_inf();
-            fl = 0.0f;
-        } else {
-            fx = (float)(x / lsum);
-            fy = (float)(y / lsum);
-            fm = big;
-            fl = (float)lsum;
-        }
-        if (mode == 2) {
-            unsigned char* wr = wire + row * WIRE_ROW_BYTES;
-            *reinterpret_cast<unsigned*>(wr + tid * 4) = pack_bf16x2(fx, fy);
-            if (tid == 0) {
-                float* ml = reinterpret_cast<float*>(wr + D_LATENT * 2);
-                ml[0] = fm;
-                ml[1] = fl;
-            }
-        } else {
-            *reinterpret_cast<float2*>(out_o + row * D_LATENT + 2 * tid) = make_float2(fx, fy);
-            if (tid == 0) {
-                out_m[row] = fm;
-                out_l[row] = fl;
-            }
-        }
+        __syncthreads();  // the group's statistics are read before the next group's are written
     }
     if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
 }

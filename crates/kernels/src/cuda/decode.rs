@@ -75,16 +75,26 @@ fn kernel_index(mt: usize, fp8: bool) -> usize {
     usize::from(fp8) * 3 + mt.trailing_zeros() as usize
 }
 
-/// How many splits of the keys a batch of `work` work items gets on `sms` SMs (one block per
-/// SM: each takes most of an SM's shared memory), when its longest request has `max_tiles`
-/// tiles of keys: the fewest that reach the lowest time, taken as the waves of blocks times
-/// the tiles a block works through, each extra split kept only for a gain of more than 5%
-/// (the last block of a work item combines the splits), and at least
-/// [`MIN_TILES_PER_SPLIT`] tiles a split.
-pub(crate) fn choose_splits(work: usize, max_tiles: usize, sms: usize) -> usize {
+/// (row, split) states the last block of a work item reads back in the time a block takes
+/// for one tile of keys: a state is 2 KB of f32 `o`, a bf16 tile 32 x 1152 B = 36 KB, both
+/// read by one SM from L2 or HBM.
+const STATES_PER_TILE: f64 = 18.0;
+
+/// How many splits of the keys a batch of `work` work items of up to `rows` query rows gets
+/// on `sms` SMs (one block per SM: each takes most of an SM's shared memory), when its longest
+/// request has `max_tiles` tiles of keys: the fewest that reach the lowest time, taken as the
+/// waves of blocks times the tiles a block works through plus the last block's combine
+/// (`rows` x splits states, [`STATES_PER_TILE`] a tile), each extra split kept only for a
+/// gain of more than 5%, and at least [`MIN_TILES_PER_SPLIT`] tiles a split. Many rows
+/// thus split less: a 64-row item's states outweigh its keys long before 32 splits.
+pub(crate) fn choose_splits(work: usize, max_tiles: usize, rows: usize, sms: usize) -> usize {
     let (work, sms) = (work.max(1), sms.max(1));
     let most = max_tiles.div_ceil(MIN_TILES_PER_SPLIT).clamp(1, MAX_SPLITS);
-    let cost = |s: usize| ((work * s).div_ceil(sms) * max_tiles.div_ceil(s).max(1)) as f64;
+    let cost = |s: usize| {
+        let blocks = ((work * s).div_ceil(sms) * max_tiles.div_ceil(s).max(1)) as f64;
+        let combine = if s > 1 { (rows * s) as f64 / STATES_PER_TILE } else { 0.0 };
+        blocks + combine
+    };
     let mut best = (cost(1), 1);
     for s in 2..=most {
         let c = cost(s);
@@ -135,18 +145,18 @@ impl DecodePlan {
         scale: f32,
         sms: usize,
     ) -> Result<Self, KernelError> {
-        Self::with_splits(shape, requests, scale, |work, tiles| {
-            choose_splits(work, tiles, sms)
+        Self::with_splits(shape, requests, scale, |work, tiles, rows| {
+            choose_splits(work, tiles, rows, sms)
         })
     }
 
     /// [`DecodePlan::new`] with the number of splits chosen by `splits(work items, most
-    /// tiles of a request)` (at least 1).
+    /// tiles of a request, most rows of a work item)` (at least 1).
     pub(crate) fn with_splits(
         shape: PoolShape,
         requests: &[DecodeRequest<'_>],
         scale: f32,
-        splits: impl FnOnce(usize, usize) -> usize,
+        splits: impl FnOnce(usize, usize, usize) -> usize,
     ) -> Result<Self, KernelError> {
         check_batch(&shape, requests, scale)?;
         let group = |r: &DecodeRequest<'_>| {
@@ -219,7 +229,8 @@ impl DecodePlan {
         plan.row_starts.push(plan.rows);
         index("query rows", plan.rows)?;
         index("selected indices", plan.sel.len())?;
-        plan.splits = splits(plan.work.len() / 4, max_tiles).clamp(1, MAX_SPLITS);
+        let item_rows = plan.work.chunks_exact(4).map(|w| w[2] as usize).max().unwrap_or(1);
+        plan.splits = splits(plan.work.len() / 4, max_tiles, item_rows).clamp(1, MAX_SPLITS);
         for r in plan.reqs.chunks_exact_mut(4) {
             let tiles = (r[2] as usize).div_ceil(DEC_BN);
             r[3] = tiles.div_ceil(plan.splits) as i32;

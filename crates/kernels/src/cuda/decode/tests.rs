@@ -292,6 +292,19 @@ impl Data {
 /// f32 rows and wire rows, as one split and as several (the last block of each work item
 /// combining, its counter left at zero).
 fn check(test: &str, seed: u64, block: usize, fp8: bool, shapes: &[Shape]) {
+    // One split, and three (uneven: a split may get fewer tiles than the others, or none).
+    check_splits(test, seed, block, fp8, shapes, &[1, 3]);
+}
+
+/// [`check`] with each of `split_counts`.
+fn check_splits(
+    test: &str,
+    seed: u64,
+    block: usize,
+    fp8: bool,
+    shapes: &[Shape],
+    split_counts: &[usize],
+) {
     let Some(exe) = emulator_or_skip(test) else {
         return;
     };
@@ -300,9 +313,9 @@ fn check(test: &str, seed: u64, block: usize, fp8: bool, shapes: &[Shape]) {
     let pool = data.pool(fp8);
     let want = batch::host(Host::Reference, &pool, &requests, SCALE).unwrap();
     let kv = pool.bytes();
-    // One split, and three (uneven: a split may get fewer tiles than the others, or none).
-    for splits in [1, 3] {
-        let plan = DecodePlan::with_splits(pool.shape(), &requests, SCALE, |_, _| splits).unwrap();
+    for &splits in split_counts {
+        let plan =
+            DecodePlan::with_splits(pool.shape(), &requests, SCALE, |_, _, _| splits).unwrap();
         for mode in [1, 2] {
             let e = emulate(exe, &plan, kv, mode);
             assert!(
@@ -434,6 +447,20 @@ fn dense_batches_of_two_and_four_row_tiles_match_the_reference() {
     check("dense_m4", 3, 8, false, &m4);
 }
 
+/// More (row, split) states than the freed pipeline stages hold: the last block combines its
+/// rows in groups (two here, of 35 and 29 rows bf16, 37 and 27 FP8); most splits have no
+/// keys and weigh nothing.
+#[test]
+fn a_combine_of_many_splits_goes_in_row_groups() {
+    let shapes = [Shape {
+        mq: 64,
+        tokens: 300,
+        sparse: None,
+    }];
+    check_splits("grouped_bf16", 8, 16, false, &shapes, &[200]);
+    check_splits("grouped_fp8", 9, 16, true, &shapes, &[200]);
+}
+
 #[test]
 fn sparse_batches_match_the_reference() {
     let shapes = [
@@ -536,21 +563,33 @@ fn work_items_follow_the_row_groups_and_splits_the_keys() {
 #[test]
 fn splits_fill_the_sms_without_a_ragged_wave() {
     // One request, Mq = 1 over 2048 keys: as many splits as the keys allow.
-    assert_eq!(choose_splits(1, 64, 132), 32);
+    assert_eq!(choose_splits(1, 64, 1, 132), 32);
     // 64 requests of one row tile on 132 SMs: two splits, one wave.
-    assert_eq!(choose_splits(64, 128, 132), 2);
+    assert_eq!(choose_splits(64, 128, 16, 132), 2);
     // A full wave or more: no split.
-    assert_eq!(choose_splits(128, 256, 132), 1);
-    assert_eq!(choose_splits(256, 256, 132), 1);
+    assert_eq!(choose_splits(128, 256, 1, 132), 1);
+    assert_eq!(choose_splits(256, 256, 1, 132), 1);
     // Few keys: no split below MIN_TILES_PER_SPLIT tiles each.
-    assert_eq!(choose_splits(1, 3, 132), 2);
-    assert_eq!(choose_splits(1, 2, 132), 1);
+    assert_eq!(choose_splits(1, 3, 1, 132), 2);
+    assert_eq!(choose_splits(1, 2, 1, 132), 1);
     for work in [0, 1, 7, 100, 10_000] {
         for tiles in [0, 1, 5, 1000, 100_000] {
-            let s = choose_splits(work, tiles, 132);
-            assert!((1..=MAX_SPLITS).contains(&s));
+            for rows in [1, 16, 64] {
+                let s = choose_splits(work, tiles, rows, 132);
+                assert!((1..=MAX_SPLITS).contains(&s));
+            }
         }
     }
+}
+
+#[test]
+fn many_rows_split_less_as_their_combine_outweighs_their_keys() {
+    // One request over 2048 keys: 16 rows read back 2 KB a split and row, so 8 splits, not
+    // 32; 64 rows, 4.
+    assert_eq!(choose_splits(1, 64, 16, 132), 8);
+    assert_eq!(choose_splits(1, 64, 64, 132), 4);
+    // Four items of 64 rows (Mq = 256): as many.
+    assert_eq!(choose_splits(4, 64, 64, 132), 4);
 }
 
 /// A batch the host refuses never reaches a plan: bad tables and selections are typed errors
