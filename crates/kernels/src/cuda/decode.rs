@@ -92,7 +92,11 @@ pub(crate) fn choose_splits(work: usize, max_tiles: usize, rows: usize, sms: usi
     let most = max_tiles.div_ceil(MIN_TILES_PER_SPLIT).clamp(1, MAX_SPLITS);
     let cost = |s: usize| {
         let blocks = ((work * s).div_ceil(sms) * max_tiles.div_ceil(s).max(1)) as f64;
-        let combine = if s > 1 { (rows * s) as f64 / STATES_PER_TILE } else { 0.0 };
+        let combine = if s > 1 {
+            (rows * s) as f64 / STATES_PER_TILE
+        } else {
+            0.0
+        };
         blocks + combine
     };
     let mut best = (cost(1), 1);
@@ -229,7 +233,12 @@ impl DecodePlan {
         plan.row_starts.push(plan.rows);
         index("query rows", plan.rows)?;
         index("selected indices", plan.sel.len())?;
-        let item_rows = plan.work.chunks_exact(4).map(|w| w[2] as usize).max().unwrap_or(1);
+        let item_rows = plan
+            .work
+            .chunks_exact(4)
+            .map(|w| w[2] as usize)
+            .max()
+            .unwrap_or(1);
         plan.splits = splits(plan.work.len() / 4, max_tiles, item_rows).clamp(1, MAX_SPLITS);
         for r in plan.reqs.chunks_exact_mut(4) {
             let tiles = (r[2] as usize).div_ceil(DEC_BN);
