@@ -831,7 +831,8 @@ pub struct StepArgs {
     /// Decode steps.
     #[arg(long, default_value_t = 2)]
     pub steps: u32,
-    /// Decode tokens per step (each routes 16 query rows per layer, DeepSeek-V2-Lite's heads).
+    /// Requests per decode step, one new token each (16 query rows a layer, DeepSeek-V2-Lite's
+    /// heads).
     #[arg(long, default_value_t = 4)]
     pub batch: u32,
     /// Force one primitive for every (chunk, request).
@@ -844,6 +845,10 @@ pub struct StepArgs {
     /// holders joining and leaving).
     #[arg(long, default_value_t = 0)]
     pub pause_ms: u64,
+    /// How often the step API asks the holders for their load and kernel, milliseconds (0:
+    /// before every layer call); a holder that does not answer is marked dead there.
+    #[arg(long, default_value_t = 500)]
+    pub poll_ms: u64,
 }
 
 /// `kvroute demo`.

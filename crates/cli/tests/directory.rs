@@ -201,7 +201,17 @@ fn holders_join_die_and_etcd_restarts_under_a_running_requester() {
         .args(["--json", "requester", "--provider", "shm"])
         .args(CORPUS)
         .args(["--directory", &url, "--directory-ttl", &TTL.to_string()])
-        .args(["--steps", "60", "--pause-ms", "400", "--force", "route"])
+        // One request a step: three checked layers each.
+        .args([
+            "--steps",
+            "60",
+            "--batch",
+            "1",
+            "--pause-ms",
+            "400",
+            "--force",
+            "route",
+        ])
         .env("RUST_LOG", "kvroute_cli=info,kvroute_remote::step=info")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -23,6 +23,7 @@
 #![deny(unsafe_code)]
 
 mod background;
+pub mod checked;
 #[allow(unsafe_code)]
 mod chunks;
 mod control;

@@ -528,16 +528,7 @@ pub fn median(v: &[f64]) -> f64 {
     }
 }
 
-/// Max abs difference of two partials' `o` (infinite when their shapes differ).
-pub fn max_abs(a: &Partial, b: &Partial) -> f32 {
-    if a.o.len() != b.o.len() {
-        return f32::INFINITY;
-    }
-    a.o.iter()
-        .zip(&b.o)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
+pub use crate::checked::max_abs;
 
 #[cfg(test)]
 mod tests {

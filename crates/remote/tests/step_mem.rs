@@ -698,3 +698,64 @@ fn over_shm_a_batch_matches_one_instance_per_request() -> Result<()> {
     }
     Ok(())
 }
+
+/// The checked run (`kvroute_remote::checked`, what `kvroute demo` drives) over holders of
+/// the corpus passes, with each chunk fetched once; over a holder whose rows are another
+/// corpus's, its routed checks fail.
+#[test]
+fn the_checked_run_passes_and_catches_a_holder_serving_other_rows() -> Result<()> {
+    use kvroute_remote::checked::{CheckedConfig, CheckedRun};
+    let config = CheckedConfig {
+        requests: 4,
+        heads: 16,
+        prefix: 300,
+        own_tokens: 20,
+        topk: 150,
+        layers: vec![0, 2],
+        seed: 5,
+    };
+    let s = spec();
+    for force in [Primitive::Route, Primitive::Fetch] {
+        let fabric = MemFabric::new();
+        let (a, b) = (holder(&fabric, &[0, 1])?, holder(&fabric, &[2, 3])?);
+        let mut st = stepper(&fabric, &[&a, &b], Some(force), 8)?;
+        let mut run = CheckedRun::new(&s, config.clone())?;
+        for step in 0..2 {
+            run.dense_step(&mut st, step)?;
+        }
+        run.sparse_step(&mut st, 2)?;
+        let report = run.finish();
+        assert!(report.passed(), "{force:?}: {:?}", report.checks);
+        // 4 requests x 2 layers x 2 steps, and the sparse step's 2 layers.
+        assert_eq!(report.checks.len(), 18);
+        if force == Primitive::Fetch {
+            assert_eq!(st.stats().chunk_fetches, 4, "{:?}", st.stats());
+        } else {
+            assert!(!report.timings.is_empty() && !report.route_us.is_empty());
+        }
+    }
+    // Holder `b` serves chunks 2 and 3 of another seed: every check with a part routed to
+    // it fails; the others pass.
+    let fabric = MemFabric::new();
+    let a = holder(&fabric, &[0, 1])?;
+    let other = CorpusSpec { seed: 99, ..s };
+    let config_b = HolderConfig {
+        backend: Backend::Cpu,
+        max_requesters: 4,
+        slot_bytes: 1 << 20,
+        reply_bytes: 1 << 20,
+        ..HolderConfig::default()
+    };
+    let b = common::start_holder(Net::Mem(&fabric).engine()?, &other, &[2, 3], config_b)?;
+    let mut st = stepper(&fabric, &[&a, &b], Some(Primitive::Route), 8)?;
+    let mut run = CheckedRun::new(&s, config)?;
+    run.dense_step(&mut st, 0)?;
+    let report = run.finish();
+    assert!(!report.passed());
+    for c in &report.checks {
+        // Even requests attend every chunk; request 1 chunk 0, request 3 chunk 1 (on `a`).
+        let wrong = c.name.contains("request 0") || c.name.contains("request 2");
+        assert_eq!(!c.passed, wrong, "{c:?}");
+    }
+    Ok(())
+}

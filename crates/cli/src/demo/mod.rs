@@ -3,27 +3,25 @@
 //!
 //! The demo starts holder processes (copies of this binary running `kvroute holder`) that each
 //! generate and serve chunks of a DeepSeek-V2-Lite-shaped synthetic corpus over libfabric,
-//! connects a requester to them and calibrates the selector on them (`calibrate.rs`:
-//! the fabric from a probe sweep, each holder's own kernel report, the merge and the splice
-//! measured here, one pull), then runs decode steps: per (chunk, request) the selector picks
-//! route, fetch or local (or `--force` does), dense steps attend every chunk of the document
-//! and a sparse step attends a top-2048 selection scattered over all holders. Each route (one
-//! chunk, one layer) and fetch (one chunk, every layer) is timed and printed beside the
-//! selector's price of it, and fed back to the selector. Every merged output is checked
-//! against single-instance attention over the whole document, computed here from a full copy.
-//! Every checked output crossed the wire: routed partials (bf16 on the wire), chunks fetched
-//! and spliced here, rows gathered from the holders. A failed check fails the run.
+//! connects a requester to them, calibrates the selector on them, and drives the checked
+//! decode steps of `kvroute_remote::checked` through the step API: R requests a step, each
+//! with its own KV and shared or private chunks placed past its prompt, then a sparse step
+//! whose top-2048 selection is scattered over every holder. Per (request, chunk) the selector
+//! picks route or fetch (sparse: route or gather), or `--force` does; each route round and
+//! each step's fetches are printed beside the selector's price of the same work. Every output
+//! is checked against single-instance attention over the same context, computed from a full
+//! copy; every checked output has a part that crossed the wire. A failed check fails the run.
 //!
-//! `local` has no model weights to run here: its output is the full copy's attention and its
-//! cost is the cost model's `ct x L x c` term, not a measurement.
+//! This module holds the processes (`holders.rs`), the directory's follower (`follow.rs`),
+//! the requester's connection and loop (`steps.rs`) and the report's printing.
 
 use std::fmt;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use kvroute_costmodel::Primitive;
-use kvroute_kernels::Partial;
+use kvroute_remote::checked::{CheckedReport, Timing, spans};
+use kvroute_remote::step::StepStats;
 use serde::Serialize;
 
 use crate::args::{DemoArgs, RequesterArgs};
@@ -47,52 +45,8 @@ pub(crate) const SCALE: f32 = 0.1147;
 const HEADS: usize = 16;
 /// Top-k of the sparse step (DeepSeek-V3.2's `index_topk`).
 const TOPK: usize = 2048;
-/// Fetched chunks and gathered rows, attended here: exact bf16 KV, so f32 round-off. The
-/// exactness claim of paper 000 section 3.3 (<= 4e-7 on its f64-accumulating reference). The
-/// CPU kernel accumulates in f32 and splits the keys differently for one call over the whole
-/// document than for per-chunk calls: for n keys the order alone moves o by up to ~n eps |v|
-/// (6144 x 6e-8 x 2 = 7e-4) in the worst case and ~sqrt(n) eps |v| (1e-5) typically; observed
-/// <= 2e-6 on the default demo.
-const F32_TOL: f32 = 1e-5;
-/// Through the wire: o in bf16 (relative 2^-9) on values below ~2 in magnitude; paper 000
-/// section 3.3 measured 0.0012 for a two-instance route-merge.
-pub(crate) const BF16_TOL: f32 = 8e-3;
-
-/// One check: an output against its single-instance reference.
-#[derive(Debug, Clone, Serialize)]
-pub struct Check {
-    /// What was checked.
-    pub name: String,
-    /// Max abs difference of o.
-    pub max_abs: f32,
-    /// The tolerance it had to meet.
-    pub tolerance: f32,
-    /// Whether it did.
-    pub passed: bool,
-}
-
-/// One decision, logged once per distinct input (every chunk of a dense step has the same
-/// size, so one decision covers them all, and every step of the same shape).
-#[derive(Debug, Clone, Serialize)]
-pub struct Decided {
-    /// The first decode step it was taken for.
-    pub step: u32,
-    /// The first chunk it covers (`u32::MAX`: the sparse step's selection, over every holder).
-    pub chunk: u32,
-    /// Every step it was taken for.
-    pub steps: Vec<u32>,
-    /// Every chunk it covers (empty for the sparse selection).
-    pub chunks: Vec<u32>,
-    /// Query rows.
-    pub mq: u32,
-    /// What was chosen.
-    pub choice: String,
-    /// The replica the selector priced it on (its control address; none for local and for
-    /// the sparse step, which goes to every holder).
-    pub holder: Option<String>,
-    /// Why (the predicate's reason, or "forced").
-    pub reason: String,
-}
+/// Through the wire: o in bf16 (the step API's bound for routed outputs).
+pub(crate) use kvroute_remote::checked::BF16_TOL;
 
 /// What one holder served over the run, from its own counters.
 #[derive(Debug, Clone, Serialize)]
@@ -105,29 +59,6 @@ pub struct Served {
     pub gpu_rows: u64,
     /// Chunks fetched from it.
     pub fetches: u64,
-}
-
-/// One prediction beside the measurement of the same thing.
-#[derive(Debug, Clone, Serialize)]
-pub struct Timing {
-    /// The decode step.
-    pub step: u32,
-    /// The kind of thing timed: the unit both sides cover.
-    pub kind: &'static str,
-    /// The holder that served it (its control address), for a route or fetch of one chunk.
-    pub holder: Option<String>,
-    /// Which one (chunk, layer).
-    pub what: String,
-    /// The primitive run.
-    pub primitive: Primitive,
-    /// The calibrated selector's price of it, microseconds.
-    pub predicted_us: f64,
-    /// Its measured time, microseconds.
-    pub measured_us: f64,
-    /// The prediction term by term, as priced at the time: the start-up calibration at first,
-    /// then as the selector refits it from the run's own routes and pulls and the holders
-    /// refit their kernels from the calls they serve.
-    pub predicted: kvroute_costmodel::CostBreakdown,
 }
 
 /// What the demo did and found.
@@ -156,24 +87,15 @@ pub struct DemoReport {
     /// The selector's start-up calibration: every constant it prices with, where it came
     /// from and how old it is.
     pub calibration: CalibrationSummary,
-    /// Each decision.
-    pub decisions: Vec<Decided>,
-    /// Every prediction beside its measurement.
-    pub timings: Vec<Timing>,
-    /// Route round trips of the decode steps, one chunk and one layer each (submit to its
-    /// partial merged from the wire), microseconds.
-    pub route_us: Vec<f64>,
-    /// Fetch transfer and splice times, microseconds.
-    pub fetch_us: Vec<(f64, f64)>,
-    /// Sparse fetches: gather transfer times (every checked layer's selected rows from every
-    /// holder), microseconds.
-    pub gather_us: Vec<f64>,
-    /// Holder failures seen and what was done about them.
-    pub failures: Vec<String>,
+    /// Requests a dense step.
+    pub requests: usize,
+    /// Decisions, timings, checks and failures of the checked steps.
+    #[serde(flatten)]
+    pub checked: CheckedReport,
+    /// The step API's counters over the run.
+    pub stats: StepStats,
     /// What each holder still answering at the end served.
     pub served: Vec<Served>,
-    /// The checks.
-    pub checks: Vec<Check>,
     /// Whether every check passed.
     pub passed: bool,
     /// With a directory: what it held, what changed, and how each holder was used.
@@ -185,8 +107,14 @@ impl fmt::Display for DemoReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "kvroute {}: {} holder processes over libfabric {}, DeepSeek-V2-Lite corpus of {} chunks x {} tokens x {} layers",
-            self.command, self.holders, self.provider, self.chunks, self.chunk_tokens, self.layers
+            "kvroute {}: {} holder processes over libfabric {}, DeepSeek-V2-Lite corpus of {} chunks x {} tokens x {} layers, {} requests a step",
+            self.command,
+            self.holders,
+            self.provider,
+            self.chunks,
+            self.chunk_tokens,
+            self.layers,
+            self.requests
         )?;
         let sweep: Vec<String> = self
             .probe_sweep
@@ -209,68 +137,60 @@ impl fmt::Display for DemoReport {
             self.fitted.0, self.fitted.1
         )?;
         write!(f, "{}", self.calibration)?;
-        for d in &self.decisions {
-            let what = if d.chunk == u32::MAX {
-                "sparse".to_owned()
-            } else {
-                format!("chunks {}", spans(&d.chunks))
-            };
+        let c = &self.checked;
+        writeln!(f, "decisions (request, chunk):")?;
+        for d in &c.decisions {
             let on = d
                 .holder
                 .as_ref()
                 .map_or_else(String::new, |h| format!(" on {h}"));
+            let requests: Vec<u32> = d.requests.iter().map(|&r| r as u32).collect();
             writeln!(
                 f,
-                "  steps {} {what} Mq={}: {}{on} ({})",
+                "  steps {} requests {} {}chunk {} Mq={}: {}{on} ({})",
                 spans(&d.steps),
+                spans(&requests),
+                if d.sparse { "sparse " } else { "" },
+                d.chunk,
                 d.mq,
                 d.choice,
                 d.reason
             )?;
         }
-        if !self.timings.is_empty() {
+        if !c.timings.is_empty() {
             writeln!(
                 f,
-                "predicted (calibrated selector: the constants above, refitted as the run goes) vs measured, the same thing on both sides:"
+                "predicted (calibrated selector: the constants above, refitted as the run goes) vs measured, the same work on both sides:"
             )?;
         }
-        let mut keys: Vec<(u32, &str)> = self.timings.iter().map(|t| (t.step, t.kind)).collect();
-        keys.dedup();
+        let mut keys: Vec<(u32, &str)> = Vec::new();
+        for t in &c.timings {
+            if !keys.contains(&(t.step, t.kind)) {
+                keys.push((t.step, t.kind));
+            }
+        }
         for (step, kind) in keys {
-            let ts: Vec<&Timing> = self
+            let ts: Vec<&Timing> = c
                 .timings
                 .iter()
                 .filter(|t| t.step == step && t.kind == kind)
                 .collect();
             let predicted: f64 = ts.iter().map(|t| t.predicted_us).sum();
             let measured: f64 = ts.iter().map(|t| t.measured_us).sum();
-            // The fabric's fixed cost the step was priced with (it moves once live routes
-            // refit it).
-            let mut fixed: Vec<f64> = ts.iter().map(|t| t.predicted.probe_us).collect();
-            fixed.sort_by(f64::total_cmp);
-            let fixed = match (fixed.first(), fixed.last()) {
-                (Some(&lo), Some(&hi)) if hi > 0.0 && hi - lo < 0.5 => {
-                    format!(", fabric fixed cost {lo:.0} us")
-                }
-                (Some(&lo), Some(&hi)) if hi > 0.0 => {
-                    format!(", fabric fixed cost {lo:.0}-{hi:.0} us")
-                }
-                _ => String::new(),
-            };
             writeln!(
                 f,
-                "  step {step}: {} x {kind}: predicted {:.2} ms, measured {:.2} ms ({:+.0}%){fixed}",
+                "  step {step}: {} x {kind}: predicted {:.2} ms, measured {:.2} ms ({:+.0}%)",
                 ts.len(),
                 predicted / 1e3,
                 measured / 1e3,
                 100.0 * (predicted - measured) / measured
             )?;
         }
-        let mut kinds: Vec<&str> = self.timings.iter().map(|t| t.kind).collect();
+        let mut kinds: Vec<&str> = c.timings.iter().map(|t| t.kind).collect();
         kinds.sort_unstable();
         kinds.dedup();
         for kind in kinds {
-            let mut errors: Vec<f64> = self
+            let mut errors: Vec<f64> = c
                 .timings
                 .iter()
                 .filter(|t| t.kind == kind)
@@ -284,13 +204,23 @@ impl fmt::Display for DemoReport {
                 errors.len()
             )?;
         }
-        for (t, s) in &self.fetch_us {
-            writeln!(f, "fetch: transfer {t:.0} us, splice {s:.0} us")?;
+        let s = &self.stats;
+        writeln!(
+            f,
+            "step API: {} layer calls; (request, chunk) pairs {} routed, {} fetched, {} from the fetch cache, {} gathered; {} chunk fetches ({:.1} MB), {} fallbacks to a replica",
+            s.steps,
+            s.routes,
+            s.fetches,
+            s.cached,
+            s.gathers,
+            s.chunk_fetches,
+            s.fetched_bytes as f64 / 1e6,
+            s.fallbacks
+        )?;
+        for t in &c.gather_us {
+            writeln!(f, "sparse gather (one layer): {t:.0} us")?;
         }
-        for t in &self.gather_us {
-            writeln!(f, "sparse fetch (gather): transfer {t:.0} us")?;
-        }
-        for e in &self.failures {
+        for e in &c.failures {
             writeln!(f, "failure: {e}")?;
         }
         if let Some(d) = &self.directory {
@@ -305,9 +235,9 @@ impl fmt::Display for DemoReport {
         }
         writeln!(
             f,
-            "checks (max abs of o against single-instance attention over the whole document):"
+            "checks (max abs of o against single-instance attention over the same context):"
         )?;
-        for c in &self.checks {
+        for c in &c.checks {
             writeln!(
                 f,
                 "  [{}] {}: {:.3e} (tolerance {:.0e})",
@@ -327,39 +257,6 @@ impl fmt::Display for DemoReport {
             }
         )
     }
-}
-
-/// `0-2, 5` for `[0, 1, 2, 5]`.
-fn spans(values: &[u32]) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < values.len() {
-        let mut j = i;
-        while j + 1 < values.len() && values[j + 1] == values[j] + 1 {
-            j += 1;
-        }
-        out.push(if i == j {
-            values[i].to_string()
-        } else {
-            format!("{}-{}", values[i], values[j])
-        });
-        i = j + 1;
-    }
-    out.join(", ")
-}
-
-fn check(checks: &mut Vec<Check>, name: String, got: &Partial, want: &Partial, tolerance: f32) {
-    let max_abs = if got.rows() == want.rows() {
-        kvroute_remote::measure::max_abs(got, want)
-    } else {
-        f32::INFINITY
-    };
-    checks.push(Check {
-        name,
-        max_abs,
-        tolerance,
-        passed: max_abs <= tolerance,
-    });
 }
 
 /// `kvroute demo`.

@@ -165,6 +165,11 @@ impl Stepper {
         &mut self.req
     }
 
+    /// The configuration it was built with.
+    pub fn config(&self) -> &StepConfig {
+        &self.config
+    }
+
     /// The calibrated selector and its clock.
     pub fn calibration(&self) -> &Calibrated {
         &self.cal
@@ -194,8 +199,8 @@ impl Stepper {
     ) -> Result<StepOutput, StepError> {
         let started = Instant::now();
         self.check(requests)?;
-        self.refresh()?;
         let mut report = StepReport::default();
+        self.refresh(&mut report)?;
         let mut pairs = self.plan(requests, &mut report)?;
 
         // Fetches: each distinct (chunk, start) once, into the cache (or, where it does not
@@ -242,6 +247,7 @@ impl Stepper {
                 {
                     d.how = How::Route;
                     d.predicted_us = None;
+                    d.predicted = None;
                 }
                 continue;
             }
@@ -367,8 +373,9 @@ impl Stepper {
     }
 
     /// Before a step: the selector's holders in step with the requester's, their load and
-    /// kernel polled if due, and cached chunks whose description changed dropped.
-    fn refresh(&mut self) -> Result<(), StepError> {
+    /// kernel polled if due (holders that do not answer noted in `report`), and cached chunks
+    /// whose description changed dropped.
+    fn refresh(&mut self, report: &mut StepReport) -> Result<(), StepError> {
         self.cal.sync_holders(&self.req)?;
         let due = self
             .polled
@@ -380,6 +387,7 @@ impl Stepper {
                     why,
                     "holder stopped answering; its chunks go to their replicas"
                 );
+                report.lost.push((h, why));
             }
             self.polled = Some(Instant::now());
         }
@@ -423,6 +431,7 @@ impl Stepper {
                         how: How::Cached,
                         holder: None,
                         predicted_us: None,
+                        predicted: None,
                     });
                     continue;
                 }
@@ -473,16 +482,16 @@ impl Stepper {
                     at,
                     how,
                 });
+                // Forced or chosen, the primitive was priced (a forced one among one option).
+                let cost = chosen.decision.cost(chosen.primitive);
+                let priced = cost.total_us.is_finite();
                 report.decisions.push(Decided {
                     request: r,
                     chunk: c.chunk,
                     how,
                     holder: chosen.holder,
-                    predicted_us: self
-                        .config
-                        .force
-                        .is_none()
-                        .then(|| chosen.decision.cost(chosen.primitive).total_us),
+                    predicted_us: priced.then_some(cost.total_us),
+                    predicted: priced.then_some(cost.breakdown),
                 });
             }
         }

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use kvroute_costmodel::{CostModelError, ModelDims, Primitive};
+use kvroute_costmodel::{CostBreakdown, CostModelError, ModelDims, Primitive};
 use kvroute_kernels::{Backend, Cache, KernelError, Partial, Rope};
 use kvroute_kvstore::ChunkId;
 use kvroute_sched::SchedError;
@@ -193,8 +193,11 @@ pub struct Decided {
     /// The holder (the requester's index) it was priced on, where one was.
     pub holder: Option<usize>,
     /// The selector's predicted time of the chosen primitive, microseconds (`None` for a
-    /// cached chunk or a forced primitive).
+    /// cached chunk, or a fetch routed for want of pool room): one layer for a route or a
+    /// gather, every layer for a fetch, as the cost model prices them.
     pub predicted_us: Option<f64>,
+    /// The same prediction term by term.
+    pub predicted: Option<CostBreakdown>,
 }
 
 /// What one step did, besides its outputs.
@@ -214,6 +217,9 @@ pub struct StepReport {
     pub step_us: f64,
     /// Calls re-sent to a replica after their holder was lost.
     pub fallbacks: Vec<(ChunkId, String)>,
+    /// Holders that stopped answering the poll before this step (the requester's index, and
+    /// why): marked dead, their chunks go to their replicas.
+    pub lost: Vec<(usize, String)>,
 }
 
 /// A step's answer: one merged partial per request, and what it did.
