@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use kvroute_transport::file::{Links, create_new, read_bounded};
+
 use crate::error::{HelixError, Result};
 use crate::exchange::PeerInfo;
 
@@ -66,6 +68,9 @@ impl Rendezvous for LocalRendezvous {
     }
 }
 
+/// The most bytes a rank's info file is read to (a few hundred in practice).
+const INFO_MAX_BYTES: u64 = 1 << 20;
+
 /// Ranks that are processes sharing a directory (which must be new for each pool).
 #[derive(Debug, Clone)]
 pub struct DirRendezvous {
@@ -82,10 +87,17 @@ impl DirRendezvous {
         self.dir.join(format!("rank-{rank}.json"))
     }
 
+    /// Rank `rank`'s published info file, if there is one: a regular file (a FIFO, device or
+    /// symlink planted under its name is an error, never waited on or followed) of at most
+    /// [`INFO_MAX_BYTES`].
+    fn read_info(&self, rank: usize) -> std::io::Result<Vec<u8>> {
+        read_bounded(&self.path(rank), INFO_MAX_BYTES, Links::Refuse)
+    }
+
     /// Whatever rank infos are in the directory now (an operator's or a test's view).
     pub fn published(&self, n: usize) -> Vec<PeerInfo> {
         (0..n)
-            .filter_map(|r| std::fs::read(self.path(r)).ok())
+            .filter_map(|r| self.read_info(r).ok())
             .filter_map(|b| serde_json::from_slice(&b).ok())
             .collect()
     }
@@ -107,14 +119,24 @@ impl Rendezvous for DirRendezvous {
             .dir
             .join(format!(".rank-{rank}.{}.tmp", std::process::id()));
         let json = serde_json::to_vec(&me).map_err(|e| HelixError::Rendezvous(e.to_string()))?;
-        std::fs::write(&tmp, json).map_err(|e| io("writing", e))?;
+        let _ = std::fs::remove_file(&tmp);
+        create_new(&tmp)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, &json))
+            .map_err(|e| io("writing", e))?;
         std::fs::rename(&tmp, self.path(rank)).map_err(|e| io("publishing", e))?;
         let deadline = Instant::now() + timeout;
         let mut infos: Vec<Option<PeerInfo>> = vec![None; n];
         loop {
             for (r, slot) in infos.iter_mut().enumerate().filter(|(_, s)| s.is_none()) {
-                let Ok(bytes) = std::fs::read(self.path(r)) else {
-                    continue;
+                let bytes = match self.read_info(r) {
+                    Ok(b) => b,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => {
+                        return Err(HelixError::Rendezvous(format!(
+                            "rank-{r}.json in {}: {e}",
+                            self.dir.display()
+                        )));
+                    }
                 };
                 let info: PeerInfo = serde_json::from_slice(&bytes).map_err(|e| {
                     HelixError::Rendezvous(format!("rank-{r}.json is not a rank's info: {e}"))
@@ -138,5 +160,34 @@ impl Rendezvous for DirRendezvous {
             }
             std::thread::sleep(Duration::from_millis(2));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A FIFO planted under a rank's info name is an error at once, where reading it would
+    /// block until a writer came; a symlink is not followed.
+    #[test]
+    fn a_planted_fifo_or_link_is_refused_without_waiting() {
+        let dir = std::env::temp_dir().join(format!("kvroute-rendezvous-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let r = DirRendezvous::new(&dir);
+        let made = std::process::Command::new("mkfifo")
+            .arg(r.path(1))
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let started = Instant::now();
+        let e = r.read_info(1).unwrap_err();
+        assert!(e.to_string().contains("FIFO"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(1));
+        std::fs::write(dir.join("elsewhere"), b"{}").unwrap();
+        std::os::unix::fs::symlink(dir.join("elsewhere"), r.path(2)).unwrap();
+        assert!(r.read_info(2).is_err());
+        assert!(r.published(3).is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -42,6 +42,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{File, OpenOptions};
+
+use kvroute_transport::file::{Links, create_new, open_regular, read_bounded};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -68,6 +70,12 @@ pub const MAX_LAYERS: u32 = ((HEADER_BYTES - CRC_TABLE - 4) / 4) as u32;
 const READ_PIECE: usize = 2 << 20;
 const SUFFIX: &str = "kvb";
 const MANIFEST: &str = "manifest";
+/// The most bytes the layout file is read to (`layers tokens\n` is at most 22).
+const LAYOUT_MAX_BYTES: u64 = 64;
+/// The most bytes the manifest is read to: 21 a line, so some 50 million puts and deletes
+/// between rewrites (each open rewrites it with the live keys only).
+const MANIFEST_MAX_BYTES: u64 = 1 << 30;
+
 /// The store's layout, `layers tokens`, written when the store is created.
 const LAYOUT: &str = "layout";
 
@@ -213,10 +221,10 @@ impl BlockStore {
             None => {
                 let tmp = dir.join(".layout.tmp");
                 let text = format!("{} {}\n", layout.layers, layout.tokens);
-                std::fs::write(&tmp, text).map_err(io("writing", &tmp))?;
-                File::open(&tmp)
-                    .and_then(|f| f.sync_all())
-                    .map_err(io("syncing", &tmp))?;
+                let mut file = create_fresh(&tmp)?;
+                file.write_all(text.as_bytes())
+                    .map_err(io("writing", &tmp))?;
+                file.sync_all().map_err(io("syncing", &tmp))?;
                 std::fs::rename(&tmp, dir.join(LAYOUT)).map_err(io("publishing", &tmp))?;
             }
         }
@@ -228,8 +236,17 @@ impl BlockStore {
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
             if name.starts_with('.') && name.ends_with(".tmp") {
-                std::fs::remove_file(&path).map_err(io("removing", &path))?;
-                recovery.partial_writes_removed += 1;
+                // A partial write is a regular file (or a link left in its place); anything
+                // else under such a name is not this store's, and is left alone.
+                let kind = entry.file_type().map_err(io("listing", &path))?;
+                if kind.is_file() || kind.is_symlink() {
+                    std::fs::remove_file(&path).map_err(io("removing", &path))?;
+                    recovery.partial_writes_removed += 1;
+                } else {
+                    recovery
+                        .refused
+                        .push((name.to_owned(), "not a regular file; left alone".to_owned()));
+                }
                 continue;
             }
             let Some(key) = parse_name(name) else {
@@ -342,7 +359,7 @@ impl BlockStore {
         let header = encode_header(self.layout, key, block);
         writeln!(self.manifest, "put {key:016x}").map_err(io("appending to", &self.dir))?;
         let tmp = self.dir.join(format!(".{key:016x}.{SUFFIX}.tmp"));
-        let file = File::create(&tmp).map_err(io("creating", &tmp))?;
+        let file = create_fresh(&tmp)?;
         file.write_all_at(&header, 0).map_err(io("writing", &tmp))?;
         let mut at = 0;
         while at < block.len() {
@@ -674,7 +691,7 @@ fn open_checked(
     layout: BlockLayout,
     key: u64,
 ) -> Result<(File, Header), StorageError> {
-    let file = File::open(path).map_err(io("opening", path))?;
+    let file = open_regular(path, Links::Refuse).map_err(io("opening", path))?;
     let header = read_header(&file, path, layout)?;
     if header.key != key {
         return Err(StorageError::Corrupt {
@@ -757,8 +774,8 @@ fn read_checked(
 /// The layout a store directory was created with, if it has one.
 fn read_layout(dir: &Path) -> Result<Option<BlockLayout>, StorageError> {
     let path = dir.join(LAYOUT);
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
+    let text = match read_bounded(&path, LAYOUT_MAX_BYTES, Links::Refuse) {
+        Ok(t) => String::from_utf8_lossy(&t).into_owned(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io("reading", &path)(e)),
     };
@@ -785,7 +802,7 @@ fn parse_name(name: &str) -> Option<u64> {
 /// skipped: the manifest only names blocks, it never makes one readable.
 fn read_manifest(dir: &Path) -> Result<BTreeSet<u64>, StorageError> {
     let path = dir.join(MANIFEST);
-    let text = match std::fs::read(&path) {
+    let text = match read_bounded(&path, MANIFEST_MAX_BYTES, Links::Refuse) {
         Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
         Err(e) => return Err(io("reading", &path)(e)),
@@ -823,7 +840,7 @@ fn rewrite_manifest<'a>(
     for key in keys {
         text.push_str(&format!("put {key:016x}\n"));
     }
-    let mut file = File::create(&tmp).map_err(io("creating", &tmp))?;
+    let mut file = create_fresh(&tmp)?;
     file.write_all(text.as_bytes())
         .map_err(io("writing", &tmp))?;
     file.sync_all().map_err(io("syncing", &tmp))?;
@@ -832,6 +849,17 @@ fn rewrite_manifest<'a>(
         .append(true)
         .open(&path)
         .map_err(io("opening", &path))
+}
+
+/// Creates temporary file `tmp` for writing, removing a stale one (a crash's partial write, or
+/// a link planted in its place: the link is removed, its target never written).
+fn create_fresh(tmp: &Path) -> Result<File, StorageError> {
+    match std::fs::remove_file(tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io("removing", tmp)(e)),
+    }
+    create_new(tmp).map_err(io("creating", tmp))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), StorageError> {
@@ -870,6 +898,61 @@ mod tests {
             std::env::temp_dir().join(format!("kvroute-storage-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         dir
+    }
+
+    /// Files planted in a store's directory: a FIFO named like a block file, a directory
+    /// named like a partial write, a manifest linked to a device, a symlink where the layout's
+    /// temporary file goes. None hangs, none is read without bound, none is written through.
+    #[test]
+    fn planted_files_are_refused_not_followed() -> Result<(), StorageError> {
+        let layout = BlockLayout::new(2, 64)?;
+        // A symlink at `.layout.tmp` in a new store: its target keeps its bytes.
+        let dir = tmpdir("planted-layout");
+        std::fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
+        let target = dir.join("target");
+        std::fs::write(&target, b"keep").map_err(io("writing", &target))?;
+        std::os::unix::fs::symlink(&target, dir.join(".layout.tmp"))
+            .map_err(io("linking", &dir))?;
+        let (mut store, _) = BlockStore::open(&dir, layout)?;
+        assert_eq!(
+            std::fs::read(&target).map_err(io("reading", &target))?,
+            b"keep"
+        );
+        store.put(3, &block(layout, 3))?;
+        // A FIFO named like a block file, and a directory named like a partial write.
+        let fifo = dir.join(format!("{:016x}.{SUFFIX}", 4));
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU)
+            .map_err(|e| io("mkfifo", &fifo)(e.into()))?;
+        std::fs::create_dir(dir.join(".junk.tmp")).map_err(io("creating", &dir))?;
+        let started = std::time::Instant::now();
+        let (mut store, recovery) = BlockStore::open(&dir, layout)?;
+        let verify = store.verify()?;
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        assert_eq!(verify.ok, 1, "{verify:?}");
+        assert!(
+            verify
+                .corrupt
+                .iter()
+                .any(|(n, why)| n.ends_with(SUFFIX) && why.contains("FIFO")),
+            "{verify:?}"
+        );
+        assert!(
+            recovery.refused.iter().any(|(n, _)| n == ".junk.tmp"),
+            "{recovery:?}"
+        );
+        drop(store);
+        // A manifest linked to a device: refused, naming it, not read until memory runs out.
+        let manifest = dir.join(MANIFEST);
+        std::fs::remove_file(&manifest).map_err(io("removing", &manifest))?;
+        std::os::unix::fs::symlink("/dev/zero", &manifest).map_err(io("linking", &manifest))?;
+        let e = BlockStore::open(&dir, layout).err().map(|e| e.to_string());
+        assert!(
+            e.as_deref()
+                .is_some_and(|e| e.contains("manifest") && e.contains("symlink")),
+            "{e:?}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
     }
 
     #[test]

@@ -53,6 +53,7 @@ pub mod domain;
 mod engine;
 pub mod error;
 pub mod fabric;
+pub mod file;
 pub mod imm_counter;
 pub mod mem;
 pub mod mr;
