@@ -95,12 +95,15 @@ pub fn run(cli: &Cli) -> Result<String> {
             let report = store::verify(args)?;
             let text = render(cli.json, &report)?;
             if report.corrupt + report.missing > 0 {
-                print!("{text}");
-                anyhow::bail!(
-                    "{} bad blocks in {}",
-                    report.corrupt + report.missing,
-                    report.dir
-                );
+                return Err(ReportedFailure {
+                    report: text,
+                    why: format!(
+                        "{} bad blocks in {}",
+                        report.corrupt + report.missing,
+                        report.dir
+                    ),
+                }
+                .into());
             }
             Ok(text)
         }
@@ -122,8 +125,11 @@ pub fn run(cli: &Cli) -> Result<String> {
             let report = helix::run(args)?;
             let text = render(cli.json, &report)?;
             if !report.passed {
-                print!("{text}");
-                anyhow::bail!("helix run: a rank failed or a check failed");
+                return Err(ReportedFailure {
+                    report: text,
+                    why: "helix run: a rank failed or a check failed".to_owned(),
+                }
+                .into());
             }
             Ok(text)
         }
@@ -134,13 +140,34 @@ pub fn run(cli: &Cli) -> Result<String> {
     }
 }
 
-/// A run's report, or (printed first, so a failed run's numbers are not lost) an error when
-/// one of its checks failed.
+/// A command that ran and found a failure its report shows: the report is still printed on
+/// stdout (so a failed run's numbers are not lost, and `--json` stdout stays one document:
+/// this report, no error object after it), the error on stderr, and the exit status is 1.
+#[derive(Debug)]
+pub struct ReportedFailure {
+    /// The rendered report.
+    pub report: String,
+    /// What failed.
+    pub why: String,
+}
+
+impl std::fmt::Display for ReportedFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.why)
+    }
+}
+
+impl std::error::Error for ReportedFailure {}
+
+/// A run's report, or a [`ReportedFailure`] carrying it when one of its checks failed.
 fn checked(json: bool, report: &demo::DemoReport, what: &str) -> Result<String> {
     let text = render(json, report)?;
     if !report.passed {
-        print!("{text}");
-        anyhow::bail!("{what}'s checks failed");
+        return Err(ReportedFailure {
+            report: text,
+            why: format!("{what}'s checks failed"),
+        }
+        .into());
     }
     Ok(text)
 }

@@ -4,7 +4,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use clap::Parser;
-use kvroute_cli::Cli;
+use kvroute_cli::{Cli, ReportedFailure};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -23,9 +23,16 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(err) => {
-            if cli.json {
-                let message = serde_json::json!({ "error": format!("{err:#}") });
-                println!("{message}");
+            match err.downcast_ref::<ReportedFailure>() {
+                // The report is the one stdout document, failure or not.
+                Some(failed) => {
+                    let _ = std::io::stdout().write_all(failed.report.as_bytes());
+                }
+                None if cli.json => {
+                    let message = serde_json::json!({ "error": format!("{err:#}") });
+                    println!("{message}");
+                }
+                None => {}
             }
             eprintln!("kvroute: error: {err:#}");
             ExitCode::FAILURE

@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -20,6 +19,7 @@ use kvroute_sched::prfaas_sim::{
     self, CaseStudy, CaseStudyReport, Deployment, PD_P_READING_SLOWDOWN, PrfaasRun, Workload,
     homogeneous_reading_slowdown,
 };
+use kvroute_transport::file::{Links, open_regular};
 use plotters::prelude::*;
 use serde::Serialize;
 
@@ -58,7 +58,9 @@ pub struct SimulateDualPathReport {
 }
 
 fn read_trace(path: &Path) -> Result<Vec<TraceRecord>> {
-    let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    // A regular file: a FIFO or a device would be read without end.
+    let file = open_regular(path, Links::Follow)
+        .with_context(|| format!("opening the trace {}", path.display()))?;
     TraceReader::new(BufReader::new(file), 512)
         .collect::<Result<_, _>>()
         .with_context(|| format!("reading {}", path.display()))

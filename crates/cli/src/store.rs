@@ -4,6 +4,8 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::fs::File;
+
+use kvroute_transport::file::{Links, open_regular};
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -37,8 +39,9 @@ pub struct TraceReplayReport {
 }
 
 pub(crate) fn replay(args: &TraceReplayArgs) -> Result<TraceReplayReport> {
-    let file =
-        File::open(&args.trace).with_context(|| format!("opening {}", args.trace.display()))?;
+    // A regular file: a FIFO or a device (`/dev/zero`) would be read without end.
+    let file = open_regular(&args.trace, Links::Follow)
+        .with_context(|| format!("opening the trace {}", args.trace.display()))?;
     let records: Vec<_> = TraceReader::new(BufReader::new(file), args.block_tokens)
         .take(if args.limit == 0 {
             usize::MAX

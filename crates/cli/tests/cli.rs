@@ -549,7 +549,46 @@ fn store_verify_exits_1_naming_a_corrupt_and_a_missing_block() {
         "{text}"
     );
     assert!(text.contains("0000000000000002: missing"), "{text}");
+    // With --json, stdout is the report alone, one document, and the exit status says the
+    // rest.
+    let out = kvroute(&["store", "verify", "--dir", d, "--json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON document");
+    assert_eq!(v["corrupt"], 1, "{v}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("2 bad blocks"));
+    // A FIFO named like a block file is reported, not waited on.
+    let fifo = dir.join("0000000000000007.kvb");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let started = std::time::Instant::now();
+    let out = kvroute(&["store", "verify", "--dir", d]);
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("0000000000000007.kvb: ") && text.contains("FIFO"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A trace that is a device or a FIFO would be read without end: refused at once.
+#[test]
+fn a_trace_that_is_not_a_regular_file_is_refused() {
+    for args in [
+        &["trace", "replay", "--trace", "/dev/zero", "--capacity-blocks", "8"][..],
+        &["simulate", "prfaas", "--trace", "/dev/zero"][..],
+    ] {
+        let started = std::time::Instant::now();
+        let out = kvroute(args);
+        assert!(started.elapsed() < std::time::Duration::from_secs(10), "{args:?}");
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("/dev/zero") && err.contains("a device"), "{args:?}: {err}");
+    }
 }
 
 #[test]
