@@ -349,6 +349,47 @@ fn a_holder_that_never_answers_the_hello_is_named_in_a_timeout() -> Result<()> {
     Ok(())
 }
 
+/// A holder that trickles its welcome a byte at a time, each well within the timeout: the
+/// timeout is the whole line's deadline, so the connect fails within it (plus 10%), naming
+/// the holder.
+#[test]
+fn a_holder_trickling_its_welcome_fails_the_connect_within_the_timeout() -> Result<()> {
+    let _serial = serial();
+    let trickler = TcpListener::bind("127.0.0.1:0")?;
+    let addr = trickler.local_addr()?;
+    let feeder = std::thread::spawn(move || {
+        let Ok((mut s, _)) = trickler.accept() else {
+            return;
+        };
+        let text = b"{\"Welcome\":{\"holder\":\"";
+        for b in text.iter().cycle().take(100) {
+            if std::io::Write::write_all(&mut s, &[*b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let fabric = MemFabric::new();
+    let timeout = Duration::from_millis(1500);
+    let config = RequesterConfig {
+        timeout,
+        link_bytes: 1 << 16,
+        pool_pages: 8,
+        ..RequesterConfig::new(0.1)
+    };
+    let started = std::time::Instant::now();
+    let err = Requester::connect(TransferEngine::mem(&fabric, 1)?, &[addr], config)
+        .expect_err("a trickling holder gives no session");
+    let took = started.elapsed();
+    assert!(
+        matches!(err, kvroute_remote::RemoteError::TimedOut { holder, .. } if holder == addr),
+        "{err:?}"
+    );
+    assert!(took <= timeout.mul_f64(1.1), "took {took:?} against {timeout:?}");
+    feeder.join().ok();
+    Ok(())
+}
+
 /// Threads of this process.
 fn threads() -> usize {
     std::fs::read_dir("/proc/self/task").map_or(0, |tasks| tasks.flatten().count())
