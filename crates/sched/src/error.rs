@@ -34,6 +34,20 @@ pub enum SchedError {
     /// A workload with nothing in it.
     #[error("the workload has no requests")]
     EmptyWorkload,
+    /// A deployment that keeps up with a workload at no rate down to `lowest` times its own.
+    #[error(
+        "{deployment} keeps up with the workload at no rate down to {lowest} times its own (backlog {backlog} of {requests} requests at the last arrival)"
+    )]
+    NeverKeptUp {
+        /// The deployment.
+        deployment: String,
+        /// The lowest multiple of the workload's rate tried.
+        lowest: f64,
+        /// Its backlog there.
+        backlog: u64,
+        /// Requests of the workload.
+        requests: u64,
+    },
     /// A request that no engine of the cluster could ever hold.
     #[error(
         "request {request} needs {needed_bytes} bytes of decode HBM; an engine has {hbm_bytes}"

@@ -457,7 +457,9 @@ pub fn simulate(deployment: &Deployment, workload: &Workload) -> Result<PrfaasRu
         requests,
         throughput_rps: decoding_by_last_arrival as f64 / window,
         backlog_at_last_arrival: backlog,
-        kept_up: backlog * 100 <= requests,
+        // The last request to arrive cannot be decoding at its own arrival: one request of
+        // backlog is always allowed, so a short trace can keep up.
+        kept_up: backlog * 100 <= requests || backlog <= 1,
         ttft_s: Percentiles::of(&mut ttft),
         tbt_s: d.decode_step_s,
         p_prfaas: routed_prfaas as f64 / requests as f64,
@@ -469,8 +471,12 @@ pub fn simulate(deployment: &Deployment, workload: &Workload) -> Result<PrfaasRu
     })
 }
 
+/// The lowest multiple of a workload's rate [`highest_kept_up`] tries before it gives up.
+const LOWEST_RATE_MULTIPLE: f64 = 1e-3;
+
 /// The run at the highest value of `x` (a rate, or a multiple of one) at which `run(x)` keeps
-/// up: doubling from 1 until it does not, then bisection to 0.5%.
+/// up: doubling from 1 until it does not, then bisection to 0.5%; an error if it keeps up at
+/// no value down to [`LOWEST_RATE_MULTIPLE`].
 fn highest_kept_up(run: impl Fn(f64) -> Result<PrfaasRun>) -> Result<PrfaasRun> {
     let mut hi = 1.0;
     while run(hi)?.kept_up {
@@ -481,6 +487,18 @@ fn highest_kept_up(run: impl Fn(f64) -> Result<PrfaasRun>) -> Result<PrfaasRun> 
     }
     let mut lo = 0.0;
     while (hi - lo) / hi > 0.005 {
+        if lo == 0.0 && hi < LOWEST_RATE_MULTIPLE {
+            // Slower still, every arrival waits on nothing: a deployment that keeps up with
+            // none of these rates keeps up with none at all (and each slower run simulates
+            // more sampling periods).
+            let slowest = run(LOWEST_RATE_MULTIPLE)?;
+            return Err(SchedError::NeverKeptUp {
+                deployment: slowest.deployment,
+                lowest: LOWEST_RATE_MULTIPLE,
+                backlog: slowest.backlog_at_last_arrival,
+                requests: slowest.requests,
+            });
+        }
         let mid = 0.5 * (lo + hi);
         if run(mid)?.kept_up {
             lo = mid;
@@ -660,6 +678,36 @@ mod tests {
 
     fn close(got: f64, want: f64, tol: f64) -> bool {
         (got - want).abs() / want <= tol
+    }
+
+    /// A trace whose end no rate keeps up with (requests arriving together at its last
+    /// timestamp) ends in a typed error within a bounded search, where the bisection used to
+    /// halve the rate without end, each run simulating more sampling periods.
+    #[test]
+    fn a_trace_kept_up_at_no_rate_is_an_error_not_a_hang() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../data/mooncake/conversation_trace.jsonl"
+        );
+        let text = std::fs::read_to_string(path).unwrap();
+        let records: Vec<TraceRecord> =
+            kvroute_kvstore::TraceReader::new(text.as_bytes(), 512)
+                .take(300)
+                .collect::<std::result::Result<_, _>>()
+                .unwrap();
+        let d = Deployment::paper_001(CaseStudy::PrfaasPd, PD_P_READING_SLOWDOWN).unwrap();
+        let started = std::time::Instant::now();
+        let got = sustainable_trace_rate(&d, &records, 512, 0);
+        assert!(
+            matches!(got, Err(SchedError::NeverKeptUp { requests: 300, .. })),
+            "{got:?}"
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+        // The whole trace is kept up with at some rate.
+        let all: Vec<TraceRecord> = kvroute_kvstore::TraceReader::new(text.as_bytes(), 512)
+            .collect::<std::result::Result<_, _>>()
+            .unwrap();
+        assert!(sustainable_trace_rate(&d, &all, 512, 0).is_ok_and(|r| r.kept_up));
     }
 
     /// Paper 001 table 6 and section 4.3, by simulation (sampled lengths, Poisson arrivals,
