@@ -198,31 +198,106 @@ fn remove_shm_regions(prefix: &str) -> std::io::Result<usize> {
 
 /// libfabric 1.17's `shm` provider names an endpoint's shared region `/dev/shm/<pid>:<uid>:<n>`
 /// (`n` counts the process's endpoints) and unlinks it when the endpoint closes. A process that
-/// is killed leaves its regions behind, and a later process that is given the same pid then
-/// fails `fi_enable` with EBUSY (seen here after many holder processes). Before this process
-/// opens its first shm endpoint, a region under its own pid and uid can only be such a
-/// leftover: they are removed, once per process. Nothing of another pid is touched.
+/// is killed leaves its regions behind (16 MiB each), and a later process that is given the same
+/// pid then fails `fi_enable` with EBUSY (seen here after many holder processes). Before this
+/// process opens its first shm endpoint, the regions of this user whose process is gone are
+/// removed, once per process: those under this process's own pid (a killed process's that had
+/// it before), and those of every other pid of this user that no longer exists. A region of a
+/// live process, or of another user, is never touched. (A process in another pid namespace
+/// sharing this `/dev/shm` would look dead from here; the provider's names carry no namespace.)
 pub(super) fn clear_stale_shm_regions() {
     static DONE: std::sync::Once = std::sync::Once::new();
-    DONE.call_once(|| {
-        use std::os::unix::fs::MetadataExt;
-        let Ok(uid) = std::fs::metadata("/proc/self").map(|m| m.uid()) else {
-            return;
-        };
-        match remove_shm_regions(&format!("{}:{uid}:", std::process::id())) {
-            Ok(0) => {}
-            Ok(n) => tracing::warn!(
-                regions = n,
-                "removed stale shm regions a killed process with this pid left"
-            ),
-            Err(e) => tracing::debug!(%e, "could not remove stale shm regions"),
-        }
+    DONE.call_once(|| match remove_regions_of_dead_processes(true) {
+        Ok(0) => {}
+        Ok(n) => tracing::warn!(
+            regions = n,
+            "removed shm regions that killed processes of this user left"
+        ),
+        Err(e) => tracing::debug!(%e, "could not remove stale shm regions"),
     });
+}
+
+/// Removes every `/dev/shm/<pid>:<uid>:<n>` region of this user (by name and by owner) whose
+/// process is gone, and with `own` this process's own (before it has opened an endpoint, they
+/// can only be a predecessor's); returns how many.
+fn remove_regions_of_dead_processes(own: bool) -> std::io::Result<usize> {
+    use std::os::unix::fs::MetadataExt;
+    let uid = std::fs::metadata("/proc/self")?.uid();
+    let me = std::process::id();
+    let mut removed = 0;
+    for entry in std::fs::read_dir("/dev/shm")?.flatten() {
+        let name = entry.file_name();
+        let Some((pid, name_uid, _)) = name.to_str().and_then(region_name) else {
+            continue;
+        };
+        if name_uid != uid {
+            continue;
+        }
+        let owned = entry
+            .metadata()
+            .is_ok_and(|m| m.uid() == uid && m.file_type().is_file());
+        let gone = if pid == me {
+            own
+        } else {
+            libc::pid_t::try_from(pid).is_ok_and(|p| p > 0 && !process_exists(p))
+        };
+        if owned && gone && std::fs::remove_file(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+/// `(pid, uid, n)` of a region name `<pid>:<uid>:<n>` (all decimal digits).
+fn region_name(name: &str) -> Option<(u32, u32, u32)> {
+    let mut parts = name.split(':');
+    let mut num = || {
+        let p = parts.next()?;
+        (!p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| p.parse().ok())
+            .flatten()
+    };
+    let out = (num()?, num()?, num()?);
+    parts.next().is_none().then_some(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn region_names_parse_and_nothing_else_does() {
+        assert_eq!(region_name("4242:1000:3"), Some((4242, 1000, 3)));
+        for bad in ["4242:1000", "4242:1000:3:1", "a:0:0", ":0:0", "4242:0:", "sem.x", ""] {
+            assert_eq!(region_name(bad), None, "{bad}");
+        }
+    }
+
+    /// A region a killed process of this user left (here: a file named for a pid that does
+    /// not exist) is removed when an engine starts; one of a live process is kept.
+    #[test]
+    fn regions_of_dead_processes_are_removed_and_live_ones_kept() {
+        use std::os::unix::fs::MetadataExt;
+        let uid = std::fs::metadata("/proc/self").unwrap().uid();
+        // The highest pids are unlikely to exist; find one that does not.
+        let dead = (4_000_000u32..4_194_304)
+            .rev()
+            .find(|&p| !process_exists(p as libc::pid_t))
+            .unwrap();
+        let dead_region = format!("/dev/shm/{dead}:{uid}:0");
+        let live_region = format!("/dev/shm/1:{uid}:77");
+        std::fs::write(&dead_region, b"x").unwrap();
+        let live_planted = !std::path::Path::new(&live_region).exists()
+            && std::fs::write(&live_region, b"x").is_ok();
+        // Not this process's own: other tests here may have endpoints open.
+        assert!(remove_regions_of_dead_processes(false).unwrap() >= 1);
+        assert!(!std::path::Path::new(&dead_region).exists());
+        if live_planted {
+            // pid 1 exists: its region stays.
+            assert!(std::path::Path::new(&live_region).exists());
+            std::fs::remove_file(&live_region).unwrap();
+        }
+    }
 
     #[test]
     fn shm_addresses_name_their_process() {
