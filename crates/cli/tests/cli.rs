@@ -571,7 +571,10 @@ fn store_verify_exits_1_naming_a_corrupt_and_a_missing_block() {
     assert!(started.elapsed() < std::time::Duration::from_secs(10));
     assert_eq!(out.status.code(), Some(1));
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("0000000000000007.kvb: ") && text.contains("FIFO"), "{text}");
+    assert!(
+        text.contains("0000000000000007.kvb: ") && text.contains("FIFO"),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -579,15 +582,28 @@ fn store_verify_exits_1_naming_a_corrupt_and_a_missing_block() {
 #[test]
 fn a_trace_that_is_not_a_regular_file_is_refused() {
     for args in [
-        &["trace", "replay", "--trace", "/dev/zero", "--capacity-blocks", "8"][..],
+        &[
+            "trace",
+            "replay",
+            "--trace",
+            "/dev/zero",
+            "--capacity-blocks",
+            "8",
+        ][..],
         &["simulate", "prfaas", "--trace", "/dev/zero"][..],
     ] {
         let started = std::time::Instant::now();
         let out = kvroute(args);
-        assert!(started.elapsed() < std::time::Duration::from_secs(10), "{args:?}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{args:?}"
+        );
         assert_eq!(out.status.code(), Some(1), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains("/dev/zero") && err.contains("a device"), "{args:?}: {err}");
+        assert!(
+            err.contains("/dev/zero") && err.contains("a device"),
+            "{args:?}: {err}"
+        );
     }
 }
 

@@ -40,10 +40,7 @@ pub(crate) fn recv_line<T: serde::de::DeserializeOwned>(
     let line = line?;
     serde_json::from_slice(&line).map_err(|e| RemoteError::MalformedControl {
         peer,
-        why: format!(
-            "{e}: {}",
-            truncated(String::from_utf8_lossy(&line).trim())
-        ),
+        why: format!("{e}: {}", truncated(String::from_utf8_lossy(&line).trim())),
     })
 }
 

@@ -385,7 +385,10 @@ fn a_holder_trickling_its_welcome_fails_the_connect_within_the_timeout() -> Resu
         matches!(err, kvroute_remote::RemoteError::TimedOut { holder, .. } if holder == addr),
         "{err:?}"
     );
-    assert!(took <= timeout.mul_f64(1.1), "took {took:?} against {timeout:?}");
+    assert!(
+        took <= timeout.mul_f64(1.1),
+        "took {took:?} against {timeout:?}"
+    );
     feeder.join().ok();
     Ok(())
 }

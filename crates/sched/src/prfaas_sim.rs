@@ -690,11 +690,10 @@ mod tests {
             "/../../data/mooncake/conversation_trace.jsonl"
         );
         let text = std::fs::read_to_string(path).unwrap();
-        let records: Vec<TraceRecord> =
-            kvroute_kvstore::TraceReader::new(text.as_bytes(), 512)
-                .take(300)
-                .collect::<std::result::Result<_, _>>()
-                .unwrap();
+        let records: Vec<TraceRecord> = kvroute_kvstore::TraceReader::new(text.as_bytes(), 512)
+            .take(300)
+            .collect::<std::result::Result<_, _>>()
+            .unwrap();
         let d = Deployment::paper_001(CaseStudy::PrfaasPd, PD_P_READING_SLOWDOWN).unwrap();
         let started = std::time::Instant::now();
         let got = sustainable_trace_rate(&d, &records, 512, 0);

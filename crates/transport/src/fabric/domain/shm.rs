@@ -268,7 +268,15 @@ mod tests {
     #[test]
     fn region_names_parse_and_nothing_else_does() {
         assert_eq!(region_name("4242:1000:3"), Some((4242, 1000, 3)));
-        for bad in ["4242:1000", "4242:1000:3:1", "a:0:0", ":0:0", "4242:0:", "sem.x", ""] {
+        for bad in [
+            "4242:1000",
+            "4242:1000:3:1",
+            "a:0:0",
+            ":0:0",
+            "4242:0:",
+            "sem.x",
+            "",
+        ] {
             assert_eq!(region_name(bad), None, "{bad}");
         }
     }
