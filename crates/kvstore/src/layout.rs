@@ -1,4 +1,4 @@
-//! Layer blocks and full blocks (DESIGN "KV store"; paper 003's layer-wise blocks, paper 000's
+//! Layer blocks and full blocks (docs/kvstore.md; paper 003's layer-wise blocks, paper 000's
 //! MLA rows).
 //!
 //! A **layer block** is one layer's rows of a run of tokens, `[tokens, 576]` bf16 (1152 B per

@@ -1,6 +1,6 @@
 //! # kvroute-kvstore
 //!
-//! Where KV lives between the transport and the kernels (DESIGN "KV store"):
+//! Where KV lives between the transport and the kernels (docs/kvstore.md):
 //!
 //! - [`layout`]: layer blocks `[tokens, 576]` bf16 and full blocks (the `L` layer blocks of the
 //!   same tokens back to back, so concatenating layer blocks is a full block with no copy), in

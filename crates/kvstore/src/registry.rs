@@ -1,4 +1,4 @@
-//! The canonical chunk registry (DESIGN "KV store"; paper 000 section 2.1's canonical chunks):
+//! The canonical chunk registry (docs/kvstore.md; paper 000 section 2.1's canonical chunks):
 //! chunk id -> who holds it, where, in what layout, at which stored positions. Any instance can
 //! ask it who holds a chunk; a chunk may have several holders (replicas), so a requester that
 //! loses one can fall back to another.

@@ -1,4 +1,4 @@
-//! The rendezvous (DESIGN "The main job"): a requester opens a TCP connection to a holder's
+//! The rendezvous (docs/route.md, "Rendezvous"): a requester opens a TCP connection to a holder's
 //! control listener and sends one JSON line, [`Hello`]; the holder answers [`Welcome`] (a
 //! session: an inbox slot, its immediate, the chunks it holds) or [`Answer::Busy`] when it already
 //! serves its cap of requesters (paper 000 section 6.3's ~8 elbow). The requester then proves

@@ -1,0 +1,131 @@
+//! The repository's documents point at documents that exist: every `docs/NAME.md` a source
+//! file, script or document names, every relative Markdown link, and no reference to a design
+//! document the repository does not hold. The README's crate table names every workspace
+//! member.
+
+// Test helpers panic on failure: that is how a test reports it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the workspace root")
+        .to_owned()
+}
+
+/// Source, script and document files under `dir`, build outputs and VCS data left out.
+fn files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') || name == "target" {
+            continue;
+        }
+        if path.is_dir() {
+            files(&path, out);
+        } else if ["rs", "md", "toml", "sh", "py"]
+            .iter()
+            .any(|x| path.extension().is_some_and(|e| e == *x))
+        {
+            out.push(path);
+        }
+    }
+}
+
+/// Every `docs/NAME.md` (and `docs/DIR/NAME.md`) named in `text`.
+fn docs_named(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("docs/") {
+        let tail = &rest[at..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || "_-./".contains(c)))
+            .unwrap_or(tail.len());
+        let name = tail[..end].trim_end_matches('.');
+        if name.ends_with(".md") {
+            out.push(name.to_owned());
+        }
+        rest = &tail[5..];
+    }
+    out
+}
+
+/// Relative Markdown link targets (`](x.md)`, `](x.md#y)`) in `text`.
+fn md_links(text: &str) -> Vec<String> {
+    text.split("](")
+        .skip(1)
+        .filter_map(|t| t.split(')').next())
+        .map(|t| t.split('#').next().unwrap_or_default().to_owned())
+        .filter(|t| t.ends_with(".md") && !t.contains("://"))
+        .collect()
+}
+
+#[test]
+fn every_named_document_exists() {
+    let root = root();
+    let mut all = Vec::new();
+    files(&root, &mut all);
+    assert!(all.len() > 100, "found {} files under {}", all.len(), root.display());
+    let mut dangling = Vec::new();
+    for path in &all {
+        let Ok(text) = std::fs::read_to_string(path) else {
+            continue;
+        };
+        let shown = path.strip_prefix(&root).unwrap_or(path).display().to_string();
+        // This file names the patterns it looks for.
+        if shown.ends_with("tests/docs.rs") {
+            continue;
+        }
+        for doc in docs_named(&text) {
+            if !root.join(&doc).is_file() {
+                dangling.push(format!("{shown}: {doc}"));
+            }
+        }
+        if path.extension().is_some_and(|e| e == "md") {
+            let dir = path.parent().unwrap_or(&root);
+            for link in md_links(&text) {
+                if !dir.join(&link).is_file() {
+                    dangling.push(format!("{shown}: link {link}"));
+                }
+            }
+        }
+        if text.contains("DESIGN \"") {
+            dangling.push(format!("{shown}: a DESIGN document (not in the repository)"));
+        }
+    }
+    assert!(dangling.is_empty(), "dangling references:\n{}", dangling.join("\n"));
+}
+
+#[test]
+fn the_readme_names_every_workspace_member() {
+    let root = root();
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let members: Vec<&str> = manifest
+        .split("members = [")
+        .nth(1)
+        .and_then(|m| m.split(']').next())
+        .unwrap_or_default()
+        .split(',')
+        .map(|m| m.trim().trim_matches('"'))
+        .filter(|m| !m.is_empty())
+        .collect();
+    assert!(members.len() >= 10, "{members:?}");
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    for m in members {
+        let toml = std::fs::read_to_string(root.join(m).join("Cargo.toml")).unwrap();
+        let name = toml
+            .lines()
+            .find_map(|l| l.strip_prefix("name = "))
+            .map(|n| n.trim().trim_matches('"'))
+            .unwrap_or_default();
+        assert!(
+            readme.contains(&format!("`{name}`")),
+            "README's crate table lacks {name} ({m})"
+        );
+    }
+}
