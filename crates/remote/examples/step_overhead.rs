@@ -134,10 +134,7 @@ fn measure(fabric: &str, mq: usize) -> Result<(f64, f64), Box<dyn std::error::Er
             b.push(ub);
         }
     }
+    let median = |v: &mut [f64]| kvroute_costmodel::fit::median(v).unwrap_or(f64::NAN);
     Ok((median(&mut a), median(&mut b)))
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}

@@ -513,19 +513,11 @@ impl ConcurrencyPoint {
     }
 }
 
-/// The median of the finite values of `v` (NaN if none).
+/// The median of the finite values of `v` (NaN if none): the workspace's one median,
+/// [`kvroute_costmodel::fit::median`], over them.
 pub fn median(v: &[f64]) -> f64 {
-    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
-    if s.is_empty() {
-        return f64::NAN;
-    }
-    s.sort_by(f64::total_cmp);
-    let n = s.len();
-    if n % 2 == 1 {
-        s[n / 2]
-    } else {
-        (s[n / 2 - 1] + s[n / 2]) / 2.0
-    }
+    let mut finite: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    kvroute_costmodel::fit::median(&mut finite).unwrap_or(f64::NAN)
 }
 
 pub use crate::checked::max_abs;
