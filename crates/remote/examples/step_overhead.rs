@@ -137,4 +137,3 @@ fn measure(fabric: &str, mq: usize) -> Result<(f64, f64), Box<dyn std::error::Er
     let median = |v: &mut [f64]| kvroute_costmodel::fit::median(v).unwrap_or(f64::NAN);
     Ok((median(&mut a), median(&mut b)))
 }
-
