@@ -1,7 +1,42 @@
-//! The command line, as clap parses it. Values are only parsed here; their meaning is checked
-//! by the crates that use them, so a NaN or a zero gets the same typed error as from the API.
+//! The command line, as clap parses it. Every numeric flag is range-checked here, at parse
+//! time, against a range chosen from what it means and given in its `--help` line: an absurd
+//! value (a count past 2^32, a NaN, a time of 1e308) is a usage error before anything runs,
+//! and no value accepted can by itself exhaust memory or keep a command busy for minutes. The
+//! crates that use the values still check what depends on several of them (a split needs two
+//! instances, a width must divide the heads) with their typed errors.
 
+use std::ops::RangeInclusive;
+
+use clap::builder::RangedU64ValueParser;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// A `u32` count, refused at parse time outside `range`.
+fn u32_in(range: RangeInclusive<u64>) -> RangedU64ValueParser<u32> {
+    RangedU64ValueParser::new().range(range)
+}
+
+/// A `u64` count or duration, refused at parse time outside `range`.
+fn u64_in(range: RangeInclusive<u64>) -> RangedU64ValueParser<u64> {
+    RangedU64ValueParser::new().range(range)
+}
+
+/// A `usize` count, refused at parse time outside `range`.
+fn usize_in(range: RangeInclusive<u64>) -> RangedU64ValueParser<usize> {
+    RangedU64ValueParser::new().range(range)
+}
+
+/// A finite float in `low..=high`; NaN, the infinities and anything outside are refused at
+/// parse time.
+fn f64_in(text: &str, low: f64, high: f64) -> Result<f64, String> {
+    let value: f64 = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number"))?;
+    if value.is_finite() && (low..=high).contains(&value) {
+        Ok(value)
+    } else {
+        Err(format!("{value} is not in {low} to {high}"))
+    }
+}
 
 /// kvroute: move the query or move the cache? Cost-model predictions and capacity plans for
 /// cross-instance attention.
@@ -103,32 +138,33 @@ pub enum OnOff {
 /// `kvroute helix run`.
 #[derive(Debug, Clone, Args)]
 pub struct HelixRunArgs {
-    /// N, the ranks.
-    #[arg(long, default_value_t = 4)]
+    /// N, the ranks (the layer's 16 query heads divide over them; 1 to 16).
+    #[arg(long, value_parser = usize_in(1..=16), default_value_t = 4)]
     pub ranks: usize,
-    /// KV-parallel width (default N / TPA).
-    #[arg(long)]
+    /// KV-parallel width (default N / TPA; 1 to 16).
+    #[arg(long, value_parser = usize_in(1..=16))]
     pub kvp: Option<usize>,
-    /// Tensor-parallel width in attention (at most the KV heads; 1 for MLA).
-    #[arg(long, default_value_t = 1)]
+    /// Tensor-parallel width in attention (at most the KV heads: 1 for MLA, 8 for GQA; 1 to 8).
+    #[arg(long, value_parser = usize_in(1..=8), default_value_t = 1)]
     pub tpa: usize,
-    /// Tensor-parallel width of the FFN (default N / EP).
-    #[arg(long)]
+    /// Tensor-parallel width of the FFN (default N / EP; 1 to 16).
+    #[arg(long, value_parser = usize_in(1..=16))]
     pub tpf: Option<usize>,
-    /// Expert-parallel width of the FFN (needs --moe above 1).
-    #[arg(long, default_value_t = 1)]
+    /// Expert-parallel width of the FFN (needs --moe above 1; 1 to 16).
+    #[arg(long, value_parser = usize_in(1..=16), default_value_t = 1)]
     pub ep: usize,
-    /// Requests decoded together.
-    #[arg(long, default_value_t = 8)]
+    /// Requests decoded together (1 to 64). The ranks and the reference hold batch x (ctx +
+    /// steps) tokens of KV, at most 2^19.
+    #[arg(long, value_parser = usize_in(1..=64), default_value_t = 8)]
     pub batch: usize,
-    /// Context tokens per request before the first step.
-    #[arg(long, default_value_t = 4096)]
+    /// Context tokens per request before the first step (0 to 32768).
+    #[arg(long, value_parser = u64_in(0..=32_768), default_value_t = 4096)]
     pub ctx: u64,
-    /// Decode steps.
-    #[arg(long, default_value_t = 6)]
+    /// Decode steps (1 to 500).
+    #[arg(long, value_parser = usize_in(1..=500), default_value_t = 6)]
     pub steps: usize,
-    /// Tokens appended to one KV shard before the next (staged round-robin).
-    #[arg(long, default_value_t = 16)]
+    /// Tokens appended to one KV shard before the next (staged round-robin; 1 to 32768).
+    #[arg(long, value_parser = usize_in(1..=32_768), default_value_t = 16)]
     pub stage: usize,
     /// The layer's attention.
     #[arg(long, value_enum, default_value_t = HelixModel::Mla)]
@@ -145,8 +181,8 @@ pub struct HelixRunArgs {
     /// Seed of weights, tokens and queries.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// How long a rank waits for its peers before failing the step, ms.
-    #[arg(long, default_value_t = 10_000)]
+    /// How long a rank waits for its peers before failing the step, ms (1 to 600000).
+    #[arg(long, value_parser = u64_in(1..=600_000), default_value_t = 10_000)]
     pub timeout_ms: u64,
     /// Where rank processes meet (a new directory; default: a fresh one under the temp dir).
     #[arg(long)]
@@ -156,8 +192,8 @@ pub struct HelixRunArgs {
 /// `kvroute helix rank`.
 #[derive(Debug, Clone, Args)]
 pub struct HelixRankArgs {
-    /// This rank.
-    #[arg(long)]
+    /// This rank (0 to 15).
+    #[arg(long, value_parser = usize_in(0..=15))]
     pub rank: usize,
     /// The layer and workload, as JSON (`HelixConfig`).
     #[arg(long)]
@@ -197,7 +233,7 @@ pub struct DirectoryArgs {
     #[arg(long)]
     pub directory: Option<String>,
     /// The lease TTL, seconds (2 to 3600): how long a dead holder's chunks stay offered.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, value_parser = u64_in(2..=3600), default_value_t = 5)]
     pub directory_ttl: u64,
 }
 
@@ -220,14 +256,14 @@ pub struct SimulateDualPathArgs {
     /// shaped like paper 003's 64K dataset.
     #[arg(long)]
     pub trace: Option<std::path::PathBuf>,
-    /// Copies of the trace, each with its own prefixes, at the same arrival times.
-    #[arg(long, default_value_t = 1)]
+    /// Copies of the trace, each with its own prefixes, at the same arrival times (1 to 100).
+    #[arg(long, value_parser = u32_in(1..=100), default_value_t = 1)]
     pub scale: u32,
-    /// Trace arrival times are divided by this.
-    #[arg(long, default_value_t = 1.0)]
+    /// Trace arrival times are divided by this (0.001 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 1e6), default_value_t = 1.0)]
     pub time_scale: f64,
-    /// Agents of the offline rollout (without --trace).
-    #[arg(long, default_value_t = 1024)]
+    /// Agents of the offline rollout (without --trace; 1 to 16384).
+    #[arg(long, value_parser = u32_in(1..=16_384), default_value_t = 1024)]
     pub agents: u32,
     /// Seed of the agent trajectories.
     #[arg(long, default_value_t = 1)]
@@ -235,32 +271,32 @@ pub struct SimulateDualPathArgs {
     /// deepseek-v3.2 (paper 003's DS 660B) or ds-27b.
     #[arg(long, default_value = "deepseek-v3.2")]
     pub model: String,
-    /// Prefill nodes (8 engines each).
-    #[arg(long, default_value_t = 2)]
+    /// Prefill nodes (8 engines each; 1 to 256).
+    #[arg(long, value_parser = u32_in(1..=256), default_value_t = 2)]
     pub prefill_nodes: u32,
-    /// Decode nodes (8 engines each).
-    #[arg(long, default_value_t = 4)]
+    /// Decode nodes (8 engines each; 1 to 256).
+    #[arg(long, value_parser = u32_in(1..=256), default_value_t = 4)]
     pub decode_nodes: u32,
     /// Policies to run: all, or one of dualpath, round-robin, prefill-read.
     #[arg(long, default_value = "all")]
     pub policy: String,
-    /// Effective prefill TFLOP/s per GPU.
-    #[arg(long, default_value_t = 400.0)]
+    /// Effective prefill TFLOP/s per GPU (1 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 1.0, 1e6), default_value_t = 400.0)]
     pub gpu_tflops: f64,
-    /// Storage NIC per node, Gbps.
-    #[arg(long, default_value_t = 400.0)]
+    /// Storage NIC per node, Gbps (1 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 1.0, 1e6), default_value_t = 400.0)]
     pub snic_gbps: f64,
-    /// Compute NIC per GPU, Gbps (the hop of cached KV into the prefill engine).
-    #[arg(long, default_value_t = 400.0)]
+    /// Compute NIC per GPU, Gbps (the hop of cached KV into the prefill engine; 1 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 1.0, 1e6), default_value_t = 400.0)]
     pub cnic_gbps: f64,
-    /// KV GB one decode engine holds (default: 40 for deepseek-v3.2, 64 for ds-27b).
-    #[arg(long)]
+    /// KV GB one decode engine holds (default: 40 for deepseek-v3.2, 64 for ds-27b; 0.001 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 1e6))]
     pub de_hbm_gb: Option<f64>,
-    /// The unfinished-token limit beta, as seconds of one GPU's prefill.
-    #[arg(long, default_value_t = 2.0)]
+    /// The unfinished-token limit beta, as seconds of one GPU's prefill (0.001 to 3600).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 3600.0), default_value_t = 2.0)]
     pub beta_s: f64,
-    /// The short read-queue threshold alpha, as seconds of storage-NIC reading.
-    #[arg(long, default_value_t = 0.5)]
+    /// The short read-queue threshold alpha, as seconds of storage-NIC reading (0.001 to 3600).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 3600.0), default_value_t = 0.5)]
     pub alpha_s: f64,
     /// Write throughput.png, snic_balance.png and attention_balance.png here.
     #[arg(long)]
@@ -274,18 +310,18 @@ pub struct SimulatePrfaasArgs {
     /// truncated log-normal lengths) at each deployment's sustainable rate.
     #[arg(long)]
     pub trace: Option<std::path::PathBuf>,
-    /// Trace arrival times are divided by this.
-    #[arg(long, default_value_t = 1.0)]
+    /// Trace arrival times are divided by this (0.001 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 1e6), default_value_t = 1.0)]
     pub time_scale: f64,
-    /// Blocks each cluster's prefix cache holds, trace only (0: unbounded).
-    #[arg(long, default_value_t = 0)]
+    /// Blocks each cluster's prefix cache holds, trace only (0: unbounded; 0 to 4194304).
+    #[arg(long, value_parser = usize_in(0..=4_194_304), default_value_t = 0)]
     pub cache_blocks: usize,
     /// The PD cluster's prefill slowdown against table 5's H200 profile; without it, both
-    /// readings of table 6 (2.19 and the homogeneous column's ~2.61).
-    #[arg(long)]
+    /// readings of table 6 (2.19 and the homogeneous column's ~2.61; 0.1 to 100).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.1, 100.0))]
     pub h20_slowdown: Option<f64>,
-    /// Requests per case-study run.
-    #[arg(long, default_value_t = 40_000)]
+    /// Requests per case-study run (1 to 250000).
+    #[arg(long, value_parser = u64_in(1..=250_000), default_value_t = 40_000)]
     pub requests: u64,
     /// Seed of the case study's draws.
     #[arg(long, default_value_t = 1)]
@@ -309,24 +345,24 @@ pub struct TraceReplayArgs {
     /// The trace: JSON lines with timestamp, input_length, output_length, hash_ids.
     #[arg(long)]
     pub trace: std::path::PathBuf,
-    /// Tokens per block (the trace's hashing granularity).
-    #[arg(long, default_value_t = 512)]
+    /// Tokens per block (the trace's hashing granularity; 1 to 65536).
+    #[arg(long, value_parser = u32_in(1..=65_536), default_value_t = 512)]
     pub block_tokens: u32,
-    /// Blocks the cache holds (0: unbounded).
-    #[arg(long, default_value_t = 0)]
+    /// Blocks the cache holds (0: unbounded; 0 to 4194304).
+    #[arg(long, value_parser = usize_in(0..=4_194_304), default_value_t = 0)]
     pub capacity_blocks: usize,
     /// Eviction policy: lru (trace studies' semantics) or tail-first (vLLM's order).
     #[arg(long, default_value = "lru")]
     pub policy: String,
-    /// Replay only the first N requests (0: all).
-    #[arg(long, default_value_t = 0)]
+    /// Replay only the first N requests (0: all; 0 to 100000000).
+    #[arg(long, value_parser = usize_in(0..=100_000_000), default_value_t = 0)]
     pub limit: usize,
     /// A storage tier below the cache: evicted blocks are written here, prefix blocks found
     /// here are read back.
     #[arg(long)]
     pub store: Option<std::path::PathBuf>,
-    /// Layers per stored block (each layer of a block is block-tokens x 1152 bytes).
-    #[arg(long, default_value_t = 1)]
+    /// Layers per stored block (each layer of a block is block-tokens x 1152 bytes; 1 to 128).
+    #[arg(long, value_parser = u32_in(1..=128), default_value_t = 1)]
     pub store_layers: u32,
 }
 
@@ -348,14 +384,14 @@ pub struct StoreWriteArgs {
     /// The store's directory (created if needed).
     #[arg(long)]
     pub dir: std::path::PathBuf,
-    /// Blocks (corpus chunks) to write.
-    #[arg(long)]
+    /// Blocks (corpus chunks) to write (1 to 256).
+    #[arg(long, value_parser = u32_in(1..=256))]
     pub chunks: u32,
-    /// Tokens per block.
-    #[arg(long)]
+    /// Tokens per block (1 to 16384).
+    #[arg(long, value_parser = u32_in(1..=16_384))]
     pub tokens: u32,
-    /// Layers per block (27: DeepSeek-V2-Lite).
-    #[arg(long, default_value_t = 27)]
+    /// Layers per block (27: DeepSeek-V2-Lite; 1 to 128).
+    #[arg(long, value_parser = u32_in(1..=128), default_value_t = 27)]
     pub layers: u32,
     /// The corpus generator's seed.
     #[arg(long, default_value_t = 1)]
@@ -376,8 +412,8 @@ pub struct StoreBenchArgs {
     /// The store's directory (`kvroute store write` first).
     #[arg(long)]
     pub dir: std::path::PathBuf,
-    /// Rounds of each measurement (the median is reported).
-    #[arg(long, default_value_t = 3)]
+    /// Rounds of each measurement (the median is reported; 1 to 20).
+    #[arg(long, value_parser = u32_in(1..=20), default_value_t = 3)]
     pub rounds: u32,
 }
 
@@ -408,8 +444,12 @@ pub struct KernelPartialArgs {
     /// index row for each h consecutive query rows). Dense without it.
     #[arg(long)]
     pub indices: Option<std::path::PathBuf>,
-    /// Softmax scale (DeepSeek-V2-Lite: 0.1147, V3: 0.1352).
-    #[arg(long, allow_negative_numbers = true)]
+    /// Softmax scale (DeepSeek-V2-Lite: 0.1147, V3: 0.1352; 1e-6 to 1000).
+    #[arg(
+        long,
+        value_parser = |s: &str| f64_in(s, 1e-6, 1000.0).map(|v| v as f32),
+        allow_negative_numbers = true
+    )]
     pub scale: f32,
     /// Output directory.
     #[arg(long)]
@@ -454,31 +494,34 @@ pub struct KernelSpliceArgs {
     /// New positions `[n]` int64.
     #[arg(long)]
     pub to: std::path::PathBuf,
-    /// RoPE base theta.
-    #[arg(long, allow_negative_numbers = true)]
+    /// RoPE base theta (2 to 1e9).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 2.0, 1e9), allow_negative_numbers = true)]
     pub theta: f64,
-    /// YaRN scaling factor (plain RoPE without it).
-    #[arg(long, allow_negative_numbers = true)]
+    /// YaRN scaling factor (plain RoPE without it; 1 to 10000).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 1.0, 10_000.0), allow_negative_numbers = true)]
     pub yarn_factor: Option<f64>,
-    /// YaRN beta_fast.
+    /// YaRN beta_fast (0.001 to 10000).
     #[arg(
         long,
+        value_parser = |s: &str| f64_in(s, 0.001, 10_000.0),
         default_value_t = 32.0,
         requires = "yarn_factor",
         allow_negative_numbers = true
     )]
     pub beta_fast: f64,
-    /// YaRN beta_slow.
+    /// YaRN beta_slow (0.001 to 10000).
     #[arg(
         long,
+        value_parser = |s: &str| f64_in(s, 0.001, 10_000.0),
         default_value_t = 1.0,
         requires = "yarn_factor",
         allow_negative_numbers = true
     )]
     pub beta_slow: f64,
-    /// YaRN original max positions.
+    /// YaRN original max positions (1 to 134217728).
     #[arg(
         long,
+        value_parser = |s: &str| f64_in(s, 1.0, 134_217_728.0),
         default_value_t = 4096.0,
         requires = "yarn_factor",
         allow_negative_numbers = true
@@ -558,11 +601,11 @@ pub struct KvPathBenchArgs {
     /// libfabric provider: shm or tcp (efa on EFA hosts).
     #[arg(long, default_value = "shm")]
     pub provider: String,
-    /// Rounds of each path, in rotated order (the median is reported).
-    #[arg(long, default_value_t = 5)]
+    /// Rounds of each path, in rotated order (the median is reported; 1 to 100).
+    #[arg(long, value_parser = u32_in(1..=100), default_value_t = 5)]
     pub rounds: u32,
-    /// Blocks per pass (0: all).
-    #[arg(long, default_value_t = 0)]
+    /// Blocks per pass (0: all; 0 to 1048576).
+    #[arg(long, value_parser = usize_in(0..=1_048_576), default_value_t = 0)]
     pub blocks: usize,
 }
 
@@ -631,54 +674,56 @@ pub struct PredictArgs {
     /// Fabric preset (default h100-ibgda); or give --probe-us and --bw-gbps for a measured one.
     #[arg(long, conflicts_with_all = ["probe_us", "bw_gbps"])]
     pub fabric: Option<String>,
-    /// Measured probe round trip, microseconds (with --bw-gbps).
-    #[arg(long, requires = "bw_gbps")]
+    /// Measured probe round trip, microseconds (with --bw-gbps; 0.001 to 1e9).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 1e9), requires = "bw_gbps")]
     pub probe_us: Option<f64>,
-    /// Measured effective bandwidth, GB/s (with --probe-us).
-    #[arg(long, requires = "probe_us")]
+    /// Measured effective bandwidth, GB/s (with --probe-us; 0.001 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 1e6), requires = "probe_us")]
     pub bw_gbps: Option<f64>,
-    /// Fixed turnaround beyond the probe, microseconds (measured fabrics; presets carry theirs).
-    #[arg(long)]
+    /// Fixed turnaround beyond the probe, microseconds (measured fabrics; presets carry
+    /// theirs; 0 to 1e9).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.0, 1e9))]
     pub turnaround_us: Option<f64>,
-    /// Peak link rate, GB/s, for pricing --flows (presets carry theirs).
-    #[arg(long)]
+    /// Peak link rate, GB/s, for pricing --flows (presets carry theirs; 0.001 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 1e6))]
     pub link_gbps: Option<f64>,
-    /// Query rows routed in one round trip (Mq: decode tokens x query heads).
-    #[arg(long)]
+    /// Query rows routed in one round trip (Mq: decode tokens x query heads; 1 to 1048576).
+    #[arg(long, value_parser = u32_in(1..=1_048_576))]
     pub mq: u32,
-    /// Tokens in the chunk (ct).
-    #[arg(long)]
+    /// Tokens in the chunk (ct; 1 to 134217728).
+    #[arg(long, value_parser = u32_in(1..=134_217_728))]
     pub ct: u32,
-    /// Sparse selection: entries each query attends (top-k); default contiguous.
-    #[arg(long)]
+    /// Sparse selection: entries each query attends (top-k); default contiguous (1 to 134217728).
+    #[arg(long, value_parser = u32_in(1..=134_217_728))]
     pub topk: Option<u32>,
-    /// Holders the sparse selection is scattered over.
-    #[arg(long, requires = "topk", default_value_t = 1)]
+    /// Holders the sparse selection is scattered over (1 to 4096).
+    #[arg(long, value_parser = u32_in(1..=4096), requires = "topk", default_value_t = 1)]
     pub holders: u32,
-    /// Tensor-parallel degree; rank r routes to rank r, each pair moving 1/N of the bytes.
-    #[arg(long, default_value_t = 1)]
+    /// Tensor-parallel degree; rank r routes to rank r, each pair moving 1/N of the bytes (1 to
+    /// 1024).
+    #[arg(long, value_parser = u32_in(1..=1024), default_value_t = 1)]
     pub tp: u32,
-    /// Routed requesters the holder serves at once (its partial-attention batch).
-    #[arg(long, default_value_t = 1)]
+    /// Routed requesters the holder serves at once (its partial-attention batch; 1 to 4096).
+    #[arg(long, value_parser = u32_in(1..=4096), default_value_t = 1)]
     pub holder_requesters: u32,
-    /// A flat splice in microseconds instead of the measured H100 splice line.
-    #[arg(long)]
+    /// A flat splice in microseconds instead of the measured H100 splice line (0.001 to 1e9).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 1e9))]
     pub splice_us: Option<f64>,
-    /// Re-prefill cost c, microseconds per token per layer.
-    #[arg(long, default_value_t = 1.0)]
+    /// Re-prefill cost c, microseconds per token per layer (0.001 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 1e6), default_value_t = 1.0)]
     pub local_us_per_token_layer: f64,
     /// A flat online-softmax merge on the requester, microseconds, instead of paper 000's
-    /// 25 us bound spread over rows x parts.
-    #[arg(long)]
+    /// 25 us bound spread over rows x parts (0 to 1e9).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.0, 1e9))]
     pub merge_us: Option<f64>,
-    /// Congestion: effective bandwidth divided by this.
-    #[arg(long, default_value_t = 1.0)]
+    /// Congestion: effective bandwidth divided by this (1 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 1.0, 1e6), default_value_t = 1.0)]
     pub bw_degradation: f64,
-    /// Congestion: probe multiplied by this.
-    #[arg(long, default_value_t = 1.0)]
+    /// Congestion: probe multiplied by this (1 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 1.0, 1e6), default_value_t = 1.0)]
     pub probe_inflation: f64,
-    /// Congestion: flows sharing the link, this one included.
-    #[arg(long, default_value_t = 1)]
+    /// Congestion: flows sharing the link, this one included (1 to 65536).
+    #[arg(long, value_parser = u32_in(1..=65_536), default_value_t = 1)]
     pub flows: u32,
     /// Allow only this primitive (for experiments); repeat to allow several.
     #[arg(long, value_enum)]
@@ -699,99 +744,103 @@ pub enum PlanCommand {
 /// `kvroute plan prfaas`; the defaults are paper 001's case study.
 #[derive(Debug, Clone, Args)]
 pub struct PrfaasArgs {
-    /// PrfaaS prefill instances.
-    #[arg(long, default_value_t = 4)]
+    /// PrfaaS prefill instances (0 to 4096).
+    #[arg(long, value_parser = u32_in(0..=4096), default_value_t = 4)]
     pub n_prfaas: u32,
-    /// Instances in the PD cluster (split into prefill and decode).
-    #[arg(long, default_value_t = 8)]
+    /// Instances in the PD cluster (split into prefill and decode; 1 to 4096).
+    #[arg(long, value_parser = u32_in(1..=4096), default_value_t = 8)]
     pub n_pd: u32,
-    /// PrfaaS egress bandwidth, Gbps.
-    #[arg(long, default_value_t = 100.0)]
+    /// PrfaaS egress bandwidth, Gbps (0.001 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 1e6), default_value_t = 100.0)]
     pub egress_gbps: f64,
-    /// Maximum decode batch per decode instance.
-    #[arg(long, default_value_t = 20)]
+    /// Maximum decode batch per decode instance (1 to 65536).
+    #[arg(long, value_parser = u32_in(1..=65_536), default_value_t = 20)]
     pub bs_max: u32,
-    /// Decode SLO in tokens per second (T_decode = 1 / this).
-    #[arg(long, default_value_t = 40.0)]
+    /// Decode SLO in tokens per second (T_decode = 1 / this; 0.001 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 1e6), default_value_t = 40.0)]
     pub decode_tps: f64,
-    /// Mean output length, tokens.
-    #[arg(long, default_value_t = 1024.0)]
+    /// Mean output length, tokens (1 to 134217728).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 1.0, 134_217_728.0), default_value_t = 1024.0)]
     pub output_tokens: f64,
-    /// Log-normal mu of the input length.
-    #[arg(long, default_value_t = 9.90)]
+    /// Log-normal mu of the input length, in ln(tokens) (0 to 20).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.0, 20.0), default_value_t = 9.90)]
     pub mu: f64,
-    /// Log-normal sigma of the input length.
-    #[arg(long, default_value_t = 1.00)]
+    /// Log-normal sigma of the input length (0.001 to 10).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 10.0), default_value_t = 1.00)]
     pub sigma: f64,
-    /// Shortest input, tokens.
-    #[arg(long, default_value_t = 128.0)]
+    /// Shortest input, tokens (1 to 134217728).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 1.0, 134_217_728.0), default_value_t = 128.0)]
     pub min_tokens: f64,
-    /// Longest input, tokens.
-    #[arg(long, default_value_t = 131_072.0)]
+    /// Longest input, tokens (1 to 134217728).
+    #[arg(
+        long,
+        value_parser = |s: &str| f64_in(s, 1.0, 134_217_728.0),
+        default_value_t = 131_072.0
+    )]
     pub max_tokens: f64,
     /// A JSON file of measured profile points `[{"tokens", "kv_bytes", "prefill_s"}, ...]`
     /// for the PrfaaS hardware (default: paper 001 table 5).
     #[arg(long)]
     pub profile: Option<std::path::PathBuf>,
     /// PD-cluster prefill time relative to the PrfaaS profile (default: 2.19, implied by
-    /// paper 001 table 6 for H20 against H200).
-    #[arg(long)]
+    /// paper 001 table 6 for H20 against H200; 0.1 to 100).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.1, 100.0))]
     pub pd_prefill_slowdown: Option<f64>,
-    /// Threshold grid points (log-spaced over the length range).
-    #[arg(long, default_value_t = 1024)]
+    /// Threshold grid points (log-spaced over the length range; 2 to 65536).
+    #[arg(long, value_parser = u32_in(2..=65_536), default_value_t = 1024)]
     pub grid: u32,
-    /// Evaluate this threshold (tokens) instead of searching (with --np).
-    #[arg(long, requires = "np")]
+    /// Evaluate this threshold (tokens) instead of searching (with --np; 1 to 134217728).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 1.0, 134_217_728.0), requires = "np")]
     pub threshold: Option<f64>,
-    /// Evaluate with this many PD prefill instances (with --threshold).
-    #[arg(long, requires = "threshold")]
+    /// Evaluate with this many PD prefill instances (with --threshold; 1 to 4096).
+    #[arg(long, value_parser = u32_in(1..=4096), requires = "threshold")]
     pub np: Option<u32>,
 }
 
 /// `kvroute plan helix`; the defaults are paper 004 figure 1's model at 1M tokens.
 #[derive(Debug, Clone, Args)]
 pub struct HelixArgs {
-    /// Batch size B.
-    #[arg(long, default_value_t = 8)]
+    /// Batch size B (1 to 65536).
+    #[arg(long, value_parser = u32_in(1..=65_536), default_value_t = 8)]
     pub batch: u32,
-    /// Query heads Q.
-    #[arg(long, default_value_t = 128)]
+    /// Query heads Q (1 to 4096).
+    #[arg(long, value_parser = u32_in(1..=4096), default_value_t = 128)]
     pub q_heads: u32,
-    /// KV heads K.
-    #[arg(long, default_value_t = 8)]
+    /// KV heads K (1 to 4096).
+    #[arg(long, value_parser = u32_in(1..=4096), default_value_t = 8)]
     pub kv_heads: u32,
-    /// Head size Hsz.
-    #[arg(long, default_value_t = 128)]
+    /// Head size Hsz (1 to 4096).
+    #[arg(long, value_parser = u32_in(1..=4096), default_value_t = 128)]
     pub head_size: u32,
-    /// KV sequence length S, tokens.
-    #[arg(long, default_value_t = 1 << 20)]
+    /// KV sequence length S, tokens (1 to 134217728).
+    #[arg(long, value_parser = u64_in(1..=134_217_728), default_value_t = 1 << 20)]
     pub seq_len: u64,
-    /// FFN intermediate dimension F.
-    #[arg(long, default_value_t = 65536)]
+    /// FFN intermediate dimension F (1 to 1048576).
+    #[arg(long, value_parser = u32_in(1..=1_048_576), default_value_t = 65536)]
     pub ffn_dim: u32,
-    /// Tensor parallelism in attention (TPA).
-    #[arg(long, default_value_t = 8)]
+    /// Tensor parallelism in attention (TPA; 1 to 4096).
+    #[arg(long, value_parser = u32_in(1..=4096), default_value_t = 8)]
     pub tpa: u32,
-    /// Tensor parallelism in the FFN (TPF).
-    #[arg(long, default_value_t = 64)]
+    /// Tensor parallelism in the FFN (TPF; 1 to 4096).
+    #[arg(long, value_parser = u32_in(1..=4096), default_value_t = 64)]
     pub tpf: u32,
-    /// KV parallelism (KVP).
-    #[arg(long, default_value_t = 8)]
+    /// KV parallelism (KVP; 1 to 4096).
+    #[arg(long, value_parser = u32_in(1..=4096), default_value_t = 8)]
     pub kvp: u32,
-    /// Bytes per parameter and KV element (0.5 = FP4).
-    #[arg(long, default_value_t = 0.5)]
+    /// Bytes per parameter and KV element (0.5 = FP4; 0.125 to 8).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.125, 8.0), default_value_t = 0.5)]
     pub bytes_per_param: f64,
-    /// GPU memory bandwidth, GB/s.
-    #[arg(long, default_value_t = 8000.0)]
+    /// GPU memory bandwidth, GB/s (0.001 to 1e6).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.001, 1e6), default_value_t = 8000.0)]
     pub mem_bw_gbps: f64,
-    /// HOP-B: requests in the batch (with --hopb-attention and --hopb-comm).
-    #[arg(long, requires_all = ["hopb_attention", "hopb_comm"])]
+    /// HOP-B: requests in the batch (with --hopb-attention and --hopb-comm; 1 to 65536).
+    #[arg(long, value_parser = u32_in(1..=65_536), requires_all = ["hopb_attention", "hopb_comm"])]
     pub hopb_requests: Option<u32>,
-    /// HOP-B: attention time per request.
-    #[arg(long, requires = "hopb_requests")]
+    /// HOP-B: attention time per request (0 to 1e9).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.0, 1e9), requires = "hopb_requests")]
     pub hopb_attention: Option<f64>,
-    /// HOP-B: all-to-all time per request.
-    #[arg(long, requires = "hopb_requests")]
+    /// HOP-B: all-to-all time per request (0 to 1e9).
+    #[arg(long, value_parser = |s: &str| f64_in(s, 0.0, 1e9), requires = "hopb_requests")]
     pub hopb_comm: Option<f64>,
 }
 
@@ -808,8 +857,8 @@ pub struct RequesterArgs {
     #[command(flatten)]
     pub directory: DirectoryArgs,
     /// With a directory: how long a step waits for every chunk of the document to have a
-    /// live holder before it fails, milliseconds.
-    #[arg(long, default_value_t = 30_000)]
+    /// live holder before it fails, milliseconds (0 to 600000).
+    #[arg(long, value_parser = u64_in(0..=600_000), default_value_t = 30_000)]
     pub wait_ms: u64,
     /// libfabric provider the holders run (shm, tcp, ...).
     #[arg(long, default_value = "tcp")]
@@ -828,26 +877,28 @@ pub struct RequesterArgs {
 /// The decode steps a requester runs (`kvroute demo` and `kvroute requester`).
 #[derive(Debug, Clone, Args)]
 pub struct StepArgs {
-    /// Decode steps.
-    #[arg(long, default_value_t = 2)]
+    /// Decode steps (0 to 100).
+    #[arg(long, value_parser = u32_in(0..=100), default_value_t = 2)]
     pub steps: u32,
     /// Requests per decode step, one new token each (16 query rows a layer, DeepSeek-V2-Lite's
-    /// heads).
-    #[arg(long, default_value_t = 4)]
+    /// heads; 1 to 64).
+    #[arg(long, value_parser = u32_in(1..=64), default_value_t = 4)]
     pub batch: u32,
     /// Force one primitive for every (chunk, request).
     #[arg(long, value_enum)]
     pub force: Option<PrimitiveArg>,
-    /// How long the requester waits for a holder before declaring it failed, milliseconds.
-    #[arg(long, default_value_t = 5000)]
+    /// How long the requester waits for a holder before declaring it failed, milliseconds (1
+    /// to 600000).
+    #[arg(long, value_parser = u64_in(1..=600_000), default_value_t = 5000)]
     pub timeout_ms: u64,
     /// A pause before each decode step after the first, milliseconds (a run that spans
-    /// holders joining and leaving).
-    #[arg(long, default_value_t = 0)]
+    /// holders joining and leaving; 0 to 60000).
+    #[arg(long, value_parser = u64_in(0..=60_000), default_value_t = 0)]
     pub pause_ms: u64,
     /// How often the step API asks the holders for their load and kernel, milliseconds (0:
-    /// before every layer call); a holder that does not answer is marked dead there.
-    #[arg(long, default_value_t = 500)]
+    /// before every layer call; 0 to 600000); a holder that does not answer is marked dead
+    /// there.
+    #[arg(long, value_parser = u64_in(0..=600_000), default_value_t = 500)]
     pub poll_ms: u64,
 }
 
@@ -855,7 +906,7 @@ pub struct StepArgs {
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
     /// Holder processes to start (2 to 8).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, value_parser = usize_in(2..=8), default_value_t = 3)]
     pub holders: usize,
     /// libfabric provider: auto (shm if present, else tcp), shm or tcp.
     #[arg(long, default_value = "auto")]
@@ -866,14 +917,14 @@ pub struct DemoArgs {
     /// The decode steps.
     #[command(flatten)]
     pub run: StepArgs,
-    /// Tokens per chunk (one chunk per holder).
-    #[arg(long, default_value_t = 2048)]
+    /// Tokens per chunk (one chunk per holder; 64 to 16384).
+    #[arg(long, value_parser = u32_in(64..=16_384), default_value_t = 2048)]
     pub tokens: u32,
-    /// Copies of each chunk (chunk c also on holders c+1, ..., c+replicas-1).
-    #[arg(long, default_value_t = 1)]
+    /// Copies of each chunk (chunk c also on holders c+1, ..., c+replicas-1; 1 to 8).
+    #[arg(long, value_parser = usize_in(1..=8), default_value_t = 1)]
     pub replicas: usize,
-    /// Kill holder process 0 before this step (tests the fallback to a replica).
-    #[arg(long)]
+    /// Kill holder process 0 before this step (tests the fallback to a replica; 0 to 100).
+    #[arg(long, value_parser = u32_in(0..=100))]
     pub kill_holder_at_step: Option<u32>,
     /// Holders register in this directory and the requester finds them there (default: the
     /// requester is given their addresses).
@@ -894,11 +945,11 @@ pub struct CorpusArgs {
     /// overrides --tokens, --doc-chunks and --corpus-seed.
     #[arg(long)]
     pub corpus: Option<String>,
-    /// Tokens per chunk of the DeepSeek-V2-Lite corpus.
-    #[arg(long, default_value_t = 2048)]
+    /// Tokens per chunk of the DeepSeek-V2-Lite corpus (64 to 16384).
+    #[arg(long, value_parser = u32_in(64..=16_384), default_value_t = 2048)]
     pub tokens: u32,
-    /// Chunks in the document.
-    #[arg(long, default_value_t = 3)]
+    /// Chunks in the document (1 to 32).
+    #[arg(long, value_parser = u32_in(1..=32), default_value_t = 3)]
     pub doc_chunks: u32,
     /// Seed the corpus is generated from.
     #[arg(long, default_value_t = 1)]
@@ -920,11 +971,13 @@ pub struct HolderArgs {
     /// Chunk ids to serve, comma separated.
     #[arg(long)]
     pub chunks: String,
-    /// Concurrent requesters served before pushing back (paper 000 section 6.3: 8).
-    #[arg(long, default_value_t = 8)]
+    /// Concurrent requesters served before pushing back (paper 000 section 6.3: 8; 1 to 256).
+    /// The holder accepts at least as many control connections (32 by default).
+    #[arg(long, value_parser = usize_in(1..=256), default_value_t = 8)]
     pub max_requesters: usize,
-    /// Bytes of each requester's inbox slot and reply staging (the largest request).
-    #[arg(long, default_value_t = 4 << 20)]
+    /// Bytes of each requester's inbox slot and reply staging (the largest request, up to the
+    /// 128 MiB `verify-predicate --mq 65536` asks of its holders; 4096 to 134217728).
+    #[arg(long, value_parser = usize_in(4096..=134_217_728), default_value_t = 4 << 20)]
     pub slot_bytes: usize,
     /// Who progresses the engine: `thread` (a worker that parks when idle, for machines with
     /// more processes than cores) or `manual` (the serving thread polls: lowest latency, one
@@ -938,8 +991,8 @@ pub struct HolderArgs {
     #[command(flatten)]
     pub directory: DirectoryArgs,
     /// The replica number registered for every chunk served: a chunk's copies are offered
-    /// lowest number first.
-    #[arg(long, default_value_t = 0)]
+    /// lowest number first (0 to 255).
+    #[arg(long, value_parser = u32_in(0..=255), default_value_t = 0)]
     pub replica: u32,
     /// Which kernels serve the partials: cpu (the widest instruction set here), cuda (every
     /// chunk uploaded to the GPU at start and attended there; the start fails without one),
@@ -982,31 +1035,40 @@ pub struct SweepArgs {
     /// libfabric provider: auto (shm if present, else tcp), shm or tcp.
     #[arg(long, default_value = "auto")]
     pub provider: String,
-    /// Query rows per route request, comma separated.
+    /// Query rows per route request, comma separated (1 to 65536).
     #[arg(
         long,
+        value_parser = u32_in(1..=65_536),
         default_value = "1,4,16,64,256,512,1024,2048,4096",
         value_delimiter = ','
     )]
     pub mq: Vec<u32>,
-    /// Chunk tokens the route sweep attends (one layer), and the decode point's ct.
-    #[arg(long, default_value_t = 2048)]
+    /// Chunk tokens the route sweep attends (one layer), and the decode point's ct (1 to 16384).
+    #[arg(long, value_parser = u32_in(1..=16_384), default_value_t = 2048)]
     pub route_ct: u32,
-    /// Chunk sizes the fetch sweep pulls (every layer), comma separated.
+    /// Chunk sizes the fetch sweep pulls (every layer), comma separated (1 to 16384).
     #[arg(
         long,
+        value_parser = u32_in(1..=16_384),
         default_value = "64,128,256,512,1024,2048,4096,8192",
         value_delimiter = ','
     )]
     pub ct: Vec<u32>,
-    /// Concurrent requesters for the holder-capacity sweep, comma separated (empty: skip).
-    #[arg(long, default_value = "1,2,4,8,16,32,64", value_delimiter = ',')]
+    /// Concurrent requesters for the holder-capacity sweep, comma separated (empty: skip; 1 to
+    /// 1024).
+    #[arg(
+        long,
+        value_parser = u32_in(1..=1024),
+        default_value = "1,2,4,8,16,32,64",
+        value_delimiter = ','
+    )]
     pub concurrency: Vec<u32>,
-    /// Query rows each concurrent requester routes (one decode token of DeepSeek-V2-Lite).
-    #[arg(long, default_value_t = 16)]
+    /// Query rows each concurrent requester routes (one decode token of DeepSeek-V2-Lite; 1 to
+    /// 4096).
+    #[arg(long, value_parser = u32_in(1..=4096), default_value_t = 16)]
     pub concurrency_mq: u32,
-    /// Repetitions per point (medians are reported; every sample is in the JSON).
-    #[arg(long, default_value_t = 7)]
+    /// Repetitions per point (medians are reported; every sample is in the JSON; 1 to 100).
+    #[arg(long, value_parser = u32_in(1..=100), default_value_t = 7)]
     pub reps: u32,
     /// Who progresses the engines (see `kvroute holder --progress`).
     #[arg(long, value_enum, default_value = "manual")]
@@ -1028,17 +1090,27 @@ pub struct VerifyArgs {
     /// libfabric provider: auto (shm if present, else tcp), shm or tcp.
     #[arg(long, default_value = "auto")]
     pub provider: String,
-    /// Holder processes per chunk size (the grid's points go round them).
-    #[arg(long, default_value_t = 2)]
+    /// Holder processes per chunk size (the grid's points go round them; 1 to 8).
+    #[arg(long, value_parser = usize_in(1..=8), default_value_t = 2)]
     pub holders: usize,
-    /// Query rows per routed request, comma separated.
-    #[arg(long, default_value = "16,64,256,1024", value_delimiter = ',')]
+    /// Query rows per routed request, comma separated (1 to 65536).
+    #[arg(
+        long,
+        value_parser = u32_in(1..=65_536),
+        default_value = "16,64,256,1024",
+        value_delimiter = ','
+    )]
     pub mq: Vec<u32>,
-    /// Chunk sizes in tokens, comma separated (each gets holders of its own).
-    #[arg(long, default_value = "512,1024,2048,4096", value_delimiter = ',')]
+    /// Chunk sizes in tokens, comma separated (each gets holders of its own; 64 to 16384).
+    #[arg(
+        long,
+        value_parser = u32_in(64..=16_384),
+        default_value = "512,1024,2048,4096",
+        value_delimiter = ','
+    )]
     pub ct: Vec<u32>,
-    /// Measurements of each primitive per point (the median is compared).
-    #[arg(long, default_value_t = 7)]
+    /// Measurements of each primitive per point (the median is compared; 1 to 100).
+    #[arg(long, value_parser = usize_in(1..=100), default_value_t = 7)]
     pub reps: usize,
     /// Who progresses the engines (see `kvroute holder --progress`).
     #[arg(long, value_enum, default_value = "thread")]

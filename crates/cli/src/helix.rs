@@ -93,6 +93,11 @@ pub struct HelixRunReport {
     pub roofline: RooflineRow,
 }
 
+/// The KV tokens a run may hold, every request's context and steps together: the ranks' shards
+/// and the single-rank reference each hold all of them. Measured with the GQA layer (the
+/// larger): 2^19 tokens peak at 2.1 GB resident; 2^20 aborted in an 8 GB address space.
+const MAX_KV_TOKENS: u64 = 1 << 19;
+
 fn shape_of(args: &HelixRunArgs) -> Shape {
     match args.model {
         HelixModel::Mla => Shape::deepseek_v3_scaled(args.moe),
@@ -126,6 +131,13 @@ fn config_of(args: &HelixRunArgs) -> Result<HelixConfig> {
     config.validate()?;
     if args.steps == 0 {
         bail!("--steps must be at least 1");
+    }
+    let tokens = args.batch as u64 * (args.ctx + args.steps as u64);
+    if tokens > MAX_KV_TOKENS {
+        bail!(
+            "--batch x (--ctx + --steps) = {tokens} tokens of KV: at most {MAX_KV_TOKENS} (the \
+             ranks' shards and the reference hold them all in memory)"
+        );
     }
     Ok(config)
 }

@@ -99,24 +99,12 @@ fn text_output_names_the_choice_and_says_local_is_modelled() {
     assert!(text.contains("not a measurement"), "{text}");
 }
 
-/// Bad values reach the cost model and come back as its typed error: exit 1, a message on
-/// stderr naming the parameter, and with --json an {"error": ...} object on stdout.
+/// Values each in range but wrong together reach the cost model and come back as its typed
+/// error: exit 1, a message on stderr naming the parameter, and with --json an
+/// {"error": ...} object on stdout.
 #[test]
 fn bad_input_exits_non_zero_with_the_typed_error() {
     let cases = [
-        ("predict --mq 0 --ct 2048", "mq_rows"),
-        (
-            "predict --mq 1 --ct 2048 --probe-us nan --bw-gbps 25",
-            "probe_us",
-        ),
-        (
-            "predict --mq 1 --ct 2048 --probe-us 16 --bw-gbps -25",
-            "bw_gbps",
-        ),
-        (
-            "predict --mq 1 --ct 2048 --probe-us 16 --bw-gbps inf",
-            "bw_gbps",
-        ),
         (
             "predict --mq 1 --ct 1024 --topk 2048",
             "exceeds the 1024-token chunk",
@@ -129,9 +117,12 @@ fn bad_input_exits_non_zero_with_the_typed_error() {
             "predict --mq 1 --ct 2048 --flows 4 --probe-us 1 --bw-gbps 1",
             "link capacity",
         ),
-        ("plan prfaas --sigma 0", "sigma"),
-        ("plan prfaas --decode-tps 0", "--decode-tps"),
-        ("plan helix --tpa 0", "tpa"),
+        ("plan prfaas --min-tokens 200000", "truncation range"),
+        ("plan prfaas --n-pd 1", "2 instances"),
+        (
+            "plan prfaas --threshold 4096 --np 9",
+            "exceeds the PD cluster's 8 instances",
+        ),
     ];
     for (command, needle) in cases {
         let args: Vec<&str> = command.split_whitespace().collect();
@@ -145,6 +136,44 @@ fn bad_input_exits_non_zero_with_the_typed_error() {
         let out = kvroute(&[args.as_slice(), &["--json"]].concat());
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert!(v["error"].as_str().unwrap().contains(needle), "{command}");
+    }
+}
+
+/// A value outside the range a flag documents (a zero count, a NaN, an infinite or negative
+/// bandwidth) is clap's usage error, before anything runs: exit 2, the flag and its range on
+/// stderr, nothing on stdout even with --json.
+#[test]
+fn out_of_range_values_are_usage_errors_naming_the_flag() {
+    let cases = [
+        ("predict --mq 0 --ct 2048", "--mq"),
+        (
+            "predict --mq 1 --ct 2048 --probe-us nan --bw-gbps 25",
+            "--probe-us",
+        ),
+        (
+            "predict --mq 1 --ct 2048 --probe-us 16 --bw-gbps -25",
+            "--bw-gbps",
+        ),
+        (
+            "predict --mq 1 --ct 2048 --probe-us 16 --bw-gbps inf",
+            "--bw-gbps",
+        ),
+        ("plan prfaas --sigma 0", "--sigma"),
+        ("plan prfaas --decode-tps 0", "--decode-tps"),
+        ("plan helix --tpa 0", "--tpa"),
+        ("helix run --steps 18446744073709551615", "--steps"),
+        ("simulate prfaas --h20-slowdown 1e308", "--h20-slowdown"),
+    ];
+    for (command, flag) in cases {
+        let args: Vec<&str> = command.split_whitespace().collect();
+        let out = kvroute(&[args.as_slice(), &["--json"]].concat());
+        assert_eq!(out.status.code(), Some(2), "{command}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains(flag) && stderr.contains("is not in"),
+            "{command}: {stderr}"
+        );
+        assert!(out.stdout.is_empty(), "{command}");
     }
 }
 
@@ -443,8 +472,10 @@ fn kernel_gpu_info_names_the_gpu_or_says_why_there_is_none() {
     }
 }
 
+/// A probe and a bandwidth whose costs would overflow to infinity are refused before any
+/// pricing (the cost model's own refusal of a non-finite cost is tested in its crate).
 #[test]
-fn predict_refuses_parameters_whose_costs_are_not_finite() {
+fn predict_refuses_a_probe_and_bandwidth_outside_their_ranges() {
     let out = kvroute(&[
         "predict",
         "--mq",
@@ -457,16 +488,10 @@ fn predict_refuses_parameters_whose_costs_are_not_finite() {
         "1e-308",
         "--json",
     ]);
-    assert!(!out.status.success(), "exit 0 on an infinite cost");
-    // With --json the error is the JSON printed: no cost, no decision.
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON document");
-    assert!(
-        v["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("not a finite number")),
-        "{v}"
-    );
-    assert!(v.get("decision").is_none(), "{v}");
+    assert_eq!(out.status.code(), Some(2), "exit 0 on an infinite cost");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--probe-us"), "{stderr}");
+    assert!(out.stdout.is_empty(), "no cost, no decision");
 }
 
 fn scratch(name: &str) -> std::path::PathBuf {
@@ -672,17 +697,17 @@ fn simulate_dualpath_runs_every_policy_with_ratios_and_plots() {
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
-    // Bad input: typed errors, exit 1.
-    for bad in [
-        &["--snic-gbps", "-400"][..],
-        &["--prefill-nodes", "0"],
-        &["--policy", "fastest"],
-        &["--trace", "/nonexistent.jsonl"],
+    // Bad input: out of range, a usage error (exit 2); otherwise a typed error (exit 1).
+    for (bad, code) in [
+        (&["--snic-gbps", "-400"][..], 2),
+        (&["--prefill-nodes", "0"], 2),
+        (&["--policy", "fastest"], 1),
+        (&["--trace", "/nonexistent.jsonl"], 1),
     ] {
         let mut args = vec!["simulate", "dualpath", "--agents", "4"];
         args.extend_from_slice(bad);
         let out = kvroute(&args);
-        assert_eq!(out.status.code(), Some(1), "{bad:?}");
+        assert_eq!(out.status.code(), Some(code), "{bad:?}");
         assert!(!out.stderr.is_empty());
     }
 }
@@ -723,7 +748,7 @@ fn simulate_prfaas_reports_both_readings_and_a_trace() {
     assert!(t["trace"]["sustainable"][0]["kept_up"].as_bool().unwrap());
     assert!(t["trace"]["throughput_ratio"]["vs_homogeneous"].is_number());
     let out = kvroute(&["simulate", "prfaas", "--h20-slowdown", "nan"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
 }
 
 #[test]
@@ -842,5 +867,5 @@ fn verify_predicate_predicts_then_measures_route_and_fetch() {
         assert_eq!(&bytes[..4], b"\x89PNG", "{png}");
     }
     let out = kvroute(&["verify-predicate", "--mq", "0"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
 }

@@ -151,12 +151,15 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
         Lifeline::Stdin => None,
     };
     let (engine, _) = fabric_engine_with(&args.provider.parse()?, args.progress)?;
+    let defaults = HolderConfig::default();
     let config = HolderConfig {
         backend,
         max_requesters: args.max_requesters,
+        // Every session needs its control connection.
+        max_connections: defaults.max_connections.max(args.max_requesters),
         slot_bytes: args.slot_bytes,
         reply_bytes: args.slot_bytes,
-        ..HolderConfig::default()
+        ..defaults
     };
     let held = HeldChunks::generate(&engine, &spec, &chunks)?;
     let listener =

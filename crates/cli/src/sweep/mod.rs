@@ -222,8 +222,8 @@ pub(crate) fn run(args: &SweepArgs) -> Result<SweepReport> {
         args.ct
             .iter()
             .chain([&args.route_ct])
-            .all(|&c| (1..=1 << 17).contains(&c)),
-        "--ct and --route-ct values are 1 to 131072"
+            .all(|&c| (1..=1 << 14).contains(&c)),
+        "--ct and --route-ct values are 1 to 16384"
     );
     ensure!(
         args.concurrency.iter().all(|&n| (1..=1024).contains(&n)),
