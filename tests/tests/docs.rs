@@ -70,13 +70,22 @@ fn every_named_document_exists() {
     let root = root();
     let mut all = Vec::new();
     files(&root, &mut all);
-    assert!(all.len() > 100, "found {} files under {}", all.len(), root.display());
+    assert!(
+        all.len() > 100,
+        "found {} files under {}",
+        all.len(),
+        root.display()
+    );
     let mut dangling = Vec::new();
     for path in &all {
         let Ok(text) = std::fs::read_to_string(path) else {
             continue;
         };
-        let shown = path.strip_prefix(&root).unwrap_or(path).display().to_string();
+        let shown = path
+            .strip_prefix(&root)
+            .unwrap_or(path)
+            .display()
+            .to_string();
         // This file names the patterns it looks for.
         if shown.ends_with("tests/docs.rs") {
             continue;
@@ -95,10 +104,16 @@ fn every_named_document_exists() {
             }
         }
         if text.contains("DESIGN \"") {
-            dangling.push(format!("{shown}: a DESIGN document (not in the repository)"));
+            dangling.push(format!(
+                "{shown}: a DESIGN document (not in the repository)"
+            ));
         }
     }
-    assert!(dangling.is_empty(), "dangling references:\n{}", dangling.join("\n"));
+    assert!(
+        dangling.is_empty(),
+        "dangling references:\n{}",
+        dangling.join("\n")
+    );
 }
 
 #[test]
