@@ -218,6 +218,27 @@ pub struct CostBreakdown {
     pub wire_bytes_per_rank: f64,
 }
 
+/// Term by term, the cost of doing both (one after the other).
+impl std::ops::Add for CostBreakdown {
+    type Output = Self;
+
+    fn add(self, b: Self) -> Self {
+        Self {
+            probe_us: self.probe_us + b.probe_us,
+            turnaround_us: self.turnaround_us + b.turnaround_us,
+            transfer_us: self.transfer_us + b.transfer_us,
+            compute_us: self.compute_us + b.compute_us,
+            return_us: self.return_us + b.return_us,
+            merge_us: self.merge_us + b.merge_us,
+            splice_us: self.splice_us + b.splice_us,
+            gather_us: self.gather_us + b.gather_us,
+            transport_total_us: self.transport_total_us + b.transport_total_us,
+            wire_bytes: self.wire_bytes + b.wire_bytes,
+            wire_bytes_per_rank: self.wire_bytes_per_rank + b.wire_bytes_per_rank,
+        }
+    }
+}
+
 impl CostBreakdown {
     /// The terms with their names, in the order of the decomposition.
     #[inline]

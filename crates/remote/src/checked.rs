@@ -531,7 +531,7 @@ impl<'a> CheckedRun<'a> {
                     && !chunks.contains(&d.chunk)
                 {
                     chunks.push(d.chunk);
-                    priced = add(&priced, &b);
+                    priced = priced + b;
                 }
             }
             if !chunks.is_empty() {
@@ -582,28 +582,11 @@ fn said(hows: &[How]) -> String {
 /// Two pairs' prices as one request: the fabric's fixed cost (probe and turnaround) once,
 /// every other term summed.
 fn add_once_fixed(a: &CostBreakdown, b: &CostBreakdown) -> CostBreakdown {
-    let mut sum = add(a, b);
+    let mut sum = *a + *b;
     sum.probe_us = a.probe_us.max(b.probe_us);
     sum.turnaround_us = a.turnaround_us.max(b.turnaround_us);
     sum.transport_total_us = sum.transport_us();
     sum
-}
-
-/// The field-wise sum of two prices.
-fn add(a: &CostBreakdown, b: &CostBreakdown) -> CostBreakdown {
-    CostBreakdown {
-        probe_us: a.probe_us + b.probe_us,
-        turnaround_us: a.turnaround_us + b.turnaround_us,
-        transfer_us: a.transfer_us + b.transfer_us,
-        compute_us: a.compute_us + b.compute_us,
-        return_us: a.return_us + b.return_us,
-        merge_us: a.merge_us + b.merge_us,
-        splice_us: a.splice_us + b.splice_us,
-        gather_us: a.gather_us + b.gather_us,
-        transport_total_us: a.transport_total_us + b.transport_total_us,
-        wire_bytes: a.wire_bytes + b.wire_bytes,
-        wire_bytes_per_rank: a.wire_bytes_per_rank + b.wire_bytes_per_rank,
-    }
 }
 
 /// The largest absolute difference of two partials' o; infinite where their shapes differ or
