@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use kvroute_transport::file::{Links, create_new, read_bounded};
+use kvroute_transport::file::{Links, create_replacing, read_bounded};
 
 use crate::error::{HelixError, Result};
 use crate::exchange::PeerInfo;
@@ -119,8 +119,7 @@ impl Rendezvous for DirRendezvous {
             .dir
             .join(format!(".rank-{rank}.{}.tmp", std::process::id()));
         let json = serde_json::to_vec(&me).map_err(|e| HelixError::Rendezvous(e.to_string()))?;
-        let _ = std::fs::remove_file(&tmp);
-        create_new(&tmp)
+        create_replacing(&tmp)
             .and_then(|mut f| std::io::Write::write_all(&mut f, &json))
             .map_err(|e| io("writing", e))?;
         std::fs::rename(&tmp, self.path(rank)).map_err(|e| io("publishing", e))?;

@@ -43,7 +43,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{File, OpenOptions};
 
-use kvroute_transport::file::{Links, create_new, open_regular, read_bounded};
+use kvroute_transport::file::{Links, create_replacing, open_regular, read_bounded};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -851,15 +851,9 @@ fn rewrite_manifest<'a>(
         .map_err(io("opening", &path))
 }
 
-/// Creates temporary file `tmp` for writing, removing a stale one (a crash's partial write, or
-/// a link planted in its place: the link is removed, its target never written).
+/// Creates temporary file `tmp` for writing, removing a stale one (never written through).
 fn create_fresh(tmp: &Path) -> Result<File, StorageError> {
-    match std::fs::remove_file(tmp) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(io("removing", tmp)(e)),
-    }
-    create_new(tmp).map_err(io("creating", tmp))
+    create_replacing(tmp).map_err(io("creating", tmp))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), StorageError> {

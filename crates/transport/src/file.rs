@@ -92,6 +92,18 @@ pub fn create_new(path: &Path) -> io::Result<File> {
         .open(path)
 }
 
+/// [`create_new`] after removing what was at `path` (a crash's partial write, or a link
+/// planted there: the link is removed, its target never written); a directory there is an
+/// error.
+pub fn create_replacing(path: &Path) -> io::Result<File> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    create_new(path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
