@@ -936,6 +936,10 @@ pub struct DemoArgs {
     /// between replicas).
     #[arg(long, default_value = "cpu")]
     pub holder_backend: String,
+    /// The holders serve from a paged KV cache of blocks of this many tokens, as
+    /// `kvroute holder --block-tokens` (1 to 65536); default: contiguous full blocks.
+    #[arg(long, value_parser = usize_in(1..=65_536))]
+    pub holder_block_tokens: Option<usize>,
 }
 
 /// Which synthetic corpus: a `CorpusSpec` as JSON, or DeepSeek-V2-Lite's of the sizes given.
@@ -1000,6 +1004,11 @@ pub struct HolderArgs {
     /// avx512, avx2 or scalar.
     #[arg(long, default_value = "cpu")]
     pub backend: String,
+    /// Serve the chunks out of a paged KV cache of blocks of this many tokens, scattered over
+    /// the pool as an engine's allocator leaves them (1 to 65536); default: each chunk one
+    /// contiguous full block.
+    #[arg(long, value_parser = usize_in(1..=65_536))]
+    pub block_tokens: Option<usize>,
 }
 
 /// What keeps a holder serving.

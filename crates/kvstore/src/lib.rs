@@ -56,7 +56,7 @@ pub use error::StoreError;
 pub use layout::{BlockLayout, FullBlock, LayerBlock, PAGE_BYTES, ROW_BYTES, concat_layers};
 pub use pool::PagedPool;
 pub use prefix::{BlockKey, CacheError, Eviction, PrefixCache};
-pub use registry::{ChunkEntry, ChunkId, ChunkRegistry};
+pub use registry::{ChunkEntry, ChunkId, ChunkRegistry, MAX_BLOCK_TOKENS};
 pub use staging::{StagingError, StagingRegion};
 pub use storage::{BlockStore, StorageError};
 pub use trace::{ReplayConfig, ReplayReport, TraceReader, TraceRecord, replay};

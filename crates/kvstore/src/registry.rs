@@ -22,6 +22,9 @@ impl std::fmt::Display for ChunkId {
     }
 }
 
+/// The largest block of a paged KV cache a chunk may be served from, tokens.
+pub const MAX_BLOCK_TOKENS: u32 = 1 << 16;
+
 /// One holder's copy of a chunk: enough to route a query to it or to fetch its blocks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkEntry {
@@ -31,8 +34,13 @@ pub struct ChunkEntry {
     pub holder: NetAddr,
     /// The registered region the chunk's full block lies in.
     pub desc: MrDesc,
-    /// Byte offset of the full block inside `desc`.
+    /// Byte offset of the full block inside `desc` (0 for a paged chunk).
     pub offset: u64,
+    /// Tokens per block of the holder's paged KV cache the chunk is served from, or 0 where
+    /// it lies as one full block at `offset`. A fetch's writes follow the blocks, so the
+    /// requester counts its arrivals from this (`kvroute_remote::wire::fetch_pieces`).
+    #[serde(default)]
+    pub block_tokens: u32,
     /// Layers and tokens.
     pub layout: BlockLayout,
     /// How the RoPE band pairs up.
@@ -56,9 +64,16 @@ impl ChunkEntry {
         if self.positions.iter().any(|&p| p < 0) {
             return Err(bad("negative stored position"));
         }
-        let end = self.offset.checked_add(self.layout.full_bytes() as u64);
-        if end.is_none_or(|end| end > self.desc.len) {
-            return Err(bad("full block outside its region"));
+        if self.block_tokens > MAX_BLOCK_TOKENS {
+            return Err(bad("paged block larger than 65536 tokens"));
+        }
+        if self.block_tokens == 0 {
+            let end = self.offset.checked_add(self.layout.full_bytes() as u64);
+            if end.is_none_or(|end| end > self.desc.len) {
+                return Err(bad("full block outside its region"));
+            }
+        } else if self.offset != 0 {
+            return Err(bad("a paged chunk has no full-block offset"));
         }
         if self.holder.validate().is_err() {
             return Err(bad("malformed holder address"));
@@ -172,6 +187,7 @@ mod tests {
                 }],
             },
             offset: 0,
+            block_tokens: 0,
             layout,
             rope_layout: RopeLayout::Interleaved,
             positions: (0..i64::from(tokens)).collect(),
@@ -208,6 +224,14 @@ mod tests {
         let mut e = entry(1, 1, 64);
         e.offset = u64::MAX;
         assert!(e.validate().is_err(), "offset overflow");
+        let mut e = entry(1, 1, 64);
+        e.block_tokens = 16;
+        assert!(e.validate().is_ok(), "a paged chunk");
+        e.offset = 64;
+        assert!(e.validate().is_err(), "a paged chunk with an offset");
+        e.offset = 0;
+        e.block_tokens = MAX_BLOCK_TOKENS + 1;
+        assert!(e.validate().is_err(), "an absurd block size");
         let mut e = entry(1, 1, 64);
         e.positions.pop();
         assert!(e.validate().is_err());

@@ -50,6 +50,7 @@ fn chunk(id: u32, h: &HolderRecord, replica: u32) -> ChunkRecord {
                 }],
             },
             offset: 0,
+            block_tokens: 0,
             layout,
             rope_layout: RopeLayout::Interleaved,
             positions: (0..64).collect(),

@@ -43,7 +43,7 @@ pub mod step;
 pub mod wire;
 
 pub use background::{BackgroundRequester, OwnedCall, Reply};
-pub use chunks::{HeldChunk, HeldChunks};
+pub use chunks::{HeldChunk, HeldChunks, Placement};
 pub use error::{RemoteError, RouteError};
 pub use holder::{Holder, HolderConfig};
 pub use requester::{

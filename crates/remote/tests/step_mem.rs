@@ -7,6 +7,7 @@
 
 mod common;
 
+use std::net::TcpListener;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -22,7 +23,7 @@ use kvroute_remote::step::{
     BackgroundStepper, CalibrationInputs, ChunkRef, How, LocalKv, OwnedChunkRef, OwnedLocalKv,
     OwnedStepRequest, Picks, StepConfig, StepError, StepRequest, Stepper, calibrate,
 };
-use kvroute_remote::{Holder, HolderConfig, RequesterConfig};
+use kvroute_remote::{HeldChunks, Holder, HolderConfig, RequesterConfig};
 use kvroute_transport::{FabricConfig, MemFabric, ProviderChoice, TransferEngine};
 
 const SCALE: f32 = 0.1147;
@@ -462,6 +463,55 @@ fn a_batch_of_requests_matches_one_instance_per_request() -> Result<()> {
             };
             assert!(hows.iter().all(|h| want.contains(h)), "{what}: {hows:?}");
             drop(st.into_requester());
+        }
+    }
+    Ok(())
+}
+
+/// Holders serving straight out of a paged KV cache (blocks of 16, 64 and 256 tokens, the
+/// chunks' 200 tokens a multiple of none, blocks scattered over the pool): every primitive
+/// forced, dense and sparse, and each request's output is still its whole context's
+/// attention (a block table misread would attend other rows).
+#[test]
+fn holders_serving_from_paged_kv_match_one_instance_at_every_block_size() -> Result<()> {
+    let fabric = MemFabric::new();
+    for block in [16usize, 64, 256] {
+        let paged = |chunks: &[u32], seed: u64| -> Result<Holder> {
+            let engine = Net::Mem(&fabric).engine()?;
+            let ids: Vec<ChunkId> = chunks.iter().map(|&c| ChunkId(c)).collect();
+            let held = HeldChunks::generate_paged(&engine, &spec(), &ids, block, seed)?;
+            assert!(
+                held.chunks()
+                    .iter()
+                    .all(|c| c.block_tokens() == block as u32)
+            );
+            let config = HolderConfig {
+                max_requesters: 4,
+                slot_bytes: 1 << 20,
+                reply_bytes: 1 << 20,
+                ..HolderConfig::default()
+            };
+            Ok(Holder::start(
+                engine,
+                TcpListener::bind("127.0.0.1:0")?,
+                held,
+                config,
+            )?)
+        };
+        let (a, b) = (paged(&[0, 1], 1)?, paged(&[2, 3], 2)?);
+        for sparse in [false, true] {
+            for force in [Primitive::Route, Primitive::Fetch] {
+                let mut st = stepper(&fabric, &[&a, &b], Some(force), 8)?;
+                let what = format!("blocks of {block}, sparse {sparse}, forced {force:?}");
+                let hows = run_and_check(&mut st, &Batch::new(sparse, 11), &what)?;
+                let want = match (force, sparse) {
+                    (Primitive::Route, _) => vec![How::Route],
+                    (_, false) => vec![How::Fetch, How::Cached],
+                    (_, true) => vec![How::Gather],
+                };
+                assert!(hows.iter().all(|h| want.contains(h)), "{what}: {hows:?}");
+                drop(st.into_requester());
+            }
         }
     }
     Ok(())

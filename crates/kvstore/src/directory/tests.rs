@@ -41,6 +41,7 @@ fn chunk(id: u32, h: &HolderRecord, replica: u32, tokens: u32) -> ChunkRecord {
                 }],
             },
             offset: 0,
+            block_tokens: 0,
             layout,
             rope_layout: RopeLayout::Interleaved,
             positions: (0..i64::from(tokens)).collect(),

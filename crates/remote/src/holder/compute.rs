@@ -6,9 +6,9 @@
 use std::collections::BTreeMap;
 
 use kvroute_kernels::cuda::{DevicePool, Gpu};
-use kvroute_kernels::layout::{D_QK, PAGE_TOKENS};
+use kvroute_kernels::layout::PAGE_TOKENS;
 use kvroute_kernels::{
-    Backend, Cache, Call, DecodeRequest, Queries, Selection, WireOut, partial_dense_wire,
+    Backend, Call, DecodeRequest, Queries, Selection, WireOut, partial_dense_wire,
     partial_sparse_wire,
 };
 use kvroute_kvstore::ChunkId;
@@ -109,7 +109,6 @@ impl Compute {
     /// the groups one by one, which names what is wrong.
     pub(super) fn batch_wire(
         &self,
-        chunks: &HeldChunks,
         calls: &[GroupCall<'_>],
         scale: f32,
         out: &mut WireOut<'_>,
@@ -120,7 +119,8 @@ impl Compute {
         let mut tables = Vec::with_capacity(calls.len());
         let mut tokens = Vec::with_capacity(calls.len());
         for c in calls {
-            let n = chunks.block(c.held)?.layer(c.layer)?.tokens();
+            let n = c.held.layout.tokens as usize;
+            c.held.layout.layer_offset(c.layer)?;
             tables.push(Self::table(gpu, c.held, c.layer, n)?);
             tokens.push(n);
         }
@@ -163,8 +163,8 @@ impl Compute {
         scale: f32,
         out: &mut WireOut<'_>,
     ) -> Result<usize, RemoteError> {
-        let block = chunks.block(held)?.layer(layer)?;
-        let tokens = tokens.map_or(block.tokens(), |t| t.min(block.tokens()));
+        let cache = chunks.layer_cache(held, layer, tokens)?;
+        let tokens = cache.tokens();
         let sel = sel
             .map(|(indices, k, rows_per_token)| {
                 Selection::new(indices, k, rows_per_token, q.len(), tokens)
@@ -184,7 +184,6 @@ impl Compute {
                     other => other,
                 })?;
         } else {
-            let cache = Cache::contiguous(&block.rows()[..tokens * D_QK])?;
             match &sel {
                 None => partial_dense_wire(self.backend, q, &cache, scale, out)?,
                 Some(sel) => partial_sparse_wire(self.backend, q, &cache, sel, scale, out)?,
@@ -197,10 +196,12 @@ impl Compute {
 /// Every held chunk's full block, uploaded to `gpu` as one pool.
 fn upload(gpu: &'static Gpu, chunks: &HeldChunks) -> Result<Resident, RemoteError> {
     let held: Vec<&HeldChunk> = chunks.chunks().iter().collect();
-    let parts = held
+    // A paged chunk is assembled into a full block first: the GPU holds its own copy.
+    let copies = held
         .iter()
-        .map(|h| Ok(chunks.block(h)?.elems()))
+        .map(|h| chunks.full_copy(h))
         .collect::<Result<Vec<_>, RemoteError>>()?;
+    let parts: Vec<&[u16]> = copies.iter().map(Vec::as_slice).collect();
     let (pool, firsts) = gpu.upload_pool_parts(&parts, PAGE_TOKENS)?;
     let first = held.iter().map(|h| h.id).zip(firsts).collect();
     Ok(Resident { gpu, pool, first })

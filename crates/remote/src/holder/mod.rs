@@ -217,8 +217,12 @@ fn calibrate_on(chunks: &HeldChunks, compute: &Compute) -> Result<HolderCompute,
         .chunks()
         .first()
         .ok_or_else(|| RemoteError::Config("a holder needs chunks".into()))?;
-    let layer = chunks.block(first)?.layer(0)?;
-    calibrate_with(layer.rows(), |q, tokens, out| {
+    let layer = chunks.layer_cache(first, 0, None)?;
+    let rows: Vec<u16> = (0..layer.tokens())
+        .flat_map(|t| layer.row(t))
+        .copied()
+        .collect();
+    calibrate_with(&rows, |q, tokens, out| {
         compute
             .partial_wire(chunks, first, (0, Some(tokens)), q, None, 0.1147, out)
             .map(drop)

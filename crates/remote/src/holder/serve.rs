@@ -408,7 +408,7 @@ impl Shared {
                         .map(|&i| self.group_call(&work[i]))
                         .collect::<Result<Vec<_>, RemoteError>>()?;
                     self.compute
-                        .batch_wire(&self.chunks, &calls, f32::from_bits(scale), &mut out)
+                        .batch_wire(&calls, f32::from_bits(scale), &mut out)
                 });
             stats.kernel_calls += 1;
             match result {

@@ -7,12 +7,14 @@ use kvroute_kvstore::{ChunkId, PAGE_BYTES, ROW_BYTES};
 use kvroute_transport::{MrDesc, MrHandle, OnDone};
 
 use super::{Session, Shared};
+use crate::chunks::Placement;
 use crate::wire::{self, Status};
 
 impl Shared {
-    /// Fetch: writes the chunk's pages (consecutive in the store) into the requester's pool
-    /// `pages`, one write per run of consecutive pool pages ([`wire::fetch_runs`]), each
-    /// carrying the session's fetch immediate. All or nothing ([`Shared::send_all`]): every
+    /// Fetch: writes the chunk's pages into the requester's pool `pages`, each write carrying
+    /// the session's fetch immediate: from a full block, one write per run of consecutive
+    /// pool pages ([`wire::fetch_runs`]); from a paged cache, one per piece of a block within
+    /// a pool page ([`wire::fetch_pieces`]). All or nothing ([`Shared::send_all`]): every
     /// run's destination is checked against the pool before the first write is sent.
     pub(super) fn fetch(&self, session: &Session, chunk: u32, pages: &[u32]) -> Status {
         let Some(held) = self.chunks.get(ChunkId(chunk)) else {
@@ -26,18 +28,33 @@ impl Shared {
             return Status::FetchRefused;
         }
         let page = PAGE_BYTES as u64;
-        let base = held.offset as u64;
-        let writes: Option<Vec<(u64, u64, u64)>> = wire::fetch_runs(pages)
-            .map(|(first, count)| {
-                let len = count as u64 * page;
-                let dst = u64::from(pages[first]).checked_mul(page)?;
-                (dst.checked_add(len)? <= pool.len).then_some((
-                    base + first as u64 * page,
-                    dst,
-                    len,
-                ))
-            })
-            .collect();
+        let writes: Option<Vec<(u64, u64, u64)>> = match held.placement {
+            Placement::Full { offset } => wire::fetch_runs(pages)
+                .map(|(first, count)| {
+                    let len = count as u64 * page;
+                    let dst = u64::from(pages[first]).checked_mul(page)?;
+                    (dst.checked_add(len)? <= pool.len).then_some((
+                        offset as u64 + first as u64 * page,
+                        dst,
+                        len,
+                    ))
+                })
+                .collect(),
+            // Paged: one write per piece of a block within a pool page, read in place.
+            Placement::Paged { .. } => wire::fetch_pieces(layout, held.block_tokens())
+                .map(|p| {
+                    let len = u64::from(p.rows) * ROW_BYTES as u64;
+                    let dst = u64::from(pages[p.page])
+                        .checked_mul(page)?
+                        .checked_add((p.row * ROW_BYTES) as u64)?;
+                    (dst.checked_add(len)? <= pool.len).then_some((
+                        held.row_offset(p.layer, p.token) as u64,
+                        dst,
+                        len,
+                    ))
+                })
+                .collect(),
+        };
         self.send_all(
             writes,
             self.chunks.store().handle(),
@@ -111,27 +128,24 @@ impl Shared {
         {
             return Status::BadIndex;
         }
-        let Ok(layer_at) = layout.layer_offset(u32::from(layer)) else {
+        if layout.layer_offset(u32::from(layer)).is_err() {
             return Status::BadLayer;
-        };
+        }
         let bytes = tokens.len() * ROW_BYTES;
         if *used + bytes > self.config.gather_bytes {
             return Status::FetchRefused;
         }
         let staged = slot * self.config.gather_bytes + *used;
-        let block = held.offset + layer_at;
         // SAFETY: this session's staging range past `used` is written only here, by the one
         // serving thread; the writes of the previous request from it have landed (the
         // requester sends a request only after every write of the last one arrived).
         let packed = unsafe { self.gather_staging.bytes_mut(staged, bytes) }
             .map_err(crate::RemoteError::from)
             .and_then(|out| {
-                let store = self
-                    .chunks
-                    .bytes(block, layout.tokens as usize * ROW_BYTES)?;
                 for (row, &t) in out.chunks_exact_mut(ROW_BYTES).zip(tokens) {
-                    let at = t as usize * ROW_BYTES;
-                    row.copy_from_slice(&store[at..at + ROW_BYTES]);
+                    // `t` was checked against the layout above.
+                    let at = held.row_offset(u32::from(layer), t as u32);
+                    row.copy_from_slice(self.chunks.bytes(at, ROW_BYTES)?);
                 }
                 Ok(())
             });

@@ -55,7 +55,8 @@ pub struct Gathered {
 
 impl Requester {
     /// Fetches `chunk` from a live holder into the pool (one write per run of consecutive
-    /// pool pages, [`wire::fetch_runs`]; one immediate expectation for the whole pull) and re-rotates it in place to `to` (the requester's
+    /// pool pages, [`wire::fetch_runs`], or where the holder serves from a paged cache, per
+    /// [`wire::fetch_pieces`]; one immediate expectation for the whole pull) and re-rotates it in place to `to` (the requester's
     /// positions for its tokens), with `rope`, the rotation the chunk was stored with.
     pub fn fetch(
         &mut self,
@@ -84,13 +85,18 @@ impl Requester {
             indices: &[],
             pages: &pages,
         };
-        let arrivals: u64 = wire::fetch_runs(&pages)
-            .map(|(_, count)| {
-                self.engine.expected_arrivals(TransferShape::SingleWrite {
-                    len: (count * PAGE_BYTES) as u64,
-                })
-            })
-            .sum();
+        let write = |len: u64| {
+            self.engine
+                .expected_arrivals(TransferShape::SingleWrite { len })
+        };
+        let arrivals: u64 = match entry.block_tokens {
+            0 => wire::fetch_runs(&pages)
+                .map(|(_, count)| write((count * PAGE_BYTES) as u64))
+                .sum(),
+            block => wire::fetch_pieces(layout, block)
+                .map(|p| write(u64::from(p.rows) * ROW_BYTES as u64))
+                .sum(),
+        };
         let reply = self.exchange(vec![(link, vec![seg], vec![arrivals])]).pop();
         let reply = reply.unwrap_or(Err(RouteError::NoHolder(chunk)));
         let seq = self.links[link].seq;

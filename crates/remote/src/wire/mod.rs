@@ -15,6 +15,7 @@
 //! and count before anything is used, and a malformed request gets a status, never a panic.
 
 use kvroute_kernels::layout::{D_QK, PAGE_TOKENS, QUERY_ROW_BYTES};
+use kvroute_kvstore::BlockLayout;
 
 /// "KVRQ", little-endian.
 pub const REQUEST_MAGIC: u32 = u32::from_le_bytes(*b"KVRQ");
@@ -245,6 +246,52 @@ pub fn fetch_runs(pages: &[u32]) -> impl Iterator<Item = (usize, usize)> + '_ {
         at += count;
         Some((first, count))
     })
+}
+
+/// The writes a fetch of a chunk served from a paged KV cache of `block_tokens`-token blocks
+/// is sent as: layer by layer, the chunk's tokens cut wherever a holder block or a requester
+/// pool page ends, so each piece is contiguous on both sides whatever the block table says
+/// (blocks below 64 tokens give several writes per pool page, blocks above it one per page).
+/// Padding rows are not sent. Holder and requester both derive them from the layout and
+/// `block_tokens` alone, so both know how many immediates come.
+pub fn fetch_pieces(layout: BlockLayout, block_tokens: u32) -> impl Iterator<Item = FetchPiece> {
+    let block = block_tokens.max(1);
+    let per_layer = layout.pages_per_layer();
+    (0..layout.layers).flat_map(move |layer| {
+        let mut token = 0u32;
+        std::iter::from_fn(move || {
+            if token >= layout.tokens {
+                return None;
+            }
+            let page_end = (token / PAGE_TOKENS as u32 + 1) * PAGE_TOKENS as u32;
+            let block_end = (token / block + 1).saturating_mul(block);
+            let end = page_end.min(block_end).min(layout.tokens);
+            let piece = FetchPiece {
+                layer,
+                token,
+                rows: end - token,
+                page: layer as usize * per_layer + token as usize / PAGE_TOKENS,
+                row: token as usize % PAGE_TOKENS,
+            };
+            token = end;
+            Some(piece)
+        })
+    })
+}
+
+/// One write of a fetch from a paged holder (see [`fetch_pieces`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FetchPiece {
+    /// The layer.
+    pub layer: u32,
+    /// The first token written.
+    pub token: u32,
+    /// Tokens written.
+    pub rows: u32,
+    /// Index into the fetch's page list of the page they land in.
+    pub page: usize,
+    /// The row of that page the first lands in.
+    pub row: usize,
 }
 
 /// Pool pages a gather of `rows` rows starting at row `first` of its first page spans.

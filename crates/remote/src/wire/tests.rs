@@ -113,7 +113,59 @@ fn fetch_runs_cover_every_page_once_in_consecutive_runs() {
     );
 }
 
+#[test]
+fn fetch_pieces_cut_at_both_block_and_page_ends() {
+    let layout = BlockLayout::new(2, 150).unwrap_or_else(|e| panic!("{e}"));
+    let cuts = |b: u32| {
+        fetch_pieces(layout, b)
+            .filter(|p| p.layer == 1)
+            .map(|p| (p.token, p.rows, p.page, p.row))
+            .collect::<Vec<_>>()
+    };
+    // 16-token blocks: four writes per 64-token page, the last one short (150 = 9 x 16 + 6).
+    assert_eq!(cuts(16).len(), 10);
+    assert_eq!(cuts(16)[4], (64, 16, 4, 0));
+    assert_eq!(cuts(16)[9], (144, 6, 5, 16));
+    // 100-token blocks: cut at 64, 100, 128.
+    assert_eq!(
+        cuts(100),
+        vec![
+            (0, 64, 3, 0),
+            (64, 36, 4, 0),
+            (100, 28, 4, 36),
+            (128, 22, 5, 0)
+        ]
+    );
+    // 256-token blocks: one write per page.
+    assert_eq!(
+        cuts(256),
+        vec![(0, 64, 3, 0), (64, 64, 4, 0), (128, 22, 5, 0)]
+    );
+}
+
 proptest! {
+    /// Any layout and block size: the pieces tile every layer's tokens in order, each within
+    /// one holder block and one pool page.
+    #[test]
+    fn fetch_pieces_tile_every_layer(layers in 1u32..4, tokens in 1u32..700, block in 1u32..300) {
+        let layout = BlockLayout::new(layers, tokens).unwrap_or_else(|e| panic!("{e}"));
+        let mut next = (0u32, 0u32);
+        for p in fetch_pieces(layout, block) {
+            if p.token == 0 && next.1 == tokens {
+                next = (next.0 + 1, 0);
+            }
+            prop_assert_eq!((p.layer, p.token), next);
+            prop_assert!(p.rows >= 1);
+            let last = p.token + p.rows - 1;
+            prop_assert_eq!(p.token / block, last / block);
+            prop_assert_eq!(p.token / 64, last / 64);
+            prop_assert_eq!(p.page, (p.layer as usize) * layout.pages_per_layer() + p.token as usize / 64);
+            prop_assert_eq!(p.row, p.token as usize % 64);
+            next = (p.layer, p.token + p.rows);
+        }
+        prop_assert_eq!(next, (layers - 1, tokens));
+    }
+
     /// Any page list: the runs tile it in order, each run's pages are consecutive, and
     /// two neighbouring runs could not have been one (unless the first is full).
     #[test]
