@@ -16,8 +16,6 @@
 //! chunk, gathered rows); each layer call's route round and each step's fetches are timed and
 //! shown beside the selector's price of the same work.
 
-use std::collections::BTreeMap;
-
 use kvroute_costmodel::{CostBreakdown, Primitive};
 use kvroute_kernels::{
     Backend, Cache, KernelError, Partial, Queries, Rope, Selection, SpliceJob, partial_dense,
@@ -478,63 +476,32 @@ impl<'a> CheckedRun<'a> {
                 }),
             }
         }
-        // The route round: every routed pair of the layer in one round, one staged request
-        // per holder and the holders in parallel. A holder's request is priced as its pairs'
-        // prices summed but for the fabric's fixed cost (probe and turnaround), paid once;
-        // the round as its slowest holder's.
+        // The route round, priced as it ran (`StepReport::priced_route_round`).
         if report.route_us > 0.0 {
             self.report.route_us.push(report.route_us);
-            let mut per_holder: BTreeMap<usize, (usize, CostBreakdown)> = BTreeMap::new();
-            for d in report.decisions.iter().filter(|d| d.how == How::Route) {
-                if let (Some(h), Some(b)) = (d.holder, d.predicted) {
-                    let e = per_holder.entry(h).or_default();
-                    e.0 += 1;
-                    e.1 = add_once_fixed(&e.1, &b);
-                }
-            }
-            let slowest = per_holder
-                .into_iter()
-                .max_by(|a, b| a.1.1.total_us().total_cmp(&b.1.1.total_us()));
-            if let Some((h, (pairs, priced))) = slowest {
-                let routed = report
-                    .decisions
-                    .iter()
-                    .filter(|d| d.how == How::Route)
-                    .count();
+            if let Some(round) = report.priced_route_round() {
                 self.report.timings.push(Timing {
                     step,
                     kind: "route round (one layer; one request per holder, holders in parallel)",
-                    holder: Some(addr(stepper, h)),
-                    what: format!("{routed} routed pairs, {pairs} on the slowest-priced holder"),
+                    holder: Some(addr(stepper, round.holder)),
+                    what: format!(
+                        "{} routed pairs, {} on the slowest-priced holder",
+                        round.routed, round.pairs
+                    ),
                     primitive: Primitive::Route,
-                    predicted_us: priced.total_us(),
+                    predicted_us: round.price.total_us(),
                     measured_us: report.route_us,
-                    predicted: priced,
+                    predicted: round.price,
                 });
             }
         }
         if report.gather_us > 0.0 {
             self.report.gather_us.push(report.gather_us);
         }
-        let fetched: Vec<_> = report
-            .decisions
-            .iter()
-            .filter(|d| d.how == How::Fetch)
-            .collect();
-        if first_layer && !fetched.is_empty() && report.fetch_us > 0.0 {
-            self.report.fetch_us.push(report.fetch_us);
+        if first_layer && report.fetch_us > 0.0 {
             // Each chunk is fetched once, whichever requests attend it.
-            let mut chunks: Vec<ChunkId> = Vec::new();
-            let mut priced = CostBreakdown::default();
-            for d in fetched {
-                if let Some(b) = d.predicted
-                    && !chunks.contains(&d.chunk)
-                {
-                    chunks.push(d.chunk);
-                    priced = priced + b;
-                }
-            }
-            if !chunks.is_empty() {
+            if let Some((chunks, priced)) = report.priced_fetches() {
+                self.report.fetch_us.push(report.fetch_us);
                 self.report.timings.push(Timing {
                     step,
                     kind: "fetches (each chunk once, every layer, spliced)",
@@ -577,16 +544,6 @@ fn said(hows: &[How]) -> String {
     .map(|(h, what)| format!("{} {what}", count(*h)))
     .collect();
     parts.join(", ")
-}
-
-/// Two pairs' prices as one request: the fabric's fixed cost (probe and turnaround) once,
-/// every other term summed.
-fn add_once_fixed(a: &CostBreakdown, b: &CostBreakdown) -> CostBreakdown {
-    let mut sum = *a + *b;
-    sum.probe_us = a.probe_us.max(b.probe_us);
-    sum.turnaround_us = a.turnaround_us.max(b.turnaround_us);
-    sum.transport_total_us = sum.transport_us();
-    sum
 }
 
 /// The largest absolute difference of two partials' o; infinite where their shapes differ or

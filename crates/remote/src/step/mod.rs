@@ -102,8 +102,8 @@ use kvroute_kvstore::ChunkId;
 pub use background::{BackgroundStepper, OwnedChunkRef, OwnedLocalKv, OwnedStepRequest};
 pub use calibrate::{Calibrated, CalibrationInputs, calibrate, memcpy_gbps};
 pub use types::{
-    ChunkRef, Decided, How, LocalKv, Picks, StepConfig, StepError, StepOutput, StepReport,
-    StepRequest, StepStats,
+    ChunkRef, Decided, How, LocalKv, Picks, RoundPrice, StepConfig, StepError, StepOutput,
+    StepReport, StepRequest, StepStats,
 };
 
 use crate::requester::Requester;

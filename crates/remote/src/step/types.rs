@@ -222,6 +222,75 @@ pub struct StepReport {
     pub lost: Vec<(usize, String)>,
 }
 
+/// The selector's price of a step's route round, comparable with [`StepReport::route_us`].
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct RoundPrice {
+    /// The holder (the requester's index) whose request was priced slowest.
+    pub holder: usize,
+    /// Routed pairs on it.
+    pub pairs: usize,
+    /// Routed pairs of the round, on every holder.
+    pub routed: usize,
+    /// Its price, term by term.
+    pub price: CostBreakdown,
+}
+
+impl StepReport {
+    /// The route round priced as it ran: every routed pair of the step in one round, one
+    /// staged request per holder and the holders in parallel. A holder's request is priced
+    /// as its pairs' prices summed but for the fabric's fixed cost (probe and turnaround),
+    /// paid once; the round as its slowest holder's. `None` without routes (or prices).
+    pub fn priced_route_round(&self) -> Option<RoundPrice> {
+        let mut per_holder: std::collections::BTreeMap<usize, (usize, CostBreakdown)> =
+            std::collections::BTreeMap::new();
+        let routed = self.decisions.iter().filter(|d| d.how == How::Route);
+        for d in routed.clone() {
+            if let (Some(h), Some(b)) = (d.holder, d.predicted) {
+                let e = per_holder.entry(h).or_default();
+                e.0 += 1;
+                e.1 = add_once_fixed(&e.1, &b);
+            }
+        }
+        let routed = routed.count();
+        per_holder
+            .into_iter()
+            .max_by(|a, b| a.1.1.total_us().total_cmp(&b.1.1.total_us()))
+            .map(|(holder, (pairs, price))| RoundPrice {
+                holder,
+                pairs,
+                routed,
+                price,
+            })
+    }
+
+    /// The step's fetches priced as they ran, comparable with [`StepReport::fetch_us`]: each
+    /// chunk fetched once (every layer, spliced), whichever requests attend it; the chunks,
+    /// and the price. `None` without fetches.
+    pub fn priced_fetches(&self) -> Option<(Vec<ChunkId>, CostBreakdown)> {
+        let mut chunks: Vec<ChunkId> = Vec::new();
+        let mut price = CostBreakdown::default();
+        for d in self.decisions.iter().filter(|d| d.how == How::Fetch) {
+            if let Some(b) = d.predicted
+                && !chunks.contains(&d.chunk)
+            {
+                chunks.push(d.chunk);
+                price = price + b;
+            }
+        }
+        (!chunks.is_empty()).then_some((chunks, price))
+    }
+}
+
+/// Two pairs' prices as one request: the fabric's fixed cost (probe and turnaround) once,
+/// every other term summed.
+fn add_once_fixed(a: &CostBreakdown, b: &CostBreakdown) -> CostBreakdown {
+    let mut sum = *a + *b;
+    sum.probe_us = a.probe_us.max(b.probe_us);
+    sum.turnaround_us = a.turnaround_us.max(b.turnaround_us);
+    sum.transport_total_us = sum.transport_us();
+    sum
+}
+
 /// A step's answer: one merged partial per request, and what it did.
 #[derive(Debug, Clone)]
 pub struct StepOutput {
