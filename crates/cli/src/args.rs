@@ -71,9 +71,18 @@ pub enum Command {
     /// bits; outputs are f32), to check it against PyTorch or NumPy.
     #[command(subcommand)]
     Kernel(KernelCommand),
-    /// The main job end to end: holder processes and a requester over libfabric, dense and
-    /// sparse decode steps routed, fetched or local, every output checked.
+    /// The main job end to end: holder processes prefill a long shared context through a
+    /// DeepSeek-V2-Lite-architecture model and serve it over libfabric; a requester
+    /// generates tokens for several requests through the step API, checked against the same
+    /// generation on one instance (`--attention-checks`: the checked attention steps instead).
     Demo(DemoArgs),
+    /// Generate tokens over a context held by holder processes (the demo's main job with its
+    /// own flags): tokens, the single-instance reference's tokens, per-layer differences,
+    /// time per token.
+    Generate(GenerateArgs),
+    /// Model checkpoints.
+    #[command(subcommand)]
+    Model(ModelCommand),
     /// Serve chunks of a synthetic corpus to requesters (started by `demo`, or by hand).
     Holder(HolderArgs),
     /// Run the demo's decode steps against running holders (`kvroute holder`), found by
@@ -902,9 +911,117 @@ pub struct StepArgs {
     pub poll_ms: u64,
 }
 
+/// `kvroute model ...`.
+#[derive(Debug, Subcommand)]
+pub enum ModelCommand {
+    /// Write a checkpoint of random weights (config.json and model.safetensors, under the
+    /// tensor names DeepSeek-V2-Lite's checkpoint uses).
+    Init(ModelInitArgs),
+}
+
+/// Which model architecture's sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ModelPreset {
+    /// DeepSeek-V2-Lite's architecture, small (runs on two cores).
+    Tiny,
+    /// DeepSeek-V2-Lite's published sizes (15.7B parameters: about 63 GB of f32 to write).
+    DeepseekV2Lite,
+}
+
+/// `kvroute model init`.
+#[derive(Debug, Clone, Args)]
+pub struct ModelInitArgs {
+    /// Directory to write into (created if missing; its checkpoint files replaced).
+    #[arg(long)]
+    pub out: std::path::PathBuf,
+    /// Seed of the weights.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// The sizes.
+    #[arg(long, value_enum, default_value = "tiny")]
+    pub preset: ModelPreset,
+}
+
+/// What a generation runs: the model, the tokens, the paged caches, a holder to kill.
+#[derive(Debug, Clone, Args)]
+pub struct GenerationArgs {
+    /// The checkpoint directory (`kvroute model init`); default: a tiny model drawn from
+    /// --model-seed, written to a temporary directory and removed at the end.
+    #[arg(long)]
+    pub model: Option<std::path::PathBuf>,
+    /// Seed of the default model's weights.
+    #[arg(long, default_value_t = 1)]
+    pub model_seed: u64,
+    /// Tokens each request generates (1 to 4096).
+    #[arg(long, value_parser = usize_in(1..=4096), default_value_t = 32)]
+    pub new_tokens: usize,
+    /// Each request's own prompt, tokens, after its chunks (1 to 4096).
+    #[arg(long, value_parser = u32_in(1..=4096), default_value_t = 8)]
+    pub prompt_tokens: u32,
+    /// Tokens per block of every paged KV cache, the holders' and the requests' own (1 to
+    /// 65536).
+    #[arg(long, value_parser = usize_in(1..=65_536), default_value_t = 64)]
+    pub block_tokens: usize,
+    /// Kill holder process 0 once this many tokens were generated (0 to 4096); with
+    /// --replicas 2 or more its chunks fall back to their replicas.
+    #[arg(long, value_parser = usize_in(0..=4096))]
+    pub kill_holder_at_token: Option<usize>,
+}
+
+/// `kvroute generate`.
+#[derive(Debug, Clone, Args)]
+pub struct GenerateArgs {
+    /// Holder processes, one chunk of the context each (2 to 8).
+    #[arg(long, value_parser = usize_in(2..=8), default_value_t = 3)]
+    pub holders: usize,
+    /// libfabric provider: auto (shm if present, else tcp), shm or tcp.
+    #[arg(long, default_value = "auto")]
+    pub provider: String,
+    /// Seed of the context's and prompts' token ids.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Tokens per chunk of the context (64 to 16384).
+    #[arg(long, value_parser = u32_in(64..=16_384), default_value_t = 2048)]
+    pub tokens: u32,
+    /// Requests generating side by side (1 to 64).
+    #[arg(long, value_parser = u32_in(1..=64), default_value_t = 4)]
+    pub requests: u32,
+    /// Copies of each chunk (chunk c also on holders c+1, ..., c+replicas-1; 1 to 8).
+    #[arg(long, value_parser = usize_in(1..=8), default_value_t = 1)]
+    pub replicas: usize,
+    /// Force one primitive for every (chunk, request): route or fetch.
+    #[arg(long, value_enum)]
+    pub force: Option<PrimitiveArg>,
+    /// How long the requester waits for a holder before declaring it failed, milliseconds (1
+    /// to 600000).
+    #[arg(long, value_parser = u64_in(1..=600_000), default_value_t = 5000)]
+    pub timeout_ms: u64,
+    /// How often the step API asks the holders for their load and kernel, milliseconds (0
+    /// to 600000); 0: before every layer call.
+    #[arg(long, value_parser = u64_in(0..=600_000), default_value_t = 500)]
+    pub poll_ms: u64,
+    /// Holders register in this directory and the requester finds them there.
+    #[command(flatten)]
+    pub directory: DirectoryArgs,
+    /// The holders' kernels (`kvroute holder --backend`), a comma-separated list cycled over
+    /// the holders.
+    #[arg(long, default_value = "cpu")]
+    pub holder_backend: String,
+    /// The model, tokens and caches.
+    #[command(flatten)]
+    pub generation: GenerationArgs,
+}
+
 /// `kvroute demo`.
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
+    /// Run the checked attention steps over a synthetic DeepSeek-V2-Lite-shaped corpus
+    /// instead of the generation.
+    #[arg(long)]
+    pub attention_checks: bool,
+    /// The generation's model, tokens and caches (without --attention-checks).
+    #[command(flatten)]
+    pub generation: GenerationArgs,
     /// Holder processes to start (2 to 8).
     #[arg(long, value_parser = usize_in(2..=8), default_value_t = 3)]
     pub holders: usize,
@@ -1009,6 +1126,15 @@ pub struct HolderArgs {
     /// contiguous full block.
     #[arg(long, value_parser = usize_in(1..=65_536))]
     pub block_tokens: Option<usize>,
+    /// Serve chunks of a model's context instead of the synthetic corpus: the checkpoint
+    /// directory (`kvroute model init`); each chunk is prefilled through the model at its
+    /// canonical positions (needs --context).
+    #[arg(long, requires = "context")]
+    pub model: Option<std::path::PathBuf>,
+    /// The context the chunks are of, as the JSON of `kvroute_decode::context::ContextSpec`
+    /// (what `kvroute generate` passes its holders).
+    #[arg(long, requires = "model")]
+    pub context: Option<String>,
 }
 
 /// What keeps a holder serving.

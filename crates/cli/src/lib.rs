@@ -5,7 +5,8 @@
 //! Commands: `predict` (route / fetch / local for one request), `plan prfaas`, `plan helix`,
 //! `presets`, `tour` (the papers' operating points), `bench transport`, `bench fabric`,
 //! `bench kernels`, `kernel partial | merge | splice | gpu-info` (the kernels on .npy files),
-//! `demo` and `holder` (the main job end to end), `sweep` (route and fetch measured between
+//! `demo`, `generate` and `holder` (the main job end to end: a model's decode loop over a
+//! context held by holder processes), `model init` (a checkpoint), `sweep` (route and fetch measured between
 //! processes, fitted and plotted), `trace replay` (a request trace through the prefix cache),
 //! `store write | verify | bench` (the storage tier) and `simulate dualpath | prfaas` (the
 //! cluster schedulers in the discrete-event simulator), `verify-predicate` (the calibrated
@@ -24,6 +25,7 @@ pub mod demo;
 mod directory;
 mod helix;
 mod kernel;
+mod model;
 
 mod plan;
 mod predict;
@@ -38,8 +40,8 @@ mod verify;
 use anyhow::Result;
 pub use args::Cli;
 use args::{
-    BenchCommand, Command, DirectoryCommand, HelixCommand, KernelCommand, PlanCommand,
-    SimulateCommand, StoreCommand, TraceCommand,
+    BenchCommand, Command, DirectoryCommand, HelixCommand, KernelCommand, ModelCommand,
+    PlanCommand, SimulateCommand, StoreCommand, TraceCommand,
 };
 pub use bench::{Target, TransportBenchReport};
 pub use bench_fabric::{Compared, FabricBenchReport, PagedRow};
@@ -49,6 +51,7 @@ pub use calibrate::CalibrationSummary;
 pub use directory::Listing;
 pub use helix::HelixRunReport;
 pub use kernel::{GpuReport, KernelReport};
+pub use model::ModelInitReport;
 pub use plan::{HelixReport, PrfaasReport};
 pub use predict::PredictReport;
 pub use presets::PresetsReport;
@@ -76,7 +79,12 @@ pub fn run(cli: &Cli) -> Result<String> {
         Command::Kernel(KernelCommand::Merge(args)) => render(cli.json, &kernel::merge(args)?),
         Command::Kernel(KernelCommand::Splice(args)) => render(cli.json, &kernel::splice(args)?),
         Command::Kernel(KernelCommand::GpuInfo) => render(cli.json, &kernel::gpu_info()?),
-        Command::Demo(args) => checked(cli.json, &demo::run(args)?, "the demo"),
+        Command::Demo(args) if args.attention_checks => {
+            checked(cli.json, &demo::run(args)?, "the demo")
+        }
+        Command::Demo(args) => generated(cli.json, &demo::demo_generation(args)?, "the demo"),
+        Command::Generate(args) => generated(cli.json, &demo::generate(args)?, "the generation"),
+        Command::Model(ModelCommand::Init(args)) => render(cli.json, &model::init(args)?),
         Command::Requester(args) => checked(cli.json, &demo::requester(args)?, "the requester"),
         Command::Directory(DirectoryCommand::List(args)) => {
             render(cli.json, &directory::list(args)?)
@@ -166,6 +174,19 @@ fn checked(json: bool, report: &demo::DemoReport, what: &str) -> Result<String> 
         return Err(ReportedFailure {
             report: text,
             why: format!("{what}'s checks failed"),
+        }
+        .into());
+    }
+    Ok(text)
+}
+
+/// A generation's report, or a [`ReportedFailure`] carrying it when its check failed.
+fn generated(json: bool, report: &demo::GenerationReport, what: &str) -> Result<String> {
+    let text = render(json, report)?;
+    if !report.generation.passed {
+        return Err(ReportedFailure {
+            report: text,
+            why: format!("{what}: tokens differ from the single-instance reference"),
         }
         .into());
     }

@@ -22,7 +22,7 @@ fn demo(args: &[&str]) -> (bool, serde_json::Value, String) {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(["demo", "--json", "--tokens", "512"])
+        .args(["demo", "--attention-checks", "--json", "--tokens", "512"])
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -342,7 +342,15 @@ fn the_demo_finds_its_holders_in_etcd() {
     }
     let etcd = EtcdCluster::start(1).expect("starting etcd");
     let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(["--json", "demo", "--provider", "shm", "--tokens", "256"])
+        .args([
+            "--json",
+            "demo",
+            "--attention-checks",
+            "--provider",
+            "shm",
+            "--tokens",
+            "256",
+        ])
         .args(["--holders", "2", "--steps", "1", "--directory", &etcd.url()])
         // Chosen by the calibrated selector, a loaded machine's dense steps can all be
         // local; forced, every chunk goes to its holder.

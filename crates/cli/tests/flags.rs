@@ -205,6 +205,7 @@ impl Inputs {
                 ("tokens", "64".into()),
             ],
             "store bench" | "bench kvpath" => vec![("dir", scratch)],
+            "model init" => vec![("out", scratch)],
             "kernel partial" => vec![
                 ("q", Self::path(&self.q)),
                 ("cache", Self::path(&self.cache)),

@@ -7,8 +7,9 @@ use std::process::Command;
 
 #[test]
 fn verbs_without_a_device_exits_1_naming_what_is_missing() {
-    let commands: [&[&str]; 7] = [
+    let commands: [&[&str]; 8] = [
         &["demo"],
+        &["generate"],
         &["holder", "--chunks", "0", "--lifeline", "stdin"],
         &["requester", "--holders", "127.0.0.1:1"],
         &["bench", "fabric"],

@@ -125,11 +125,13 @@ pub(crate) fn v2_lite_corpus(tokens: u32, chunks: u32, seed: u64) -> Result<Corp
     Ok(spec)
 }
 
+/// Tokens per block of a holder's paged cache of a model's chunks, where not given.
+pub(crate) const DEFAULT_BLOCK_TOKENS: usize = 64;
+
 /// `kvroute holder`.
 pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
     let started_unix_ms = kvroute_kvstore::directory::unix_ms();
     let backend: kvroute_kernels::Backend = args.backend.parse().context("--backend")?;
-    let spec = corpus_of(&args.corpus)?;
     let chunks = args
         .chunks
         .split(',')
@@ -161,7 +163,26 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
         reply_bytes: args.slot_bytes,
         ..defaults
     };
-    let held = HeldChunks::generate(&engine, &spec, &chunks)?;
+    let held = match (&args.model, &args.context) {
+        (Some(dir), Some(context)) => {
+            let model = kvroute_model::Model::load(dir)
+                .with_context(|| format!("--model {}", dir.display()))?;
+            let context: kvroute_decode::context::ContextSpec =
+                serde_json::from_str(context).context("--context is not a ContextSpec")?;
+            let block = args.block_tokens.unwrap_or(DEFAULT_BLOCK_TOKENS);
+            kvroute_decode::held::held_chunks(&model, &engine, &context, &chunks, block)
+                .context("prefilling the chunks")?
+        }
+        _ => {
+            let spec = corpus_of(&args.corpus)?;
+            match args.block_tokens {
+                None => HeldChunks::generate(&engine, &spec, &chunks)?,
+                Some(block) => {
+                    HeldChunks::generate_paged(&engine, &spec, &chunks, block, spec.seed)?
+                }
+            }
+        }
+    };
     let listener =
         TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
     let holder = Holder::start(engine, listener, held, config)?;
@@ -261,6 +282,9 @@ pub(super) fn spawn_holders(
             let mut extra = directory_flags(&args.directory);
             let backend = backends[h % backends.len()];
             extra.extend(["--backend".to_owned(), backend.to_owned()]);
+            if let Some(block) = args.holder_block_tokens {
+                extra.extend(["--block-tokens".to_owned(), block.to_string()]);
+            }
             spawn_holder(spec, provider, &chunks, &extra)
         })
         .collect()
@@ -287,41 +311,67 @@ pub(crate) fn spawn_holder(
     chunks: &[u32],
     extra: &[String],
 ) -> Result<HolderProcess> {
-    let exe = std::env::current_exe().context("finding the kvroute binary")?;
     let corpus = serde_json::to_string(spec)?;
+    let mut args = vec!["--corpus".to_owned(), corpus];
+    args.extend_from_slice(extra);
+    start_holder(provider, chunks, &args)?.ready()
+}
+
+/// A holder process started, its control address not read yet: holders that prefill their
+/// chunks before serving start side by side, and are waited for after.
+pub(crate) struct StartingHolder {
+    child: Child,
+    chunks: String,
+}
+
+/// Starts one `kvroute holder` process serving `chunks`, with `args` (where its chunks come
+/// from, and any other flag); [`StartingHolder::ready`] waits for its control address.
+pub(crate) fn start_holder(
+    provider: &ProviderChoice,
+    chunks: &[u32],
+    args: &[String],
+) -> Result<StartingHolder> {
+    let exe = std::env::current_exe().context("finding the kvroute binary")?;
     let chunks: Vec<String> = chunks.iter().map(u32::to_string).collect();
     let h = chunks.join(",");
-    {
-        let mut child = Command::new(&exe)
-            .args([
-                "holder",
-                "--provider",
-                &provider.to_string(),
-                "--corpus",
-                &corpus,
-                "--chunks",
-                &h,
-                "--lifeline",
-                "stdin",
-            ])
-            .args(extra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("starting a holder process")?;
-        let stdout: ChildStdout = child
-            .stdout
-            .take()
-            .ok_or_else(|| anyhow!("no holder stdout"))?;
+    let child = Command::new(&exe)
+        .args([
+            "holder",
+            "--provider",
+            &provider.to_string(),
+            "--chunks",
+            &h,
+            "--lifeline",
+            "stdin",
+        ])
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting a holder process")?;
+    Ok(StartingHolder { child, chunks: h })
+}
+
+impl StartingHolder {
+    /// Waits for the holder's control address (the line it prints once it serves).
+    pub(crate) fn ready(mut self) -> Result<HolderProcess> {
+        let h = std::mem::take(&mut self.chunks);
+        let stdout: Option<ChildStdout> = self.child.stdout.take();
+        // From here on a failure still stops the child (HolderProcess's drop).
+        let mut proc = HolderProcess {
+            child: self.child,
+            addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+        };
+        let stdout = stdout.ok_or_else(|| anyhow!("no holder stdout"))?;
         let mut line = String::new();
         BufReader::new(stdout).read_line(&mut line)?;
-        let v: serde_json::Value =
-            serde_json::from_str(&line).with_context(|| format!("holder {h} said: {line:?}"))?;
-        let addr = v["listen"]
+        let v: serde_json::Value = serde_json::from_str(&line)
+            .with_context(|| format!("holder of chunks {h} said: {line:?}"))?;
+        proc.addr = v["listen"]
             .as_str()
-            .ok_or_else(|| anyhow!("holder {h} gave no address"))?
+            .ok_or_else(|| anyhow!("holder of chunks {h} gave no address"))?
             .parse()?;
-        Ok(HolderProcess { child, addr })
+        Ok(proc)
     }
 }

@@ -1,7 +1,10 @@
 //! `kvroute demo`, `kvroute holder` and `kvroute requester`: the main job end to end (paper
 //! 000), composed from `kvroute-remote`.
 //!
-//! The demo starts holder processes (copies of this binary running `kvroute holder`) that each
+//! By default the demo is `kvroute generate` (`generation.rs`): holder processes prefill a
+//! shared context through a model and serve it, and this process generates tokens through the
+//! step API, checked against one instance (`kvroute_decode`). With `--attention-checks` it
+//! starts holder processes (copies of this binary running `kvroute holder`) that each
 //! generate and serve chunks of a DeepSeek-V2-Lite-shaped synthetic corpus over libfabric,
 //! connects a requester to them, calibrates the selector on them, and drives the checked
 //! decode steps of `kvroute_remote::checked` through the step API: R requests a step, each
@@ -13,7 +16,8 @@
 //! copy; every checked output has a part that crossed the wire. A failed check fails the run.
 //!
 //! This module holds the processes (`holders.rs`), the directory's follower (`follow.rs`),
-//! the requester's connection and loop (`steps.rs`) and the report's printing.
+//! the generation's orchestration and printing (`generation.rs`), the attention checks'
+//! connection and loop (`steps.rs`) and their report's printing.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -28,10 +32,12 @@ use crate::args::{DemoArgs, RequesterArgs};
 use crate::calibrate::CalibrationSummary;
 
 mod follow;
+mod generation;
 pub(crate) mod holders;
 mod steps;
 
 pub use follow::DirectoryReport;
+pub use generation::{GenerationReport, ModelSummary};
 pub(crate) use holders::{
     HolderProcess, fabric_engine, fabric_engine_with, holder, provider_for, spawn_holder,
     v2_lite_corpus,
@@ -259,7 +265,37 @@ impl fmt::Display for DemoReport {
     }
 }
 
-/// `kvroute demo`.
+/// `kvroute generate`.
+pub(crate) fn generate(args: &crate::args::GenerateArgs) -> Result<GenerationReport> {
+    generation::run("generate", args)
+}
+
+/// `kvroute demo` without `--attention-checks`: the generation, with the demo's flags.
+pub(crate) fn demo_generation(args: &DemoArgs) -> Result<GenerationReport> {
+    let run = &args.run;
+    if args.kill_holder_at_step.is_some() {
+        bail!(
+            "--kill-holder-at-step is for --attention-checks; the generation takes --kill-holder-at-token"
+        );
+    }
+    let generate = crate::args::GenerateArgs {
+        holders: args.holders,
+        provider: args.provider.clone(),
+        seed: args.seed,
+        tokens: args.tokens,
+        requests: run.batch,
+        replicas: args.replicas,
+        force: run.force,
+        timeout_ms: run.timeout_ms,
+        poll_ms: run.poll_ms,
+        directory: args.directory.clone(),
+        holder_backend: args.holder_backend.clone(),
+        generation: args.generation.clone(),
+    };
+    generation::run("demo", &generate)
+}
+
+/// `kvroute demo --attention-checks`.
 pub(crate) fn run(args: &DemoArgs) -> Result<DemoReport> {
     if !(2..=8).contains(&args.holders) || args.replicas == 0 || args.replicas > args.holders {
         bail!("--holders must be 2 to 8 and --replicas 1 to --holders");
