@@ -384,3 +384,54 @@ fn the_demo_finds_its_holders_in_etcd() {
         "{after}"
     );
 }
+
+#[test]
+fn the_generation_finds_its_holders_in_etcd() {
+    if !etcd_available() {
+        kvroute_testkit::skip!("no etcd binary (cargo xtask deps installs etcd-server)");
+        return;
+    }
+    let etcd = EtcdCluster::start(1).expect("starting etcd");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["--json", "generate", "--provider", "shm", "--tokens", "128"])
+        .args([
+            "--holders",
+            "2",
+            "--new-tokens",
+            "3",
+            "--directory",
+            &etcd.url(),
+        ])
+        .args(["--force", "route"])
+        .output()
+        .expect("running the generation");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_str(&text).expect("the report");
+    assert_eq!(json["passed"], true, "{text}");
+    for r in json["requests"].as_array().cloned().unwrap_or_default() {
+        assert_eq!(r["tokens"], r["reference_tokens"], "{text}");
+    }
+    // Both holders were found through the directory and routed to.
+    let holders = json["directory"]["holders"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(holders.len(), 2, "{text}");
+    assert!(
+        holders
+            .iter()
+            .all(|h| h["served"].as_u64().unwrap_or(0) > 0),
+        "{text}"
+    );
+    let after = list(&etcd.url());
+    assert_eq!(
+        after["holders"].as_object().map(|o| o.len()),
+        Some(0),
+        "{after}"
+    );
+}

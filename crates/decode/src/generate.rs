@@ -82,9 +82,11 @@ pub fn step_dims(model: &Model, context: &ContextSpec) -> (ModelDims, usize) {
     )
 }
 
-/// Between two decode steps: the step about to run and the tokens generated so far; may act
-/// (kill a holder, follow a directory) and say what it did.
-pub type Between<'a> = dyn FnMut(usize, usize, &mut Stepper) -> Result<Option<String>, String> + 'a;
+/// Between two decode steps: the step about to run, the tokens generated so far and the last
+/// step's timing (which holders it used); may act (kill a holder, follow a directory) and
+/// say what it did.
+pub type Between<'a> = dyn FnMut(usize, usize, Option<&TokenTiming>, &mut Stepper) -> Result<Option<String>, String>
+    + 'a;
 
 /// Generates through `stepper` (connected to holders of `context`'s chunks) and checks the
 /// tokens against the reference built from `chunks` (the same chunks prefilled here).
@@ -111,7 +113,9 @@ pub fn generate(
     let mut generating_s = 0f64;
     for step in 0..prompt + config.new_tokens - 1 {
         let generated = (step + 1).saturating_sub(prompt);
-        if let Some(what) = between(step, generated, stepper).map_err(DecodeError::Hook)? {
+        if let Some(what) =
+            between(step, generated, timings.last(), stepper).map_err(DecodeError::Hook)?
+        {
             events.push(format!(
                 "before step {step} ({generated} tokens generated): {what}"
             ));
@@ -125,6 +129,7 @@ pub fn generate(
         }
         run.choose(step)?;
         timing.measured_us = started.elapsed().as_secs_f64() * 1e6 - run.reference_us;
+        timing.reference_us = run.reference_us;
         reference_s += run.reference_us / 1e6;
         run.reference_us = 0.0;
         if timing.generating {
@@ -267,6 +272,13 @@ impl<'a> Lockstep<'a> {
         timing.local_us += rep.local_us;
         timing.predicted_route_us += rep.priced_route_round().map_or(0.0, |p| p.price.total_us());
         timing.predicted_fetch_us += rep.priced_fetches().map_or(0.0, |(_, p)| p.total_us());
+        for d in &rep.decisions {
+            if let (How::Route | How::Fetch, Some(h)) = (d.how, d.holder)
+                && !timing.holders.contains(&h)
+            {
+                timing.holders.push(h);
+            }
+        }
         let count = |h: How| rep.decisions.iter().filter(|d| d.how == h).count();
         timing.routes += count(How::Route);
         timing.fetches += count(How::Fetch);
@@ -360,6 +372,11 @@ impl<'a> Lockstep<'a> {
             })
             .collect();
         let generated: usize = self.tokens.iter().map(Vec::len).sum();
+        let reference_generating_s = steps
+            .iter()
+            .filter(|t| t.generating)
+            .map(|t| t.reference_us / 1e6)
+            .sum();
         let requests = self
             .plans
             .iter()
@@ -384,11 +401,8 @@ impl<'a> Lockstep<'a> {
             max_logit_diff: self.max_logit_diff,
             margin_bound: MARGIN_BOUND,
             steps,
-            tokens_per_s: if generating_s > 0.0 {
-                generated as f64 / generating_s
-            } else {
-                0.0
-            },
+            tokens_per_s: per_s(generated, generating_s),
+            reference_tokens_per_s: per_s(generated, reference_generating_s),
             reference_s,
             events,
             fallbacks: self.fallbacks,
@@ -396,6 +410,15 @@ impl<'a> Lockstep<'a> {
             failures,
             stats,
         }
+    }
+}
+
+/// `n` per `seconds` (0 over no time).
+fn per_s(n: usize, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        n as f64 / seconds
+    } else {
+        0.0
     }
 }
 

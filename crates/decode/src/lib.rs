@@ -47,7 +47,7 @@
 //! let reference_chunks = vec![prefill_chunk(&model, &context, ChunkId(0))?];
 //! let report = generate(&model, &mut stepper, &context, &reference_chunks,
 //!                       GenerateConfig { new_tokens: 3, block_tokens: 16 },
-//!                       &mut |_, _, _| Ok(None))?;
+//!                       &mut |_, _, _, _| Ok(None))?;
 //! assert!(report.passed, "{:?}", report.failures);
 //! assert_eq!(report.requests[0].tokens.len(), 3);
 //! # Ok(()) }

@@ -58,6 +58,8 @@ pub struct TokenTiming {
     pub generating: bool,
     /// The step through the step API, model included, microseconds (the reference excluded).
     pub measured_us: f64,
+    /// The same step of the reference, microseconds.
+    pub reference_us: f64,
     /// Of it, the step API's calls, microseconds.
     pub attention_us: f64,
     /// Route rounds, fetches, gathers and local partials with the merge, microseconds.
@@ -79,6 +81,8 @@ pub struct TokenTiming {
     pub fetches: usize,
     /// See `routes`.
     pub cached: usize,
+    /// The holders (the requester's indices) it routed to or fetched from.
+    pub holders: Vec<usize>,
 }
 
 /// What a generation did and found.
@@ -100,8 +104,12 @@ pub struct GenerateReport {
     /// Generated tokens per second through the step API, all requests (the prompt steps and
     /// the reference excluded).
     pub tokens_per_s: f64,
-    /// The reference's time, seconds.
+    /// The reference's time, seconds (splicing its chunks and every step).
     pub reference_s: f64,
+    /// Generated tokens per second of the reference, measured in the same run over the same
+    /// steps as `tokens_per_s`: the same model with the whole context in this process, one
+    /// CPU kernel call per request and layer (its prefill excluded, as the holders' is).
+    pub reference_tokens_per_s: f64,
     /// What the caller's hook did between steps.
     pub events: Vec<String>,
     /// Calls re-sent to a replica, and why.
@@ -120,6 +128,7 @@ impl TokenTiming {
             step,
             generating,
             measured_us: 0.0,
+            reference_us: 0.0,
             attention_us: 0.0,
             route_us: 0.0,
             fetch_us: 0.0,
@@ -130,6 +139,7 @@ impl TokenTiming {
             routes: 0,
             fetches: 0,
             cached: 0,
+            holders: Vec::new(),
         }
     }
 }

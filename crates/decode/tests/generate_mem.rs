@@ -138,7 +138,7 @@ fn every_primitive_generates_the_single_instance_tokens() -> Result<()> {
             &CONTEXT,
             &chunks,
             config,
-            &mut |_, _, _| Ok(None),
+            &mut |_, _, _, _| Ok(None),
         )?;
         identical(&report);
         let s = &report.stats;
@@ -182,7 +182,7 @@ fn a_lost_holder_costs_a_replica_or_an_error_naming_its_chunk() -> Result<()> {
             &CONTEXT,
             &chunks,
             config,
-            &mut |_, generated, _| {
+            &mut |_, generated, _, _| {
                 if generated == 2 && hs[0].is_some() {
                     drop(hs[0].take());
                     return Ok(Some("holder 0 dropped".into()));
