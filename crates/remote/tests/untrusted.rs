@@ -594,3 +594,96 @@ fn an_ended_sessions_inbox_descriptor_reaches_nothing() -> Result<()> {
     route_once(&mut honest)?;
     Ok(())
 }
+
+/// A holder writes into its requester with every key it could derive from the one it was
+/// given (its own reply region's: neighbouring slots and tags, single-bit changes) at every
+/// address within 20 regions of its own: 10,000 forged writes, and none lands anywhere but
+/// its own region, so no answer of the other holder can be changed. (With one reply region
+/// shared by every link, the key it was given reached the other holder's replies.)
+#[test]
+fn a_holder_cannot_write_into_another_holders_replies() -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let _serial = serial();
+    let fabric = MemFabric::new();
+    let (honest, hostile) = (holder(&fabric)?, holder(&fabric)?);
+    let config = RequesterConfig {
+        timeout: Duration::from_secs(2),
+        link_bytes: 1 << 16,
+        pool_pages: 8,
+        ..RequesterConfig::new(0.1)
+    };
+    let mut req = common::connect(&fabric, &[honest.addr(), hostile.addr()], config)?;
+    route_once(&mut req)?;
+    let given = req.reply_region(1).expect("the hostile holder's region").clone();
+    let honest_region = req.reply_region(0).expect("the honest holder's region").clone();
+    assert_ne!(given.rkeys[0].rkey, honest_region.rkeys[0].rkey);
+
+    let attacker = TransferEngine::mem(&fabric, 1)?;
+    let forged = attacker.alloc_mr(4096)?;
+    forged.write_at(0, &[0x7f; 4096])?;
+    let key = given.rkeys[0].rkey;
+    let (slot, tag) = (key & 0xFFFF_FFFF, key >> 32);
+    let mut keys = vec![key];
+    for ds in 0..=16u64 {
+        for dt in 0..=8u64 {
+            for (s, t) in [
+                (slot.wrapping_add(ds), tag.wrapping_add(dt)),
+                (slot.wrapping_sub(ds), tag.wrapping_sub(dt)),
+            ] {
+                keys.push((t & 0xFFFF_FFFF) << 32 | (s & 0xFFFF_FFFF));
+            }
+        }
+    }
+    keys.extend((0..64).map(|bit| key ^ (1 << bit)));
+    keys.sort_unstable();
+    keys.dedup();
+    let span = 1u64 << 16;
+    let landed = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicUsize::new(0));
+    let mut attempts = 0;
+    'attack: for &k in &keys {
+        for step in -20i64..=20 {
+            let addr = given.addr.wrapping_add_signed(step * span as i64);
+            if k == key && step == 0 {
+                continue; // its own region: it may write there
+            }
+            if attempts == 10_000 {
+                break 'attack;
+            }
+            attempts += 1;
+            let mut desc = given.clone();
+            desc.addr = addr;
+            desc.len = span;
+            desc.rkeys[0].rkey = k;
+            let (landed_by, done_by) = (landed.clone(), done.clone());
+            let submitted = attacker.submit_single_write(
+                256,
+                Some(0x6100_0000),
+                (forged.handle(), 0),
+                (&desc, 0),
+                OnDone::callback(move |outcome| {
+                    if outcome.is_ok() {
+                        landed_by.fetch_add(1, Ordering::Relaxed);
+                    }
+                    done_by.fetch_add(1, Ordering::Relaxed);
+                }),
+            );
+            if submitted.is_err() {
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    assert_eq!(attempts, 10_000);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while done.load(Ordering::Relaxed) < attempts && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(done.load(Ordering::Relaxed), attempts, "every forged write finished");
+    assert_eq!(landed.load(Ordering::Relaxed), 0, "forged writes that landed");
+    // The honest holder still answers, and the requester is undisturbed.
+    route_once(&mut req)?;
+    drop(attacker);
+    Ok(())
+}

@@ -70,7 +70,8 @@ impl Requester {
                             buf,
                             l.seq,
                             l.welcome.token,
-                            staged as u64,
+                            // The reply lands at the start of this link's own region.
+                            0,
                             self.config.scale,
                             &segments,
                         )
@@ -110,7 +111,8 @@ impl Requester {
                 continue;
             }
             let l = &self.links[p.link];
-            // The reply lands where the request was staged, in the reply region.
+            // Where the caller finds the reply: the link's own region, named by the offset
+            // the request was staged at (see `reply_at`).
             let reply_offset = p.staged as u64;
             let token = CancellationToken::new();
             let reply_flag = DoneFlag::new();
@@ -200,7 +202,7 @@ impl Requester {
         }
         let l = &self.links[p.link];
         // SAFETY: as in `reply_bytes`: the reply's immediate has been counted.
-        let bytes = unsafe { self.replies.bytes(p.staged, p.reply_len) }
+        let bytes = unsafe { self.reply_at(p.staged, p.reply_len) }
             .map_err(|e| format!("reading the reply: {e}"))?;
         let header = wire::decode_reply_header(bytes).filter(|h| h.seq == l.seq);
         let expected = wire::served_arrivals(header.as_ref(), &p.fetch_arrivals)?;
@@ -232,10 +234,28 @@ impl Requester {
         // SAFETY: the reply's immediate has been counted, so its write has landed, and the
         // holder writes this link's range again only after the next request. A holder that
         // writes anyway changes the values decoded (which are validated), never the bounds.
-        unsafe { self.replies.bytes(offset, len) }.map_err(|e| RouteError::BadReply {
+        unsafe { self.reply_at(offset, len) }.map_err(|e| RouteError::BadReply {
             holder,
             why: e.to_string(),
         })
+    }
+
+    /// `len` bytes at `at` of the replies, an offset that names a link and a place in its
+    /// reply: link `at / link_bytes`'s requests are staged at `link * link_bytes` and their
+    /// replies land at the start of its own region, so `at % link_bytes` is the place there.
+    ///
+    /// # Safety
+    /// As `RegisteredBuffer::bytes`: no write to that range while the borrow lives (the
+    /// caller's reply has landed, and the holder writes again only after the next request).
+    unsafe fn reply_at(&self, at: usize, len: usize) -> Result<&[u8], String> {
+        let link_bytes = self.config.link_bytes;
+        let link = at / link_bytes;
+        let l = self
+            .links
+            .get(link)
+            .ok_or_else(|| format!("no link {link} for a reply"))?;
+        // SAFETY: the caller's contract.
+        unsafe { l.reply.bytes(at % link_bytes, len) }.map_err(|e| e.to_string())
     }
 }
 

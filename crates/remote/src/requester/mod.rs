@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 use kvroute_kvstore::directory::HolderRecord;
 use kvroute_kvstore::{ChunkEntry, ChunkId, ChunkRegistry, DirectoryView, PAGE_BYTES, PagedPool};
 use kvroute_transport::{
-    Access, CancellationToken, DoneFlag, OnDone, RegisteredBuffer, TransferEngine, TransferShape,
+    Access, CancellationToken, DoneFlag, MrDesc, OnDone, RegisteredBuffer, TransferEngine,
+    TransferShape,
 };
 
 use crate::control::{recv_line, send_line};
@@ -77,6 +78,10 @@ struct Link {
     reader: BufReader<TcpStream>,
     addr: SocketAddr,
     welcome: Welcome,
+    /// The region this holder's replies land in, registered for this link alone: its
+    /// descriptor goes to this holder only, so no other holder can write an answer there
+    /// (each region's key is its own, and unguessable where the transport draws keys).
+    reply: RegisteredBuffer,
     reply_imm: u32,
     fetch_imm: u32,
     seq: u64,
@@ -128,7 +133,6 @@ pub struct Requester {
     engine: TransferEngine,
     config: RequesterConfig,
     send: RegisteredBuffer,
-    replies: RegisteredBuffer,
     pool_mem: RegisteredBuffer,
     pool: PagedPool,
     links: Vec<Link>,
@@ -261,14 +265,12 @@ impl Requester {
             .checked_mul(capacity)
             .ok_or_else(|| RemoteError::Config("link buffers larger than memory".into()))?;
         let send = engine.alloc_mr_with(link_total, Access::Local)?;
-        let replies = engine.alloc_mr(link_total)?;
         let pool = PagedPool::new(config.pool_pages.max(1), PAGE_BYTES)?;
         let pool_mem = engine.alloc_mr(pool.bytes())?;
         let mut requester = Self {
             engine,
             config,
             send,
-            replies,
             pool_mem,
             pool,
             links: Vec::with_capacity(capacity),
@@ -324,9 +326,10 @@ impl Requester {
         // 8 bits of kind, 12 of requester tag, 12 of link.
         let id = (u32::from(config.tag) << 12) | i as u32;
         let (reply_imm, fetch_imm) = (0x6100_0000 | id, 0x6200_0000 | id);
+        let reply = self.engine.alloc_mr(config.link_bytes)?;
         let hello = Hello {
             addr: self.engine.main_address(),
-            reply: self.replies.desc().clone(),
+            reply: reply.desc().clone(),
             pool: Some(self.pool_mem.desc().clone()),
             reply_imm,
             fetch_imm,
@@ -348,6 +351,7 @@ impl Requester {
             reader,
             addr,
             welcome,
+            reply,
             reply_imm,
             fetch_imm,
             seq: 0,
@@ -477,7 +481,8 @@ impl Requester {
             .map(|buf| {
                 let ping = wire::Ping {
                     reply_len: reply_len as u32,
-                    reply_offset: staged as u64,
+                    // The start of this link's own reply region.
+                    reply_offset: 0,
                     pong,
                     token: l.welcome.token,
                     seq: l.seq,
@@ -580,6 +585,13 @@ impl Requester {
     /// Holder `holder`'s control address.
     pub fn holder_addr(&self, holder: usize) -> Option<SocketAddr> {
         self.links.get(holder).map(|l| l.addr)
+    }
+
+    /// The region holder `holder` writes its replies into, as its hello described it: its
+    /// own, registered for its link alone, so that what one holder may write cannot reach
+    /// another's answers.
+    pub fn reply_region(&self, holder: usize) -> Option<&MrDesc> {
+        self.links.get(holder).map(|l| l.reply.desc())
     }
 
     /// Stops using holder `holder`, found dead by other means than a route (its control

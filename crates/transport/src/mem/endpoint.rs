@@ -18,23 +18,42 @@ struct Region {
     access: Access,
 }
 
-/// Registered regions by key. A key is `generation << 32 | slot`, so a key that outlives its
-/// registration (a stale rkey) no longer matches once the slot is reused.
+/// Registered regions by key. A key is `tag << 32 | slot`, the tag drawn at random for each
+/// registration (never 0, never the slot's previous one): a key that outlives its
+/// registration (a stale rkey) no longer matches once the slot is reused, and a peer that
+/// holds the key of one region cannot derive another's (each peer is handed only the keys
+/// of the regions meant for it; a guess is right once in 2^32).
 #[derive(Debug, Default)]
 pub(crate) struct RegionTable {
     slots: Vec<Option<Region>>,
     generations: Vec<u32>,
     free: Vec<u32>,
+    /// Draws the tags; seeded from the process's random hasher keys.
+    tags: Option<std::collections::hash_map::RandomState>,
+    drawn: u64,
 }
 
 impl RegionTable {
+    /// A fresh tag: neither 0 nor `previous`.
+    fn tag(&mut self, previous: u32) -> u32 {
+        use std::hash::BuildHasher;
+        let state = self.tags.get_or_insert_with(Default::default);
+        loop {
+            self.drawn += 1;
+            let tag = state.hash_one(self.drawn) as u32;
+            if tag != 0 && tag != previous {
+                return tag;
+            }
+        }
+    }
+
     pub(crate) fn insert(&mut self, addr: u64, len: u64, access: Access) -> u64 {
         let slot = self.free.pop().unwrap_or_else(|| {
             self.slots.push(None);
             self.generations.push(0);
             (self.slots.len() - 1) as u32
         });
-        let generation = self.generations[slot as usize].wrapping_add(1);
+        let generation = self.tag(self.generations[slot as usize]);
         self.generations[slot as usize] = generation;
         self.slots[slot as usize] = Some(Region {
             addr,

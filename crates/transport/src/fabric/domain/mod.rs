@@ -145,7 +145,10 @@ pub struct FabricDomain {
     regions: Vec<Option<Region>>,
     generations: Vec<u32>,
     free_regions: Vec<u32>,
-    next_key: u64,
+    /// Draws the keys of regions where the provider lets us choose them (not
+    /// `FI_MR_PROV_KEY`): random within the provider's key size, so that a peer handed one
+    /// region's key cannot derive another's.
+    keys: KeyDraw,
     peers: Vec<Peer>,
     peer_ids: HashMap<Vec<u8>, PeerId>,
     /// Ids of released peers, reused by the next connections.
@@ -264,7 +267,8 @@ impl FabricDomain {
             regions: Vec::new(),
             generations: Vec::new(),
             free_regions: Vec::new(),
-            next_key: 1,
+            // SAFETY: a complete fi_info.
+            keys: KeyDraw::new(unsafe { (*(*info).domain_attr).mr_key_size }),
             peers: Vec::new(),
             peer_ids: HashMap::new(),
             free_peers: Vec::new(),
@@ -1007,3 +1011,34 @@ use shm::{
     check_shm_peer, clear_stale_shm_regions, process_exists, same_shm_process, shm_peer_pid,
     shm_sender_may_send,
 };
+
+/// Random region keys of `size` bytes (at most 8; 0 taken as 8), never 0.
+#[derive(Debug)]
+pub(super) struct KeyDraw {
+    state: std::collections::hash_map::RandomState,
+    drawn: u64,
+    mask: u64,
+}
+
+impl KeyDraw {
+    fn new(size: usize) -> Self {
+        let bits = if size == 0 || size >= 8 { 64 } else { size * 8 };
+        Self {
+            state: Default::default(),
+            drawn: 0,
+            mask: if bits == 64 { u64::MAX } else { (1u64 << bits) - 1 },
+        }
+    }
+
+    /// The next key.
+    pub(super) fn next(&mut self) -> u64 {
+        use std::hash::BuildHasher;
+        loop {
+            self.drawn += 1;
+            let key = self.state.hash_one(self.drawn) & self.mask;
+            if key != 0 {
+                return key;
+            }
+        }
+    }
+}

@@ -32,26 +32,30 @@ impl Domain for FabricDomain {
         };
         let size = usize::try_from(len)
             .map_err(|_| TransportError::InvalidArgument("a region larger than memory"))?;
-        let requested_key = if self.mr_mode.has(fi::FI_MR_PROV_KEY) {
-            0
-        } else {
-            self.next_key
-        };
+        let prov_key = self.mr_mode.has(fi::FI_MR_PROV_KEY);
         let mut mr: *mut fi::fid_mr = null_mut();
-        // SAFETY: the caller keeps the range valid until deregistered; the domain is live.
-        let rc = unsafe {
-            fi::fi_mr_reg(
-                self.domain,
-                addr as *const c_void,
-                size,
-                access,
-                0,
-                requested_key,
-                0,
-                &raw mut mr,
-                null_mut(),
-            )
-        };
+        let mut rc = 0;
+        // A random key may collide with one in use (-FI_ENOKEY): another draw.
+        for _ in 0..8 {
+            let requested_key = if prov_key { 0 } else { self.keys.next() };
+            // SAFETY: the caller keeps the range valid until deregistered; the domain is live.
+            rc = unsafe {
+                fi::fi_mr_reg(
+                    self.domain,
+                    addr as *const c_void,
+                    size,
+                    access,
+                    0,
+                    requested_key,
+                    0,
+                    &raw mut mr,
+                    null_mut(),
+                )
+            };
+            if prov_key || rc != -(fi::FI_ENOKEY as i32) {
+                break;
+            }
+        }
         check(self.lib, "fi_mr_reg", rc)?;
         let region = Region {
             mr,
@@ -82,9 +86,6 @@ impl Domain for FabricDomain {
             return Err(TransportError::Domain(
                 "the provider uses raw (over 64-bit) memory keys".to_owned(),
             ));
-        }
-        if requested_key != 0 {
-            self.next_key += 1;
         }
         let slot = self.free_regions.pop().unwrap_or_else(|| {
             self.regions.push(None);
