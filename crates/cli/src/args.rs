@@ -1096,6 +1096,21 @@ pub struct HolderArgs {
     /// The holder accepts at least as many control connections (32 by default).
     #[arg(long, value_parser = usize_in(1..=256), default_value_t = 8)]
     pub max_requesters: usize,
+    /// Control connections held at once, sessions included (1 to 4096), raised to at least
+    /// --max-requesters; a newcomer past it takes the place of the oldest connection that
+    /// has not said hello, else of the oldest unproven session, and is refused only if
+    /// there is neither.
+    #[arg(long, value_parser = usize_in(1..=4096), default_value_t = 32)]
+    pub max_connections: usize,
+    /// Control connections one source address may hold at once, sessions included (1 to
+    /// 4096), raised to at least --max-requesters; past it, a newcomer takes the place of
+    /// that address's oldest connection without a hello or unproven session.
+    #[arg(long, value_parser = usize_in(1..=4096), default_value_t = 16)]
+    pub max_per_source: usize,
+    /// How long a granted session may take to prove its address before it is closed,
+    /// milliseconds (1 to 600000); until then it is answered nothing but its welcome.
+    #[arg(long, value_parser = u64_in(1..=600_000), default_value_t = 5000)]
+    pub proof_timeout_ms: u64,
     /// Bytes of each requester's inbox slot and reply staging (the largest request, up to the
     /// 128 MiB `verify-predicate --mq 65536` asks of its holders; 4096 to 134217728).
     #[arg(long, value_parser = usize_in(4096..=134_217_728), default_value_t = 4 << 20)]

@@ -408,8 +408,9 @@ fn idle_control_connections_are_bounded_and_closed() -> Result<()> {
         c.max_connections = 24;
     })?;
     let before = threads();
-    // Forty connections that never say hello: the first 24 are held, the rest closed at once,
-    // and none of them costs a thread.
+    // Forty connections that never say hello, from one address: at most 16 (the per-source
+    // limit) are held at once, each newcomer taking the place of the oldest, and none of
+    // them costs a thread.
     let idle: Vec<TcpStream> = (0..40)
         .map(|_| TcpStream::connect(h.addr()))
         .collect::<Result<_, _>>()?;
@@ -432,7 +433,12 @@ fn idle_control_connections_are_bounded_and_closed() -> Result<()> {
             "closed by the holder"
         );
     }
-    assert!(h.stats().busy >= 16, "connections past the cap counted");
+    let stats = h.stats();
+    assert_eq!(
+        stats.evicted, 24,
+        "connections past the limit made room: {stats:?}"
+    );
+    assert_eq!(stats.busy, 0, "no newcomer was refused: {stats:?}");
     // An honest requester is served.
     let mut req = Requester::connect(
         TransferEngine::mem(&fabric, 1)?,
@@ -616,8 +622,14 @@ fn a_holder_cannot_write_into_another_holders_replies() -> Result<()> {
     };
     let mut req = common::connect(&fabric, &[honest.addr(), hostile.addr()], config)?;
     route_once(&mut req)?;
-    let given = req.reply_region(1).expect("the hostile holder's region").clone();
-    let honest_region = req.reply_region(0).expect("the honest holder's region").clone();
+    let given = req
+        .reply_region(1)
+        .expect("the hostile holder's region")
+        .clone();
+    let honest_region = req
+        .reply_region(0)
+        .expect("the honest holder's region")
+        .clone();
     assert_ne!(given.rkeys[0].rkey, honest_region.rkeys[0].rkey);
 
     let attacker = TransferEngine::mem(&fabric, 1)?;
@@ -680,10 +692,138 @@ fn a_holder_cannot_write_into_another_holders_replies() -> Result<()> {
     while done.load(Ordering::Relaxed) < attempts && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert_eq!(done.load(Ordering::Relaxed), attempts, "every forged write finished");
-    assert_eq!(landed.load(Ordering::Relaxed), 0, "forged writes that landed");
+    assert_eq!(
+        done.load(Ordering::Relaxed),
+        attempts,
+        "every forged write finished"
+    );
+    assert_eq!(
+        landed.load(Ordering::Relaxed),
+        0,
+        "forged writes that landed"
+    );
     // The honest holder still answers, and the requester is undisturbed.
     route_once(&mut req)?;
     drop(attacker);
+    Ok(())
+}
+
+/// Reads what the holder sent within `wait`: the bytes (none if it sent nothing).
+fn read_within(stream: &TcpStream, wait: Duration) -> Result<Vec<u8>> {
+    let mut stream = stream.try_clone()?;
+    stream.set_read_timeout(Some(wait))?;
+    let mut got = vec![0u8; 1 << 16];
+    match std::io::Read::read(&mut stream, &mut got) {
+        Ok(n) => Ok(got[..n].to_vec()),
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            Ok(Vec::new())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// One client holds more silent connections than the holder takes, from the honest
+/// requester's own address: the requester still connects and routes (each newcomer takes
+/// the oldest silent connection's place; before, every one past the cap was closed unread,
+/// the honest requester among them).
+#[test]
+fn a_flood_of_silent_connections_does_not_lock_an_honest_requester_out() -> Result<()> {
+    let _serial = serial();
+    let fabric = MemFabric::new();
+    let h = holder_with(&fabric, |c| c.max_connections = 32)?;
+    let flood: Vec<TcpStream> = (0..40)
+        .map(|_| TcpStream::connect(h.addr()))
+        .collect::<Result<_, _>>()?;
+    std::thread::sleep(Duration::from_millis(50));
+    let mut req = requester(&fabric, &h)?;
+    route_once(&mut req)?;
+    // And the flood goes on: forty more while the session is open leave it serving.
+    let more: Vec<TcpStream> = (0..40)
+        .map(|_| TcpStream::connect(h.addr()))
+        .collect::<Result<_, _>>()?;
+    std::thread::sleep(Duration::from_millis(50));
+    route_once(&mut req)?;
+    assert_eq!(h.stats().busy, 0, "{:?}", h.stats());
+    drop((flood, more));
+    Ok(())
+}
+
+/// Every slot taken by a session that never proves its address: an honest requester takes
+/// the oldest one's place (before, it was told busy for as long as they were re-opened).
+#[test]
+fn unproven_sessions_make_room_for_an_honest_requester() -> Result<()> {
+    let _serial = serial();
+    let fabric = MemFabric::new();
+    let h = holder_with(&fabric, |c| c.idle_evict = Duration::from_secs(3600))?;
+    let engine = TransferEngine::mem(&fabric, 1)?;
+    let reply = engine.alloc_mr(1 << 16)?;
+    let unproven: Vec<TcpStream> = (0..CAP)
+        .map(|_| {
+            let (answer, control) = hello(
+                &h,
+                &Hello {
+                    addr: engine.main_address(),
+                    reply: reply.desc().clone(),
+                    pool: None,
+                    reply_imm: 7,
+                    fetch_imm: 8,
+                },
+            )?;
+            assert!(matches!(answer, Answer::Welcome(_)), "{answer:?}");
+            Ok(control)
+        })
+        .collect::<Result<_>>()?;
+    assert_eq!(h.stats().active, CAP as u64);
+    let mut req = requester(&fabric, &h)?;
+    route_once(&mut req)?;
+    assert!(h.stats().evicted >= 1, "{:?}", h.stats());
+    // The session that made room had its connection closed.
+    assert!(read_within(&unproven[0], Duration::from_secs(2))?.is_empty());
+    drop(unproven);
+    Ok(())
+}
+
+/// A session that has not proven its address is answered nothing but its welcome: a flood of
+/// Stats lines gets no answer (before, each was answered, 64 MiB buffered per session), and
+/// the session is closed once its proof is overdue.
+#[test]
+fn nothing_but_the_welcome_is_answered_before_the_proof() -> Result<()> {
+    let _serial = serial();
+    let fabric = MemFabric::new();
+    let h = holder_with(&fabric, |c| c.proof_timeout = Duration::from_millis(500))?;
+    let engine = TransferEngine::mem(&fabric, 1)?;
+    let reply = engine.alloc_mr(1 << 16)?;
+    let (answer, mut control) = hello(
+        &h,
+        &Hello {
+            addr: engine.main_address(),
+            reply: reply.desc().clone(),
+            pool: None,
+            reply_imm: 7,
+            fetch_imm: 8,
+        },
+    )?;
+    assert!(matches!(answer, Answer::Welcome(_)), "{answer:?}");
+    for _ in 0..1000 {
+        writeln!(control, "\"Stats\"")?;
+    }
+    assert!(
+        read_within(&control, Duration::from_millis(300))?.is_empty(),
+        "a Stats answer before the proof"
+    );
+    assert!(h.stats().refused >= 1000, "{:?}", h.stats());
+    // Past the proof timeout the session is closed and its slot free.
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(read_within(&control, Duration::from_secs(1))?.is_empty());
+    assert_eq!(h.stats().active, 0, "{:?}", h.stats());
+    // A proven requester is answered.
+    let mut req = requester(&fabric, &h)?;
+    route_once(&mut req)?;
+    assert!(req.holder_stats(0).is_ok());
     Ok(())
 }

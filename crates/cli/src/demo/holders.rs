@@ -158,7 +158,9 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
         backend,
         max_requesters: args.max_requesters,
         // Every session needs its control connection.
-        max_connections: defaults.max_connections.max(args.max_requesters),
+        max_connections: args.max_connections.max(args.max_requesters),
+        max_per_source: args.max_per_source.max(args.max_requesters),
+        proof_timeout: Duration::from_millis(args.proof_timeout_ms),
         slot_bytes: args.slot_bytes,
         reply_bytes: args.slot_bytes,
         ..defaults

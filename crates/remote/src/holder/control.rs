@@ -41,6 +41,8 @@ enum Phase {
 struct Conn {
     stream: TcpStream,
     peer: SocketAddr,
+    /// When it was accepted: the oldest makes room first.
+    opened: Instant,
     phase: Phase,
     /// Bytes read and not yet a whole line.
     input: Vec<u8>,
@@ -86,6 +88,29 @@ impl Conn {
     fn wants_write(&self) -> bool {
         self.sent < self.output.len()
     }
+
+    /// How readily it gives its place to a newcomer: a connection that has not said hello
+    /// first, then a session that has not proven its address; `None` for a proven session
+    /// or one already closing.
+    fn yields(&self) -> Option<u8> {
+        match &self.phase {
+            Phase::Hello { .. } => Some(0),
+            Phase::Session { session, .. } if !session.proven() => Some(1),
+            _ => None,
+        }
+    }
+}
+
+/// The index of the connection of `conns` (among those `of` accepts) that gives its place to
+/// a newcomer first: the most yielding, oldest first.
+fn yielding(conns: &[Conn], of: impl Fn(&Conn) -> bool) -> Option<usize> {
+    conns
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| of(c))
+        .filter_map(|(i, c)| Some((c.yields()?, c.opened, i)))
+        .min()
+        .map(|(.., i)| i)
 }
 
 impl Shared {
@@ -143,14 +168,37 @@ impl Shared {
         }
     }
 
-    /// Takes every pending connection; past `max_connections` one is closed at once, unread.
+    /// Takes every pending connection. One past `max_per_source` from its address, or past
+    /// `max_connections`, takes the place of the connection that yields first (see
+    /// `Conn::yields`: of its own address, or of any when the holder is full); with none
+    /// to yield it is closed at once, unread.
     fn accept_ready(&self, listener: &TcpListener, conns: &mut Vec<Conn>) {
         loop {
             match listener.accept() {
                 Ok((stream, peer)) => {
-                    if conns.len() >= self.config.max_connections {
-                        lock(&self.stats).busy += 1;
-                        continue;
+                    let same = |c: &Conn| c.peer.ip() == peer.ip();
+                    let room =
+                        if conns.iter().filter(|c| same(c)).count() >= self.config.max_per_source {
+                            yielding(conns, same)
+                        } else if conns.len() >= self.config.max_connections {
+                            yielding(conns, |_| true)
+                        } else {
+                            None
+                        };
+                    let full = conns.iter().filter(|c| same(c)).count()
+                        >= self.config.max_per_source
+                        || conns.len() >= self.config.max_connections;
+                    match (full, room) {
+                        (false, _) => {}
+                        (true, Some(i)) => {
+                            let mut gone = conns.swap_remove(i);
+                            self.end(&mut gone);
+                            lock(&self.stats).evicted += 1;
+                        }
+                        (true, None) => {
+                            lock(&self.stats).busy += 1;
+                            continue;
+                        }
                     }
                     let ready = stream
                         .set_nonblocking(true)
@@ -162,6 +210,7 @@ impl Shared {
                     conns.push(Conn {
                         stream,
                         peer,
+                        opened: Instant::now(),
                         phase: Phase::Hello {
                             deadline: Instant::now() + self.config.hello_timeout,
                         },
@@ -311,6 +360,10 @@ impl Shared {
             Phase::Session { session, .. } => {
                 let requester = session.hello.addr.clone();
                 match serde_json::from_slice::<Control>(line) {
+                    // Nothing but the welcome is answered before the proof.
+                    Ok(Control::Stats) if !session.proven() => {
+                        lock(&self.stats).refused += 1;
+                    }
                     Ok(Control::Stats) => c.answer(&self.stats())?,
                     Ok(Control::Sender(sender)) => {
                         let adopted = self.engine.adopt_sender(&requester, &sender);

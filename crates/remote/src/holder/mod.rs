@@ -37,9 +37,9 @@ mod transfer;
 
 /// How a holder is set up. [`Default`] gives 8 requesters, 4 MiB slots and replies, 16 MiB
 /// of gather staging per requester (14,563 rows: top-2048 over 7 layers), CPU kernels,
-/// 200 us of polling after each batch, 10 s for a hello, 32 control connections, 30 s for a
-/// session's first request and 10 s of idleness before a waiting requester may take a
-/// session's slot. Staging is touched only as far as it is used.
+/// 200 us of polling after each batch, 10 s for a hello, 32 control connections (16 from one
+/// source address), 5 s for a session's proof, 30 s for its first request and 10 s of
+/// idleness before a waiting requester may take a session's slot. Staging is touched only as far as it is used.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HolderConfig {
     /// Concurrent requesters served; the next one is told busy (paper 000 section 6.3: ~8).
@@ -74,6 +74,15 @@ pub struct HolderConfig {
     /// finds every slot taken may have its slot: the session idle longest is closed and the
     /// newcomer welcomed in its place. Sessions busier than this are never closed.
     pub idle_evict: Duration,
+    /// How long a granted session may go without proving its hello's address (the proof
+    /// message through the transport) before it is closed; until then it is the first to
+    /// make room for a newcomer, and nothing but its welcome is answered.
+    pub proof_timeout: Duration,
+    /// Control connections (sessions included) one source address may hold at once. A
+    /// newcomer past it, or past `max_connections`, takes the place of the oldest connection
+    /// that has not said hello, else of the oldest unproven session (of that source, or of
+    /// any when the holder is full); only if there is none is the newcomer closed.
+    pub max_per_source: usize,
 }
 
 impl Default for HolderConfig {
@@ -89,6 +98,8 @@ impl Default for HolderConfig {
             max_connections: 32,
             open_timeout: Duration::from_secs(30),
             idle_evict: Duration::from_secs(10),
+            proof_timeout: Duration::from_secs(5),
+            max_per_source: 16,
         }
     }
 }
@@ -166,6 +177,11 @@ impl Session {
 
     /// Ends the session's control connection; the control thread then frees the slot (if the
     /// slot is still this session's). Whether this call closed it (false: it was closing already).
+    /// Whether its proof arrived from its hello's address.
+    fn proven(&self) -> bool {
+        self.proof.load(Ordering::Acquire) == PROOF_OK
+    }
+
     fn close(&self) -> bool {
         if self.closing.swap(true, Ordering::AcqRel) {
             return false;
@@ -277,12 +293,14 @@ impl Holder {
             ));
         }
         if config.max_connections < config.max_requesters
+            || config.max_per_source == 0
             || config.hello_timeout.is_zero()
             || config.open_timeout.is_zero()
+            || config.proof_timeout.is_zero()
         {
             return Err(RemoteError::Config(
-                "max_connections must be at least max_requesters, hello_timeout and \
-                 open_timeout above zero"
+                "max_connections must be at least max_requesters, max_per_source at least 1, \
+                 hello_timeout, open_timeout and proof_timeout above zero"
                     .into(),
             ));
         }
@@ -415,17 +433,33 @@ impl Shared {
         let sessions = lock(&self.sessions);
         for s in sessions.iter().flatten() {
             let (idle, used) = s.idle();
-            if !used && idle >= self.config.open_timeout && s.close() {
+            let unproven = !s.proven() && s.granted.elapsed() >= self.config.proof_timeout;
+            if ((!used && idle >= self.config.open_timeout) || unproven) && s.close() {
                 lock(&self.stats).evicted += 1;
             }
         }
     }
 
-    /// A free slot for a new session, or the slot of the session idle longest if it has been
-    /// idle at least `idle_evict` (that session is closed); `None` if every session is busier.
+    /// A free slot for a new session, else the slot of the oldest session that has not proven
+    /// its address, else of the session idle longest if it has been idle at least
+    /// `idle_evict` (the session whose slot it was is closed); `None` if every session is
+    /// proven and busier.
     fn free_slot(&self, sessions: &[Option<Session>]) -> Option<usize> {
         if let Some(free) = sessions.iter().position(Option::is_none) {
             return Some(free);
+        }
+        let unproven = sessions
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| Some((i, s.as_ref()?)))
+            .filter(|(_, s)| !s.proven())
+            .min_by_key(|(_, s)| s.granted)
+            .map(|(i, _)| i);
+        if let Some(slot) = unproven {
+            if sessions[slot].as_ref().is_some_and(Session::close) {
+                lock(&self.stats).evicted += 1;
+            }
+            return Some(slot);
         }
         let (slot, idle) = sessions
             .iter()
