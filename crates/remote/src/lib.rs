@@ -48,6 +48,6 @@ pub use error::{RemoteError, RouteError};
 pub use holder::{Holder, HolderConfig};
 pub use requester::{
     Call, CodecTimes, DirectorySync, Fetched, GatherPart, Gathered, Requester, RequesterConfig,
-    Routed, Sparse, StagedCall, StagedRoute,
+    Routed, Sparse, StagedCall, StagedRoute, UNREACHABLE_FIRST_WAIT, UNREACHABLE_LONGEST_WAIT,
 };
 pub use session::HolderStats;

@@ -1212,3 +1212,75 @@ fn holder_pushes_back_beyond_its_cap() -> Result<()> {
     assert!(a.stats().busy >= 1);
     Ok(())
 }
+
+/// A directory with hostile contents beside an honest holder's records: 16 records naming
+/// its control address with another engine (ids that sort first), and 3 whose control address
+/// accepts connections and never answers. The requester routes to the honest holder on one
+/// link (the poisoned records neither hide its record nor spend links: before, the first
+/// poisoned record's session was killed and then taken to serve the honest record), and a
+/// second view costs no timeout for the silent ones (each is left alone for a while).
+#[test]
+fn poisoned_and_silent_directory_records_neither_hide_a_holder_nor_stall_the_requester()
+-> Result<()> {
+    use kvroute_kvstore::directory::{Directory, HolderRecord, InProcessDirectory, SCHEMA};
+    let fabric = MemFabric::new();
+    let dir = InProcessDirectory::new();
+    let watch = dir.watch()?;
+    let honest = holder(&fabric, &[0, 1], 8)?;
+    let (record, chunks) = honest.directory_records(0);
+    let _honest_reg = dir.register(record.clone(), chunks)?;
+    let elsewhere = TransferEngine::mem(&fabric, 1)?;
+    let mut regs = Vec::new();
+    for i in 0..16 {
+        let poisoned = HolderRecord {
+            schema: SCHEMA,
+            id: format!("0-poisoned-{i:02}"),
+            engine: elsewhere.main_address(),
+            ..record.clone()
+        };
+        regs.push(dir.register(poisoned, Vec::new())?);
+    }
+    let silent: Vec<TcpListener> = (0..3)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()?;
+    for (i, l) in silent.iter().enumerate() {
+        let record = HolderRecord {
+            schema: SCHEMA,
+            id: format!("1-silent-{i}"),
+            control: l.local_addr()?,
+            engine: elsewhere.main_address(),
+            ..record.clone()
+        };
+        regs.push(dir.register(record, Vec::new())?);
+    }
+    let mut req = Requester::connect(
+        TransferEngine::mem(&fabric, 1)?,
+        &[],
+        RequesterConfig {
+            max_holders: 4,
+            link_bytes: 1 << 20,
+            timeout: Duration::from_millis(300),
+            ..RequesterConfig::new(SCALE)
+        },
+    )?;
+    let view = latest(&watch)?;
+    assert_eq!(view.holders.len(), 20);
+    let sync = req.sync_with(&view);
+    assert_eq!(sync.added, [(0, honest.addr())], "{sync:?}");
+    assert_eq!(sync.failed.len(), 19, "{sync:?}");
+    assert_eq!(req.holders(), 1, "one link");
+    assert_eq!(req.holder_for(ChunkId(1))?, 0);
+    let q = queries(16, 900, &spec().rope()?, 5);
+    assert!(
+        req.route(&dense_calls(&q, 0, 0..2))
+            .iter()
+            .all(Result::is_ok)
+    );
+    // The next view: the silent records are not tried again yet.
+    let started = std::time::Instant::now();
+    let sync = req.sync_with(&view);
+    assert!(started.elapsed() < Duration::from_millis(250), "{:?}", started.elapsed());
+    assert!(sync.added.is_empty() && req.holders() == 1, "{sync:?}");
+    drop((regs, silent));
+    Ok(())
+}

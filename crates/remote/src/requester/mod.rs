@@ -115,6 +115,14 @@ pub struct CodecTimes {
     pub decode_us: f64,
 }
 
+/// How long a registered holder whose session could not be opened is left alone before
+/// [`Requester::sync_with`] tries it again; each further failure doubles it, up to
+/// [`UNREACHABLE_LONGEST_WAIT`]. A record whose control address never answers then costs a
+/// timeout now and then, not at every view.
+pub const UNREACHABLE_FIRST_WAIT: Duration = Duration::from_secs(5);
+/// See [`UNREACHABLE_FIRST_WAIT`].
+pub const UNREACHABLE_LONGEST_WAIT: Duration = Duration::from_secs(60);
+
 /// What [`Requester::sync_with`] changed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DirectorySync {
@@ -142,6 +150,9 @@ pub struct Requester {
     /// Chunks whose routes and fetches go to a chosen replica ([`Requester::prefer`]) rather
     /// than to the first live one.
     preferred: BTreeMap<ChunkId, usize>,
+    /// Control addresses of registered holders whose session could not be opened: not tried
+    /// again before the instant, the wait doubling at each failure (see `sync_with`).
+    unreachable: BTreeMap<SocketAddr, (std::time::Instant, Duration)>,
     codec: CodecTimes,
 }
 
@@ -277,6 +288,7 @@ impl Requester {
             capacity,
             registry: ChunkRegistry::new(),
             preferred: BTreeMap::new(),
+            unreachable: BTreeMap::new(),
             codec: CodecTimes::default(),
         };
         for &addr in holders {
@@ -618,7 +630,12 @@ impl Requester {
     /// the holder wrote its registration anew). A holder is the pair (control address, engine
     /// address), so a holder restarted on the same port is a new one. A registered holder
     /// whose session fails, or whose welcome names another engine address than its record,
-    /// is reported and not used. Each chunk's replicas are then preferred in the view's
+    /// is reported and not used; one whose session cannot be opened is not tried again for
+    /// [`UNREACHABLE_FIRST_WAIT`], doubling at each failure. A record naming the control
+    /// address of a live session that proved another engine is reported without opening a
+    /// session, and a session opened for a record whose engine it contradicts is kept when
+    /// another record of the view names what it proved, so that no record can hide another
+    /// of the same address or spend the requester's links. Each chunk's replicas are then preferred in the view's
     /// order (ascending replica number).
     pub fn sync_with(&mut self, view: &DirectoryView) -> DirectorySync {
         let mut out = DirectorySync::default();
@@ -636,21 +653,63 @@ impl Requester {
                 }
             }
         }
+        let now = std::time::Instant::now();
         for r in view.holders.values() {
+            let control = r.record.control;
             if self.links.iter().any(|l| l.serves(&r.record)) {
                 continue;
             }
-            match self.add_holder(r.record.control) {
+            // A live session at that address proved another engine: the record is wrong,
+            // and opening another session would only spend a link on it.
+            if self.links.iter().any(|l| l.alive && l.addr == control) {
+                out.failed.push((
+                    control,
+                    "the session at its control address is another engine's than its record's"
+                        .to_owned(),
+                ));
+                continue;
+            }
+            if self
+                .unreachable
+                .get(&control)
+                .is_some_and(|&(until, _)| now < until)
+            {
+                continue;
+            }
+            match self.add_holder(control) {
                 Ok(h) if self.links[h].welcome.holder != r.record.engine => {
-                    self.kill(h);
+                    // Kept where another record names what the session proved (a poisoned
+                    // record must not hide the honest one of the same address).
+                    let proven = view
+                        .holders
+                        .values()
+                        .any(|x| self.links[h].serves(&x.record));
+                    if proven {
+                        out.added.push((h, control));
+                    } else {
+                        self.kill(h);
+                    }
                     out.failed.push((
-                        r.record.control,
+                        control,
                         "its welcome names another engine address than its directory record"
                             .to_owned(),
                     ));
                 }
-                Ok(h) => out.added.push((h, r.record.control)),
-                Err(e) => out.failed.push((r.record.control, e.to_string())),
+                Ok(h) => {
+                    self.unreachable.remove(&control);
+                    out.added.push((h, control));
+                }
+                Err(e) => {
+                    let wait = self
+                        .unreachable
+                        .get(&control)
+                        .map_or(UNREACHABLE_FIRST_WAIT, |&(_, w)| {
+                            (w * 2).min(UNREACHABLE_LONGEST_WAIT)
+                        });
+                    let failed_at = std::time::Instant::now();
+                    self.unreachable.insert(control, (failed_at + wait, wait));
+                    out.failed.push((control, e.to_string()));
+                }
             }
         }
         // Replicas in the directory's order (ascending replica number), copies it does not

@@ -1026,7 +1026,11 @@ impl KeyDraw {
         Self {
             state: Default::default(),
             drawn: 0,
-            mask: if bits == 64 { u64::MAX } else { (1u64 << bits) - 1 },
+            mask: if bits == 64 {
+                u64::MAX
+            } else {
+                (1u64 << bits) - 1
+            },
         }
     }
 
