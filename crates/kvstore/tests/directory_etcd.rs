@@ -170,6 +170,35 @@ fn bad_values_in_etcd_are_skipped() -> Result<()> {
     Ok(())
 }
 
+/// Four 1.4 MB junk values under the directory's prefix (5.6 MB together, past the client's
+/// 4 MiB message limit): the listing and a fresh watch still see the honest holder, and name
+/// the junk as skipped (before, every listing failed: `directory list`, and a new
+/// requester's first view).
+#[test]
+fn oversized_values_neither_break_a_listing_nor_a_watch() -> Result<()> {
+    if no_etcd() {
+        return Ok(());
+    }
+    let cluster = EtcdCluster::start(1)?;
+    let dir = directory(&cluster, 5)?;
+    let a = holder(1);
+    let _ra = dir.register(a.clone(), vec![chunk(0, &a, 0)])?;
+    let raw = EtcdRaw::new(&cluster)?;
+    let junk = vec![b'x'; 1_400_000];
+    for i in 0..4 {
+        raw.put(&holder_key(&format!("junk-{i}")), &junk)?;
+    }
+    let view = dir.view()?;
+    assert_eq!(view.holders.len(), 1, "{:?}", view.skipped);
+    assert_eq!(view.skipped.len(), 4, "{:?}", view.skipped);
+    let watch = dir.watch()?;
+    let seen = until(&watch, Duration::from_secs(10), |s| {
+        s.view.holders.len() == 1
+    });
+    assert!(seen.is_some(), "the watch's first listing");
+    Ok(())
+}
+
 /// Raw puts through the client, for contents the directory itself never writes.
 struct EtcdRaw {
     runtime: tokio::runtime::Runtime,

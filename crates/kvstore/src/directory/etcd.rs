@@ -489,20 +489,11 @@ async fn follow(
 
 /// Lists, publishes, and follows the watch stream until it fails; returns why.
 async fn follow_once(members: &Members, slot: &WatchSlot) -> String {
-    let listed = match members
-        .call(|mut c| async move { c.get(PREFIX, Some(GetOptions::new().with_prefix())).await })
-        .await
-    {
-        Ok(r) => r,
+    let (revision, mut entries, mut unread) = match list(members).await {
+        Ok(listed) => listed,
         Err(why) => return format!("listing: {why}"),
     };
-    let revision = listed.header().map_or(0, |h| h.revision());
-    let mut entries: BTreeMap<Vec<u8>, (Vec<u8>, i64)> = listed
-        .kvs()
-        .iter()
-        .map(|kv| (kv.key().to_vec(), (kv.value().to_vec(), kv.lease())))
-        .collect();
-    slot.publish(view_of(&entries));
+    slot.publish(view_of(&entries, &unread));
     let options = WatchOptions::new()
         .with_prefix()
         .with_start_revision(revision + 1);
@@ -529,14 +520,16 @@ async fn follow_once(members: &Members, slot: &WatchSlot) -> String {
                     let Some(kv) = event.kv() else { continue };
                     match event.event_type() {
                         EventType::Put => {
+                            unread.remove(kv.key());
                             entries.insert(kv.key().to_vec(), (kv.value().to_vec(), kv.lease()));
                         }
                         EventType::Delete => {
+                            unread.remove(kv.key());
                             entries.remove(kv.key());
                         }
                     }
                 }
-                slot.publish(view_of(&entries));
+                slot.publish(view_of(&entries, &unread));
             }
             Ok(None) => return "watch stream ended".to_owned(),
             Err(e) => return format!("watch stream: {e}"),
@@ -544,12 +537,73 @@ async fn follow_once(members: &Members, slot: &WatchSlot) -> String {
     }
 }
 
-fn view_of(entries: &BTreeMap<Vec<u8>, (Vec<u8>, i64)>) -> DirectoryView {
-    DirectoryView::from_entries(
+fn view_of(
+    entries: &BTreeMap<Vec<u8>, (Vec<u8>, i64)>,
+    unread: &BTreeMap<Vec<u8>, String>,
+) -> DirectoryView {
+    let mut view = DirectoryView::from_entries(
         entries
             .iter()
             .map(|(k, (v, lease))| (k.as_slice(), v.as_slice(), *lease)),
-    )
+    );
+    view.skipped.extend(
+        unread
+            .iter()
+            .map(|(k, why)| format!("{}: not read: {why}", String::from_utf8_lossy(k))),
+    );
+    view
+}
+
+/// Every entry under [`PREFIX`] at one revision, read key by key: first the keys alone, then
+/// each value on its own, so that no listing is one message of every value (values that
+/// together pass the client's 4 MiB decode limit failed every listing). A value etcd answers
+/// with an error (one too large to decode) is left out and named with why; a member that
+/// does not answer fails the listing. Returns the revision, the entries and those left out.
+async fn list(
+    members: &Members,
+) -> Result<
+    (
+        i64,
+        BTreeMap<Vec<u8>, (Vec<u8>, i64)>,
+        BTreeMap<Vec<u8>, String>,
+    ),
+    Failure,
+> {
+    let keys = members
+        .call(|mut c| async move {
+            c.get(
+                PREFIX,
+                Some(GetOptions::new().with_prefix().with_keys_only()),
+            )
+            .await
+        })
+        .await?;
+    let revision = keys.header().map_or(0, |h| h.revision());
+    let (mut entries, mut unread) = (BTreeMap::new(), BTreeMap::new());
+    for kv in keys.kvs() {
+        let key = kv.key().to_vec();
+        let got = members
+            .call(|mut c| {
+                let key = key.clone();
+                async move {
+                    c.get(key, Some(GetOptions::new().with_revision(revision)))
+                        .await
+                }
+            })
+            .await;
+        match got {
+            Ok(r) => {
+                if let Some(kv) = r.kvs().first() {
+                    entries.insert(kv.key().to_vec(), (kv.value().to_vec(), kv.lease()));
+                }
+            }
+            Err(Failure::Answered(e)) => {
+                unread.insert(key, e.to_string());
+            }
+            Err(unreachable) => return Err(unreachable),
+        }
+    }
+    Ok((revision, entries, unread))
 }
 
 impl Directory for EtcdDirectory {
@@ -593,17 +647,8 @@ impl Directory for EtcdDirectory {
         let members = &self.members;
         self.runtime
             .block_on(async {
-                let listed = members
-                    .call(|mut c| async move {
-                        c.get(PREFIX, Some(GetOptions::new().with_prefix())).await
-                    })
-                    .await?;
-                let mut view = DirectoryView::from_entries(
-                    listed
-                        .kvs()
-                        .iter()
-                        .map(|kv| (kv.key(), kv.value(), kv.lease())),
-                );
+                let (_, entries, unread) = list(members).await?;
+                let mut view = view_of(&entries, &unread);
                 for holder in view.holders.values_mut() {
                     if let Some(lease) = holder.lease {
                         let left = members
