@@ -23,9 +23,11 @@ use kvroute_remote::Requester;
 use kvroute_remote::probe::ProbeConfig;
 use serde::Serialize;
 
+use super::Served;
 use super::follow::{DirectoryReport, Follower};
-use super::holders::{HolderProcess, directory_flags, provider_for, start_holder};
-use super::{Served, fabric_engine};
+use super::holders::{
+    HolderProcess, directory_flags, provider_for, requester_engine, start_holder,
+};
 use crate::args::{GenerateArgs, PrimitiveArg};
 use crate::calibrate::CalibrationSummary;
 
@@ -151,7 +153,8 @@ pub(crate) fn run(command: &str, args: &GenerateArgs) -> Result<GenerationReport
     let holders_ready_s = started.elapsed().as_secs_f64();
     let addrs: Vec<SocketAddr> = procs.iter().map(|p| p.addr).collect();
 
-    let (engine, provider_name) = fabric_engine(&provider)?;
+    let (engine, provider_name) =
+        requester_engine(&provider, Duration::from_millis(args.timeout_ms))?;
     let config = requester_config(&model, &context, Duration::from_millis(args.timeout_ms));
     let (req, mut follower) = match &args.directory.directory {
         None => (Requester::connect(engine, &addrs, config)?, None),

@@ -58,11 +58,33 @@ pub(crate) fn fabric_engine(provider: &ProviderChoice) -> Result<(TransferEngine
     fabric_engine_with(provider, ProgressArg::Thread)
 }
 
+/// [`fabric_engine`] for a requester that waits `timeout` for a holder: a transfer is given
+/// as long (at least the engine's 3 s) before the engine fails it, so that a requester told
+/// to wait 20 s is not failed after 3 by a write that is slow to complete (32 requesters at
+/// once over shm on two cores).
+pub(crate) fn requester_engine(
+    provider: &ProviderChoice,
+    timeout: Duration,
+) -> Result<(TransferEngine, String)> {
+    engine_on(provider, ProgressArg::Thread, timeout.max(OP_TIMEOUT))
+}
+
+/// How long the engine gives a transfer before failing it, where not told otherwise.
+const OP_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// An engine on `provider`; with worker threads, idle workers poll every 50 us (several
 /// processes share two cores here), with manual progress the caller's thread polls.
 pub(crate) fn fabric_engine_with(
     provider: &ProviderChoice,
     progress: ProgressArg,
+) -> Result<(TransferEngine, String)> {
+    engine_on(provider, progress, OP_TIMEOUT)
+}
+
+fn engine_on(
+    provider: &ProviderChoice,
+    progress: ProgressArg,
+    op_timeout: Duration,
 ) -> Result<(TransferEngine, String)> {
     let engine_config = EngineConfig {
         progress: match progress {
@@ -78,7 +100,7 @@ pub(crate) fn fabric_engine_with(
         // Several processes share two cores here: idle workers poll every 50 us instead of
         // spinning a core each.
         idle_poll: Some(Duration::from_micros(50)),
-        op_timeout: Duration::from_secs(3),
+        op_timeout,
         ..FabricConfig::default()
     };
     if provider.to_string() == "verbs" {

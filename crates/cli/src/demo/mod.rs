@@ -39,8 +39,7 @@ mod steps;
 pub use follow::DirectoryReport;
 pub use generation::{GenerationReport, ModelSummary};
 pub(crate) use holders::{
-    HolderProcess, fabric_engine, fabric_engine_with, holder, provider_for, spawn_holder,
-    v2_lite_corpus,
+    HolderProcess, fabric_engine_with, holder, provider_for, spawn_holder, v2_lite_corpus,
 };
 use holders::{corpus, corpus_of, spawn_holders};
 use steps::{Discovery, decode_steps};

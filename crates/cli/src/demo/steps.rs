@@ -67,7 +67,8 @@ pub(super) fn decode_steps(
     (plan, seed): (&StepArgs, u64),
     before_step: &mut dyn FnMut(u32) -> Result<Option<String>>,
 ) -> Result<DemoReport> {
-    let (engine, provider_name) = super::fabric_engine(provider)?;
+    let (engine, provider_name) =
+        super::holders::requester_engine(provider, Duration::from_millis(plan.timeout_ms))?;
     let config = RequesterConfig {
         timeout: Duration::from_millis(plan.timeout_ms),
         link_bytes: 4 << 20,
