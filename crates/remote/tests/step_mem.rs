@@ -733,7 +733,19 @@ fn over_shm_a_batch_matches_one_instance_per_request() -> Result<()> {
         kvroute_testkit::skip!("libfabric's shm provider is not usable here: {why}");
         return Ok(());
     }
-    let (a, b) = (holder_on(Net::Shm, &[0, 1])?, holder_on(Net::Shm, &[2, 3])?);
+    // `a` serves from 16-token blocks scattered over its pool (its fetches are one write
+    // per piece of a block), `b` from full blocks.
+    let engine = Net::Shm.engine()?;
+    let ids = [ChunkId(0), ChunkId(1)];
+    let held = HeldChunks::generate_paged(&engine, &spec(), &ids, 16, 3)?;
+    let config = HolderConfig {
+        max_requesters: 4,
+        slot_bytes: 1 << 20,
+        reply_bytes: 1 << 20,
+        ..HolderConfig::default()
+    };
+    let a = Holder::start(engine, TcpListener::bind("127.0.0.1:0")?, held, config)?;
+    let b = holder_on(Net::Shm, &[2, 3])?;
     for sparse in [false, true] {
         for force in [None, Some(Primitive::Route), Some(Primitive::Fetch)] {
             let mut st = stepper_on(Net::Shm, &[&a, &b], force, 8)?;
