@@ -111,10 +111,9 @@ pub struct KvPathReport {
     pub implied_cnic_gbps: f64,
 }
 
+/// The workspace's one median ([`kvroute_costmodel::fit::median`]); 0 for no values.
 fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s.get(s.len() / 2).copied().unwrap_or(0.0)
+    kvroute_costmodel::fit::median(&mut v.to_vec()).unwrap_or(0.0)
 }
 
 fn provider_and_node(provider: &str) -> Result<(String, Option<&'static str>)> {

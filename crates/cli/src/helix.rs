@@ -280,9 +280,9 @@ fn report(
     }
 }
 
+/// The workspace's one median ([`kvroute_costmodel::fit::median`]); 0 for no values.
 fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    kvroute_costmodel::fit::median(&mut v).unwrap_or(0.0)
 }
 
 fn median_phases<'a>(steps: impl Iterator<Item = &'a StepReport>) -> Option<Phases> {

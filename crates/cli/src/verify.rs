@@ -458,14 +458,10 @@ fn point(
     }
 }
 
+/// The median of the absolute values ([`kvroute_costmodel::fit::median`]); NaN for none.
 fn median_abs(values: impl Iterator<Item = f64>) -> f64 {
     let mut v: Vec<f64> = values.map(f64::abs).collect();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
+    kvroute_costmodel::fit::median(&mut v).unwrap_or(f64::NAN)
 }
 
 /// The verdict over `points`.
