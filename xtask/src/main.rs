@@ -199,6 +199,7 @@ fn test() -> Result<()> {
         _ => {}
     }
     let skip_log_env = skip_log.to_string_lossy().into_owned();
+    let shm_before = shm_regions();
     cargo_step(
         "test",
         &["test", "--workspace", "--locked"],
@@ -208,6 +209,7 @@ fn test() -> Result<()> {
             ("KVROUTE_SKIP_LOG", &skip_log_env),
         ],
     )?;
+    shm_left_behind(&shm_before)?;
     library_alone()?;
     loom()?;
     fuzz::run(&root, &["--seconds".to_owned(), "10".to_owned()])?;
@@ -258,6 +260,44 @@ fn skip_summary(log: &str) -> (usize, String) {
 /// (argument parsing, plots, progress bars, `anyhow`), its tests pass built alone (no feature
 /// the workspace's other members turn on), and its examples run: holder and requester over
 /// the `mem` domain and `shm`, and from async code under tokio, each output checked.
+/// The names in `/dev/shm` of libfabric shm regions (`<pid>:<n>:<n>`), with their pid.
+fn shm_regions() -> Vec<(String, u32)> {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| {
+        let name = e.ok()?.file_name().into_string().ok()?;
+        let mut parts = name.split(':');
+        let pid = parts.next()?.parse().ok()?;
+        let rest: Vec<&str> = parts.collect();
+        (rest.len() == 2 && rest.iter().all(|p| p.parse::<u32>().is_ok())).then_some((name, pid))
+    })
+    .collect()
+}
+
+/// Fails, naming them, if the test step left shm regions of processes that have exited
+/// (each is 16 MiB of `/dev/shm` until someone removes it); removes them first, so that one
+/// failed run does not leak into the next.
+fn shm_left_behind(before: &[(String, u32)]) -> Result<()> {
+    let left: Vec<String> = shm_regions()
+        .into_iter()
+        .filter(|(name, pid)| {
+            !before.iter().any(|(b, _)| b == name) && !Path::new(&format!("/proc/{pid}")).exists()
+        })
+        .map(|(name, _)| name)
+        .collect();
+    if left.is_empty() {
+        return Ok(());
+    }
+    for name in &left {
+        let _ = std::fs::remove_file(Path::new("/dev/shm").join(name));
+    }
+    bail!(
+        "the tests left shm regions of exited processes in /dev/shm (removed now): {}",
+        left.join(", ")
+    )
+}
+
 fn library_alone() -> Result<()> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let tree = Command::new(&cargo)
