@@ -1007,6 +1007,10 @@ pub struct GenerateArgs {
     /// the holders.
     #[arg(long, default_value = "cpu")]
     pub holder_backend: String,
+    /// Serve the requester's metrics at http://ADDR/metrics, and each holder's on a port of
+    /// its own on the same host (all printed).
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
     /// The model, tokens and caches.
     #[command(flatten)]
     pub generation: GenerationArgs,
@@ -1057,6 +1061,10 @@ pub struct DemoArgs {
     /// `kvroute holder --block-tokens` (1 to 65536); default: contiguous full blocks.
     #[arg(long, value_parser = usize_in(1..=65_536))]
     pub holder_block_tokens: Option<usize>,
+    /// The generation's requester serves its metrics at http://ADDR/metrics, each holder on a
+    /// port of its own on the same host (all printed).
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
 }
 
 /// Which synthetic corpus: a `CorpusSpec` as JSON, or DeepSeek-V2-Lite's of the sizes given.
@@ -1150,6 +1158,10 @@ pub struct HolderArgs {
     /// (what `kvroute generate` passes its holders).
     #[arg(long, requires = "model")]
     pub context: Option<String>,
+    /// Serve this process's metrics at http://ADDR/metrics (Prometheus' text format;
+    /// 127.0.0.1:0 picks a port, printed beside the control address).
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
 }
 
 /// What keeps a holder serving.

@@ -25,6 +25,7 @@ pub mod demo;
 mod directory;
 mod helix;
 mod kernel;
+mod metrics_http;
 mod model;
 
 mod plan;

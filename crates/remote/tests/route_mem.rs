@@ -1279,7 +1279,11 @@ fn poisoned_and_silent_directory_records_neither_hide_a_holder_nor_stall_the_req
     // The next view: the silent records are not tried again yet.
     let started = std::time::Instant::now();
     let sync = req.sync_with(&view);
-    assert!(started.elapsed() < Duration::from_millis(250), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_millis(250),
+        "{:?}",
+        started.elapsed()
+    );
     assert!(sync.added.is_empty() && req.holders() == 1, "{sync:?}");
     drop((regs, silent));
     Ok(())

@@ -59,6 +59,8 @@ pub struct GenerationReport {
     /// With a directory: what it held and what changed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub directory: Option<DirectoryReport>,
+    /// With `--metrics-listen`: each process's `/metrics` address (`requester`, `holder N`).
+    pub metrics: Vec<(String, SocketAddr)>,
 }
 
 /// The model a generation ran.
@@ -118,6 +120,13 @@ pub(crate) fn run(command: &str, args: &GenerateArgs) -> Result<GenerationReport
         b.parse::<Backend>()
             .with_context(|| format!("--holder-backend {b}"))?;
     }
+    let mut metrics = Vec::new();
+    let mut holder_metrics = Vec::new();
+    if let Some(addr) = &args.metrics_listen {
+        let at = crate::metrics_http::serve(addr)?;
+        metrics.push(("requester".to_owned(), at));
+        holder_metrics = vec!["--metrics-listen".to_owned(), format!("{}:0", at.ip())];
+    }
     // Every holder starts prefilling at once; the reference's chunks are prefilled here
     // meanwhile.
     let started = Instant::now();
@@ -139,6 +148,7 @@ pub(crate) fn run(command: &str, args: &GenerateArgs) -> Result<GenerationReport
                 backends[h % backends.len()].to_owned(),
             ];
             extra.extend(directory_flags(&args.directory));
+            extra.extend(holder_metrics.iter().cloned());
             start_holder(&provider, &chunks, &extra)
         })
         .collect::<Result<Vec<_>>>()?;
@@ -151,6 +161,11 @@ pub(crate) fn run(command: &str, args: &GenerateArgs) -> Result<GenerationReport
         .map(|s| s.ready())
         .collect::<Result<_>>()?;
     let holders_ready_s = started.elapsed().as_secs_f64();
+    for (h, p) in procs.iter().enumerate() {
+        if let Some(at) = p.metrics {
+            metrics.push((format!("holder {h}"), at));
+        }
+    }
     let addrs: Vec<SocketAddr> = procs.iter().map(|p| p.addr).collect();
 
     let (engine, provider_name) =
@@ -255,6 +270,7 @@ pub(crate) fn run(command: &str, args: &GenerateArgs) -> Result<GenerationReport
         generation: report,
         served,
         directory: follower.map(|f| f.report),
+        metrics,
     })
 }
 
@@ -365,6 +381,9 @@ impl fmt::Display for GenerationReport {
         }
         if let Some(d) = &self.directory {
             write!(f, "{d}")?;
+        }
+        for (process, at) in &self.metrics {
+            writeln!(f, "metrics of {process}: http://{at}/metrics")?;
         }
         for s in &self.served {
             writeln!(

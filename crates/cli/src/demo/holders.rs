@@ -209,6 +209,10 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
     };
     let listener =
         TcpListener::bind(&args.listen).with_context(|| format!("listening on {}", args.listen))?;
+    let metrics = match &args.metrics_listen {
+        Some(addr) => Some(crate::metrics_http::serve(addr)?),
+        None => None,
+    };
     let holder = Holder::start(engine, listener, held, config)?;
     let resident = holder.stats().gpu_resident_bytes;
     tracing::info!(
@@ -236,7 +240,10 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
     };
     println!(
         "{}",
-        serde_json::json!({ "listen": holder.addr().to_string() })
+        serde_json::json!({
+            "listen": holder.addr().to_string(),
+            "metrics": metrics.map(|a| a.to_string()),
+        })
     );
     std::io::stdout().flush()?;
     match stop {
@@ -264,6 +271,8 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
 pub(crate) struct HolderProcess {
     pub(crate) child: Child,
     pub(crate) addr: SocketAddr,
+    /// Where it serves its metrics, if asked to.
+    pub(crate) metrics: Option<SocketAddr>,
 }
 
 impl Drop for HolderProcess {
@@ -386,6 +395,7 @@ impl StartingHolder {
         let mut proc = HolderProcess {
             child: self.child,
             addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            metrics: None,
         };
         let stdout = stdout.ok_or_else(|| anyhow!("no holder stdout"))?;
         let mut line = String::new();
@@ -396,6 +406,7 @@ impl StartingHolder {
             .as_str()
             .ok_or_else(|| anyhow!("holder of chunks {h} gave no address"))?
             .parse()?;
+        proc.metrics = v["metrics"].as_str().and_then(|a| a.parse().ok());
         Ok(proc)
     }
 }

@@ -289,6 +289,7 @@ pub(crate) fn demo_generation(args: &DemoArgs) -> Result<GenerationReport> {
         poll_ms: run.poll_ms,
         directory: args.directory.clone(),
         holder_backend: args.holder_backend.clone(),
+        metrics_listen: args.metrics_listen.clone(),
         generation: args.generation.clone(),
     };
     generation::run("demo", &generate)

@@ -69,6 +69,16 @@ impl Compute {
             .filter(|_| self.backend.resolve(call) == Backend::Cuda)
     }
 
+    /// The backend's name as a metrics label: `cuda` where chunks are resident on a GPU,
+    /// else `cpu` (the CPU's instruction sets and the reference alike).
+    pub(super) fn backend_label(&self) -> &'static str {
+        if self.resident.is_some() {
+            "cuda"
+        } else {
+            "cpu"
+        }
+    }
+
     /// Whether a partial of `rows` query rows runs on the GPU.
     pub(super) fn on_gpu(&self, rows: usize) -> bool {
         self.gpu_for(rows).is_some()

@@ -193,10 +193,10 @@ impl Shared {
                         (true, Some(i)) => {
                             let mut gone = conns.swap_remove(i);
                             self.end(&mut gone);
-                            lock(&self.stats).evicted += 1;
+                            self.session_event("evicted");
                         }
                         (true, None) => {
-                            lock(&self.stats).busy += 1;
+                            self.session_event("busy");
                             continue;
                         }
                     }
@@ -260,7 +260,7 @@ impl Shared {
                 .filter(|s| s.token == token);
             let Some(s) = session else {
                 drop(sessions);
-                lock(&self.stats).refused += 1;
+                self.session_event("refused");
                 continue;
             };
             let outcome = if from.as_ref() == Some(&s.hello.addr) {
@@ -293,7 +293,7 @@ impl Shared {
         c.proving = None;
         let _ = c.answer(&Ack { ok: proven });
         if !proven {
-            lock(&self.stats).refused += 1;
+            self.session_event("refused");
             self.end(c);
         }
     }
@@ -362,13 +362,13 @@ impl Shared {
                 match serde_json::from_slice::<Control>(line) {
                     // Nothing but the welcome is answered before the proof.
                     Ok(Control::Stats) if !session.proven() => {
-                        lock(&self.stats).refused += 1;
+                        self.session_event("refused");
                     }
                     Ok(Control::Stats) => c.answer(&self.stats())?,
                     Ok(Control::Sender(sender)) => {
                         let adopted = self.engine.adopt_sender(&requester, &sender);
                         if let Err(e) = &adopted {
-                            lock(&self.stats).refused += 1;
+                            self.session_event("refused");
                             tracing::debug!(%e, "refusing a requester's sending address");
                         }
                         c.answer(&Ack {
@@ -397,7 +397,7 @@ impl Shared {
         let checked = check_hello(&hello)
             .and_then(|()| self.engine.connect(&hello.addr).map_err(|e| e.to_string()));
         if let Err(why) = checked {
-            lock(&self.stats).refused += 1;
+            self.session_event("refused");
             return c.answer(&Answer::Refused(why));
         }
         let token = new_token()?;
@@ -428,6 +428,8 @@ impl Shared {
             match self.free_slot(&sessions) {
                 Some(i) => {
                     sessions[i] = Some(session.clone());
+                    crate::observe::holder_session("opened");
+                    crate::observe::holder_active(sessions.iter().flatten().count());
                     i
                 }
                 None => {
@@ -437,7 +439,7 @@ impl Shared {
                     if !in_use {
                         self.release_peer(&hello.addr);
                     }
-                    lock(&self.stats).busy += 1;
+                    self.session_event("busy");
                     return c.answer(&Answer::Busy { active: cap, cap });
                 }
             }
@@ -476,6 +478,7 @@ impl Shared {
             {
                 sessions[slot] = None;
             }
+            crate::observe::holder_active(sessions.iter().flatten().count());
             address_in_use(&sessions, &session.hello.addr)
         };
         if !still_used {

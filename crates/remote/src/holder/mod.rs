@@ -429,13 +429,27 @@ impl Shared {
     }
 
     /// Closes every session that has not routed within `open_timeout` of its grant.
+    /// Counts a control-plane event: in the holder's stats and for a metrics recorder.
+    fn session_event(&self, event: &'static str) {
+        {
+            let mut stats = lock(&self.stats);
+            match event {
+                "evicted" => stats.evicted += 1,
+                "busy" => stats.busy += 1,
+                "refused" => stats.refused += 1,
+                _ => {}
+            }
+        }
+        crate::observe::holder_session(event);
+    }
+
     fn close_unopened(&self) {
         let sessions = lock(&self.sessions);
         for s in sessions.iter().flatten() {
             let (idle, used) = s.idle();
             let unproven = !s.proven() && s.granted.elapsed() >= self.config.proof_timeout;
             if ((!used && idle >= self.config.open_timeout) || unproven) && s.close() {
-                lock(&self.stats).evicted += 1;
+                self.session_event("evicted");
             }
         }
     }
@@ -457,7 +471,7 @@ impl Shared {
             .map(|(i, _)| i);
         if let Some(slot) = unproven {
             if sessions[slot].as_ref().is_some_and(Session::close) {
-                lock(&self.stats).evicted += 1;
+                self.session_event("evicted");
             }
             return Some(slot);
         }
@@ -470,7 +484,7 @@ impl Shared {
             return None;
         }
         if sessions[slot].as_ref().is_some_and(Session::close) {
-            lock(&self.stats).evicted += 1;
+            self.session_event("evicted");
         }
         Some(slot)
     }

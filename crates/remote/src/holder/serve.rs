@@ -77,12 +77,18 @@ impl Shared {
                         (Some((s, n)), _) => (s, n, &mut arrived, &mut ready),
                         (_, Some((s, n))) => (s, n, &mut pinged, &mut pings),
                         _ => {
-                            lock(&self.stats).stray_imms += count;
+                            {
+                                lock(&self.stats).stray_imms += count;
+                                crate::observe::holder_stray_imms(count);
+                            }
                             continue;
                         }
                     };
                 let Some(n) = counts.get_mut(usize::from(session)) else {
-                    lock(&self.stats).stray_imms += count;
+                    {
+                        lock(&self.stats).stray_imms += count;
+                        crate::observe::holder_stray_imms(count);
+                    }
                     continue;
                 };
                 *n += count;
@@ -134,7 +140,10 @@ impl Shared {
     /// for a [`wire::Pong::Written`] ping, every byte of the pong is written first (timed).
     fn pong(&self, slot: usize) {
         let Some(session) = lock(&self.sessions)[slot].clone() else {
-            lock(&self.stats).stray_imms += 1;
+            {
+                lock(&self.stats).stray_imms += 1;
+                crate::observe::holder_stray_imms(1);
+            }
             return;
         };
         let mut header = [0u8; wire::PING_HEADER];
@@ -156,7 +165,10 @@ impl Shared {
                 && (cfg!(feature = "measure") || p.pong == wire::Pong::Staged)
         })
         else {
-            lock(&self.stats).refused += 1;
+            {
+                lock(&self.stats).refused += 1;
+                crate::observe::holder_refused_request();
+            }
             return;
         };
         let Some(_posting) = session.posting() else {
@@ -216,7 +228,10 @@ impl Shared {
             .into_iter()
             .filter_map(|(slot, session)| {
                 let Some(session) = session else {
-                    lock(&self.stats).stray_imms += 1;
+                    {
+                        lock(&self.stats).stray_imms += 1;
+                        crate::observe::holder_stray_imms(1);
+                    }
                     return None;
                 };
                 let mut header = [0u8; wire::REQUEST_HEADER];
@@ -227,7 +242,10 @@ impl Shared {
                 let admitted = wire::request_credentials(&header)
                     .is_some_and(|(token, seq)| session.admit(token, seq));
                 if !admitted {
-                    lock(&self.stats).refused += 1;
+                    {
+                        lock(&self.stats).refused += 1;
+                        crate::observe::holder_refused_request();
+                    }
                     return None;
                 }
                 let total =
@@ -549,6 +567,8 @@ impl Shared {
         total.batches += stats.batches;
         total.refused += stats.refused;
         total.fetches += stats.fetches;
+        drop(total);
+        crate::observe::holder_batch(&stats, self.compute.backend_label());
     }
 
     /// A gathered group as the batched kernel takes it.
