@@ -3,7 +3,8 @@
 
 #![allow(clippy::expect_used)]
 
-use std::io::Read;
+mod common;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -21,44 +22,9 @@ fn demo(args: &[&str]) -> (bool, serde_json::Value, String) {
     let _one = ONE_DEMO
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(["demo", "--attention-checks", "--json", "--tokens", "512"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("running kvroute demo: {e}"));
-    // Drained on threads so a chatty demo cannot block on a full pipe.
-    let drain = |mut r: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = r.read_to_string(&mut text);
-            text
-        })
-    };
-    let out = drain(Box::new(child.stdout.take().expect("piped stdout")));
-    let err = drain(Box::new(child.stderr.take().expect("piped stderr")));
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("waiting for the demo") {
-            break status;
-        }
-        if started.elapsed() > HANG {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("kvroute demo {args:?} hung for {HANG:?}; killed");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let stdout = out.join().unwrap_or_default();
-    let stderr = err.join().unwrap_or_default();
-    // A failed run prints its report, then the error object: the first JSON document.
-    let json = serde_json::Deserializer::from_str(&stdout)
-        .into_iter::<serde_json::Value>()
-        .next()
-        .and_then(Result::ok)
-        .unwrap_or_default();
-    (status.success(), json, format!("{stdout}\n{stderr}"))
+    let mut all = vec!["demo", "--attention-checks", "--json", "--tokens", "512"];
+    all.extend_from_slice(args);
+    common::kvroute(&all, HANG)
 }
 
 fn assert_passed(args: &[&str]) -> serde_json::Value {

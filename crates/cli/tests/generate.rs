@@ -5,9 +5,9 @@
 
 #![allow(clippy::expect_used)]
 
-use std::io::Read;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
+
+use std::time::Duration;
 
 /// A generation that runs longer than this is hung (they take 5-20 s here).
 const HANG: Duration = Duration::from_secs(180);
@@ -15,46 +15,12 @@ const HANG: Duration = Duration::from_secs(180);
 /// One run at a time: each starts a requester and several holder processes on two cores.
 static ONE_RUN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Runs `kvroute` with `args`; its exit status, its JSON report and everything it printed.
+/// Runs `kvroute` with `args`, one run at a time.
 fn kvroute(args: &[&str]) -> (bool, serde_json::Value, String) {
     let _one = ONE_RUN
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("running kvroute {args:?}: {e}"));
-    let drain = |mut r: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = r.read_to_string(&mut text);
-            text
-        })
-    };
-    let out = drain(Box::new(child.stdout.take().expect("piped stdout")));
-    let err = drain(Box::new(child.stderr.take().expect("piped stderr")));
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("waiting for kvroute") {
-            break status;
-        }
-        if started.elapsed() > HANG {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("kvroute {args:?} hung for {HANG:?}; killed");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let stdout = out.join().unwrap_or_default();
-    let stderr = err.join().unwrap_or_default();
-    let json = serde_json::Deserializer::from_str(&stdout)
-        .into_iter::<serde_json::Value>()
-        .next()
-        .and_then(Result::ok)
-        .unwrap_or_default();
-    (status.success(), json, format!("{stdout}\n{stderr}"))
+    common::kvroute(args, HANG)
 }
 
 /// A passed generation: every request's tokens the reference's, as many as asked, every

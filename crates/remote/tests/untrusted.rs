@@ -727,6 +727,26 @@ fn read_within(stream: &TcpStream, wait: Duration) -> Result<Vec<u8>> {
     }
 }
 
+/// A session `engine` is welcomed to and never proves its address: its connection.
+fn welcomed_unproven(
+    h: &Holder,
+    engine: &TransferEngine,
+    reply: &RegisteredBuffer,
+) -> Result<TcpStream> {
+    let (answer, control) = hello(
+        h,
+        &Hello {
+            addr: engine.main_address(),
+            reply: reply.desc().clone(),
+            pool: None,
+            reply_imm: 7,
+            fetch_imm: 8,
+        },
+    )?;
+    assert!(matches!(answer, Answer::Welcome(_)), "{answer:?}");
+    Ok(control)
+}
+
 /// One client holds more silent connections than the holder takes, from the honest
 /// requester's own address: the requester still connects and routes (each newcomer takes
 /// the oldest silent connection's place; before, every one past the cap was closed unread,
@@ -763,20 +783,7 @@ fn unproven_sessions_make_room_for_an_honest_requester() -> Result<()> {
     let engine = TransferEngine::mem(&fabric, 1)?;
     let reply = engine.alloc_mr(1 << 16)?;
     let unproven: Vec<TcpStream> = (0..CAP)
-        .map(|_| {
-            let (answer, control) = hello(
-                &h,
-                &Hello {
-                    addr: engine.main_address(),
-                    reply: reply.desc().clone(),
-                    pool: None,
-                    reply_imm: 7,
-                    fetch_imm: 8,
-                },
-            )?;
-            assert!(matches!(answer, Answer::Welcome(_)), "{answer:?}");
-            Ok(control)
-        })
+        .map(|_| welcomed_unproven(&h, &engine, &reply))
         .collect::<Result<_>>()?;
     assert_eq!(h.stats().active, CAP as u64);
     let mut req = requester(&fabric, &h)?;
@@ -798,17 +805,7 @@ fn nothing_but_the_welcome_is_answered_before_the_proof() -> Result<()> {
     let h = holder_with(&fabric, |c| c.proof_timeout = Duration::from_millis(500))?;
     let engine = TransferEngine::mem(&fabric, 1)?;
     let reply = engine.alloc_mr(1 << 16)?;
-    let (answer, mut control) = hello(
-        &h,
-        &Hello {
-            addr: engine.main_address(),
-            reply: reply.desc().clone(),
-            pool: None,
-            reply_imm: 7,
-            fetch_imm: 8,
-        },
-    )?;
-    assert!(matches!(answer, Answer::Welcome(_)), "{answer:?}");
+    let mut control = welcomed_unproven(&h, &engine, &reply)?;
     for _ in 0..1000 {
         writeln!(control, "\"Stats\"")?;
     }

@@ -237,20 +237,7 @@ pub(crate) fn run(command: &str, args: &GenerateArgs) -> Result<GenerationReport
             Ok(said)
         },
     )?;
-    let req = stepper.requester();
-    let live: Vec<usize> = (0..req.holders()).filter(|&h| req.is_alive(h)).collect();
-    let served = live
-        .into_iter()
-        .filter_map(|h| {
-            let stats = req.holder_stats(h).ok()?;
-            Some(Served {
-                holder: req.holder_addr(h)?.to_string(),
-                rows: stats.rows,
-                gpu_rows: stats.gpu_rows,
-                fetches: stats.fetches,
-            })
-        })
-        .collect();
+    let served = Served::by_live_holders(stepper.requester());
     drop(procs);
     Ok(GenerationReport {
         command: command.to_owned(),

@@ -66,6 +66,24 @@ pub struct Served {
     pub fetches: u64,
 }
 
+impl Served {
+    /// What each holder of `req` still answering served, from its own counters.
+    pub(crate) fn by_live_holders(req: &mut kvroute_remote::Requester) -> Vec<Self> {
+        let live: Vec<usize> = (0..req.holders()).filter(|&h| req.is_alive(h)).collect();
+        live.into_iter()
+            .filter_map(|h| {
+                let stats = req.holder_stats(h).ok()?;
+                Some(Self {
+                    holder: req.holder_addr(h)?.to_string(),
+                    rows: stats.rows,
+                    gpu_rows: stats.gpu_rows,
+                    fetches: stats.fetches,
+                })
+            })
+            .collect()
+    }
+}
+
 /// What the demo did and found.
 #[derive(Debug, Clone, Serialize)]
 pub struct DemoReport {

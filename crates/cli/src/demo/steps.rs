@@ -155,21 +155,8 @@ pub(super) fn decode_steps(
         }
     }
     let stats = stepper.stats();
-    let req = stepper.requester();
-    let holders = req.holders();
-    let live: Vec<usize> = (0..holders).filter(|&h| req.is_alive(h)).collect();
-    let served = live
-        .into_iter()
-        .filter_map(|h| {
-            let stats = req.holder_stats(h).ok()?;
-            Some(Served {
-                holder: req.holder_addr(h)?.to_string(),
-                rows: stats.rows,
-                gpu_rows: stats.gpu_rows,
-                fetches: stats.fetches,
-            })
-        })
-        .collect();
+    let holders = stepper.requester().holders();
+    let served = Served::by_live_holders(stepper.requester());
     let checked = run.finish();
     Ok(DemoReport {
         command: command.to_owned(),
