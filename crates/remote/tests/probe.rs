@@ -39,6 +39,8 @@ fn holder(fabric: &MemFabric, cap: usize) -> Result<Holder> {
     let config = HolderConfig {
         max_requesters: cap,
         max_connections: cap.max(32),
+        // Every requester of these tests connects from 127.0.0.1.
+        max_per_source: cap.max(32),
         slot_bytes: 1 << 18,
         reply_bytes: 1 << 18,
         gather_bytes: 1 << 16,
@@ -104,8 +106,11 @@ fn requesters_sharing_a_busy_holder_all_probe_it() -> Result<()> {
         .map(|_| {
             let (fabric, at, start, q) = (fabric.clone(), holder.addr(), start.clone(), q.clone());
             std::thread::spawn(move || {
-                let mut req = requester(&fabric, at)?;
+                // The barrier is reached whether or not the session opened: one refused
+                // requester fails the test instead of leaving the others waiting forever.
+                let req = requester(&fabric, at);
                 start.wait();
+                let mut req = req?;
                 Ok::<_, anyhow::Error>(probe_fabric(&mut req, &probe_config(), &q, ROW_BYTES)?)
             })
         })
