@@ -55,6 +55,10 @@ pub(crate) const SYSTEM_PACKAGES: &[SystemPackage] = &[
         needed_for: "the etcd the directory's integration tests start (cargo xtask etcd)",
     },
     SystemPackage {
+        apt: "prometheus",
+        needed_for: "the Prometheus that `crates/cli/tests/prometheus.rs` starts to scrape holders' /metrics pages",
+    },
+    SystemPackage {
         apt: "fonts-dejavu-core",
         needed_for: "the text of `kvroute sweep`'s PNG plots (plotters draws with a TrueType font)",
     },
