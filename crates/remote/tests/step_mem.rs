@@ -569,8 +569,9 @@ fn the_fetch_cache_fetches_a_chunk_once_while_the_budget_holds() -> Result<()> {
     Ok(())
 }
 
-/// A holder lost between steps: its chunks' routes go to their replica (counted as
-/// fallbacks) and the answers stay right; without a replica the step fails naming the chunk.
+/// A holder lost between steps: its chunks' routes go to their replica (as fallbacks where a
+/// call to it failed mid-step) and the answers stay right; without a replica the step fails
+/// naming the chunk.
 #[test]
 fn a_lost_holder_costs_a_fallback_to_a_replica_or_a_typed_error() -> Result<()> {
     let fabric = MemFabric::new();
@@ -609,10 +610,14 @@ fn a_lost_holder_costs_a_fallback_to_a_replica_or_a_typed_error() -> Result<()> 
             &format!("after the loss, request {r}"),
         );
     }
-    assert!(!out.report.fallbacks.is_empty(), "{:?}", out.report);
+    // Either the calls to `a` failed mid-step and fell back to `b`, or `a`'s closed control
+    // connection was seen first and every call went to `b` at once; which one depends on
+    // when the close arrives.
+    let to_b = out.report.decisions.iter().all(|d| d.holder == Some(1));
+    assert!(!out.report.fallbacks.is_empty() || to_b, "{:?}", out.report);
     assert!(!st.requester().is_alive(0));
     let fallbacks = st.stats().fallbacks;
-    assert!(fallbacks > 0);
+    assert!(fallbacks > 0 || to_b);
     // Chunk 3 has no copy left: the step fails naming it.
     match st.step(0, &requests) {
         Err(e @ StepError::NoCopy { .. }) => {
