@@ -27,10 +27,33 @@ pub(crate) fn holder_batch(batch: &HolderStats, backend: &'static str) {
     histogram!("kvroute_holder_batch_seconds").record(batch.serve_us / 1e6);
 }
 
-/// A session event at a holder's control plane: `opened`, `evicted`, `busy` (a newcomer
-/// turned away), `refused` (a hello, a proof or a control line refused).
-pub(crate) fn holder_session(event: &'static str) {
-    counter!("kvroute_holder_sessions_total", "event" => event).increment(1);
+/// A session event at a holder's control plane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SessionEvent {
+    /// A session granted.
+    Opened,
+    /// A session or connection closed to make room, or for a missing proof or first request.
+    Evicted,
+    /// A newcomer turned away.
+    Busy,
+    /// A hello, a proof or a control line refused.
+    Refused,
+}
+
+impl SessionEvent {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Opened => "opened",
+            Self::Evicted => "evicted",
+            Self::Busy => "busy",
+            Self::Refused => "refused",
+        }
+    }
+}
+
+/// A session event at a holder's control plane.
+pub(crate) fn holder_session(event: SessionEvent) {
+    counter!("kvroute_holder_sessions_total", "event" => event.label()).increment(1);
 }
 
 /// Sessions a holder has open now.

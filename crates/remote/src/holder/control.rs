@@ -15,6 +15,7 @@ use kvroute_transport::NetAddr;
 
 use super::{PROOF_FAILED, PROOF_OK, PROOF_PENDING, Session, Shared, check_hello, lock, new_token};
 use crate::error::RemoteError;
+use crate::observe::SessionEvent;
 use crate::session::{Ack, Answer, Control, Hello, Welcome};
 
 /// Longest hello line (its descriptors are small).
@@ -193,10 +194,10 @@ impl Shared {
                         (true, Some(i)) => {
                             let mut gone = conns.swap_remove(i);
                             self.end(&mut gone);
-                            self.session_event("evicted");
+                            self.session_event(SessionEvent::Evicted);
                         }
                         (true, None) => {
-                            self.session_event("busy");
+                            self.session_event(SessionEvent::Busy);
                             continue;
                         }
                     }
@@ -260,7 +261,7 @@ impl Shared {
                 .filter(|s| s.token == token);
             let Some(s) = session else {
                 drop(sessions);
-                self.session_event("refused");
+                self.session_event(SessionEvent::Refused);
                 continue;
             };
             let outcome = if from.as_ref() == Some(&s.hello.addr) {
@@ -293,7 +294,7 @@ impl Shared {
         c.proving = None;
         let _ = c.answer(&Ack { ok: proven });
         if !proven {
-            self.session_event("refused");
+            self.session_event(SessionEvent::Refused);
             self.end(c);
         }
     }
@@ -362,13 +363,13 @@ impl Shared {
                 match serde_json::from_slice::<Control>(line) {
                     // Nothing but the welcome is answered before the proof.
                     Ok(Control::Stats) if !session.proven() => {
-                        self.session_event("refused");
+                        self.session_event(SessionEvent::Refused);
                     }
                     Ok(Control::Stats) => c.answer(&self.stats())?,
                     Ok(Control::Sender(sender)) => {
                         let adopted = self.engine.adopt_sender(&requester, &sender);
                         if let Err(e) = &adopted {
-                            self.session_event("refused");
+                            self.session_event(SessionEvent::Refused);
                             tracing::debug!(%e, "refusing a requester's sending address");
                         }
                         c.answer(&Ack {
@@ -397,7 +398,7 @@ impl Shared {
         let checked = check_hello(&hello)
             .and_then(|()| self.engine.connect(&hello.addr).map_err(|e| e.to_string()));
         if let Err(why) = checked {
-            self.session_event("refused");
+            self.session_event(SessionEvent::Refused);
             return c.answer(&Answer::Refused(why));
         }
         let token = new_token()?;
@@ -428,7 +429,7 @@ impl Shared {
             match self.free_slot(&sessions) {
                 Some(i) => {
                     sessions[i] = Some(session.clone());
-                    crate::observe::holder_session("opened");
+                    crate::observe::holder_session(SessionEvent::Opened);
                     crate::observe::holder_active(sessions.iter().flatten().count());
                     i
                 }
@@ -439,7 +440,7 @@ impl Shared {
                     if !in_use {
                         self.release_peer(&hello.addr);
                     }
-                    self.session_event("busy");
+                    self.session_event(SessionEvent::Busy);
                     return c.answer(&Answer::Busy { active: cap, cap });
                 }
             }

@@ -26,6 +26,7 @@ use kvroute_transport::{Access, NetAddr, RegisteredBuffer, TransferEngine};
 use crate::chunks::HeldChunks;
 use crate::error::RemoteError;
 use crate::kernel_rate::{KernelRate, calibrate_with};
+use crate::observe::SessionEvent;
 use crate::session::{Hello, HolderStats};
 use crate::wire;
 use compute::Compute;
@@ -430,14 +431,15 @@ impl Shared {
 
     /// Closes every session that has not routed within `open_timeout` of its grant.
     /// Counts a control-plane event: in the holder's stats and for a metrics recorder.
-    fn session_event(&self, event: &'static str) {
+    fn session_event(&self, event: SessionEvent) {
         {
             let mut stats = lock(&self.stats);
             match event {
-                "evicted" => stats.evicted += 1,
-                "busy" => stats.busy += 1,
-                "refused" => stats.refused += 1,
-                _ => {}
+                SessionEvent::Evicted => stats.evicted += 1,
+                SessionEvent::Busy => stats.busy += 1,
+                SessionEvent::Refused => stats.refused += 1,
+                // Counted by the sessions table itself (`HolderStats::active`).
+                SessionEvent::Opened => {}
             }
         }
         crate::observe::holder_session(event);
@@ -449,7 +451,7 @@ impl Shared {
             let (idle, used) = s.idle();
             let unproven = !s.proven() && s.granted.elapsed() >= self.config.proof_timeout;
             if ((!used && idle >= self.config.open_timeout) || unproven) && s.close() {
-                self.session_event("evicted");
+                self.session_event(SessionEvent::Evicted);
             }
         }
     }
@@ -471,7 +473,7 @@ impl Shared {
             .map(|(i, _)| i);
         if let Some(slot) = unproven {
             if sessions[slot].as_ref().is_some_and(Session::close) {
-                self.session_event("evicted");
+                self.session_event(SessionEvent::Evicted);
             }
             return Some(slot);
         }
@@ -484,7 +486,7 @@ impl Shared {
             return None;
         }
         if sessions[slot].as_ref().is_some_and(Session::close) {
-            self.session_event("evicted");
+            self.session_event(SessionEvent::Evicted);
         }
         Some(slot)
     }
