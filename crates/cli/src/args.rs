@@ -1119,6 +1119,14 @@ pub struct HolderArgs {
     /// milliseconds (1 to 600000); until then it is answered nothing but its welcome.
     #[arg(long, value_parser = u64_in(1..=600_000), default_value_t = 5000)]
     pub proof_timeout_ms: u64,
+    /// How long a session may go without a request before a requester that finds every slot
+    /// taken gets its slot, milliseconds (1 to 86400000); pings do not count as requests.
+    #[arg(long, value_parser = u64_in(1..=86_400_000), default_value_t = 10_000)]
+    pub idle_evict_ms: u64,
+    /// How long a granted session may go without its first request or ping before it is
+    /// closed, milliseconds (1 to 86400000).
+    #[arg(long, value_parser = u64_in(1..=86_400_000), default_value_t = 30_000)]
+    pub open_timeout_ms: u64,
     /// Bytes of each requester's inbox slot and reply staging (the largest request, up to the
     /// 128 MiB `verify-predicate --mq 65536` asks of its holders; 4096 to 134217728).
     #[arg(long, value_parser = usize_in(4096..=134_217_728), default_value_t = 4 << 20)]

@@ -569,6 +569,40 @@ fn an_idle_session_yields_its_slot_to_a_waiting_requester() -> Result<()> {
     Ok(())
 }
 
+/// Sessions that only ping keep no slot from a requester waiting for one: every slot held by
+/// proven sessions pinging every 50 ms (one process squatting), a newcomer is welcomed once
+/// the longest of them has gone `idle_evict` without a request, and routes. (When pings
+/// counted as use, the newcomer was told busy for as long as the pings went on.)
+#[test]
+fn sessions_that_only_ping_yield_their_slots_to_a_waiting_requester() -> Result<()> {
+    let _serial = serial();
+    let fabric = MemFabric::new();
+    let h = holder_with(&fabric, |c| {
+        c.open_timeout = Duration::from_secs(3600);
+        c.idle_evict = Duration::from_millis(400);
+    })?;
+    let mut squatters = (0..CAP)
+        .map(|_| requester(&fabric, &h))
+        .collect::<Result<Vec<_>>>()?;
+    fn ping(s: &mut Requester) -> Result<Duration, kvroute_remote::RouteError> {
+        s.ping(0, wire::PING_HEADER, 64, wire::Pong::Staged)
+    }
+    assert!(is_busy(requester(&fabric, &h)), "every slot is held");
+    let until = std::time::Instant::now() + Duration::from_millis(700);
+    while std::time::Instant::now() < until {
+        for s in &mut squatters {
+            ping(s)?;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut newcomer = requester(&fabric, &h)?;
+    route_once(&mut newcomer)?;
+    assert_eq!(h.stats().evicted, 1, "{:?}", h.stats());
+    let still = squatters.iter_mut().map(ping).filter(Result::is_ok).count();
+    assert_eq!(still, CAP - 1, "one squatter gave its slot up");
+    Ok(())
+}
+
 /// A session's inbox is registered for it alone: after it ends, its descriptor reaches nothing,
 /// so a peer that kept it cannot write into the request of the session that has the slot now.
 #[test]

@@ -183,6 +183,8 @@ pub(crate) fn holder(args: &HolderArgs) -> Result<()> {
         max_connections: args.max_connections.max(args.max_requesters),
         max_per_source: args.max_per_source.max(args.max_requesters),
         proof_timeout: Duration::from_millis(args.proof_timeout_ms),
+        idle_evict: Duration::from_millis(args.idle_evict_ms),
+        open_timeout: Duration::from_millis(args.open_timeout_ms),
         slot_bytes: args.slot_bytes,
         reply_bytes: args.slot_bytes,
         ..defaults

@@ -418,6 +418,7 @@ impl Shared {
             inbox,
             granted: Instant::now(),
             last_used_us: Arc::new(AtomicU64::new(0)),
+            last_request_us: Arc::new(AtomicU64::new(0)),
             control: Arc::new(control),
             closing: Arc::new(AtomicBool::new(false)),
             posting: Arc::new(Mutex::new(())),

@@ -71,9 +71,10 @@ pub struct HolderConfig {
     /// How long a granted session may go without its first request or ping before the holder
     /// closes it and frees its slot (a hello that never uses the data plane).
     pub open_timeout: Duration,
-    /// How long a session must have been idle (no request or ping) before a new requester that
-    /// finds every slot taken may have its slot: the session idle longest is closed and the
-    /// newcomer welcomed in its place. Sessions busier than this are never closed.
+    /// How long a session must have gone without a request before a new requester that finds
+    /// every slot taken may have its slot: the session idle longest is closed and the newcomer
+    /// welcomed in its place. Sessions busier than this are never closed. Pings do not count:
+    /// a session that only pings holds a slot no one else is waiting for, and no longer.
     pub idle_evict: Duration,
     /// How long a granted session may go without proving its hello's address (the proof
     /// message through the transport) before it is closed; until then it is the first to
@@ -119,6 +120,10 @@ struct Session {
     granted: Instant,
     /// Microseconds after `granted` of its last admitted request or ping; 0: none yet.
     last_used_us: Arc<AtomicU64>,
+    /// Microseconds after `granted` of its last admitted request; 0: none yet. What
+    /// [`HolderConfig::idle_evict`] measures, so that pings alone cannot keep a slot from a
+    /// requester waiting for one.
+    last_request_us: Arc<AtomicU64>,
     /// Its control connection, shut down to close the session from outside the control
     /// thread's handling of it.
     control: Arc<TcpStream>,
@@ -137,8 +142,8 @@ struct Session {
 
 impl Session {
     /// Whether a request or ping with `token` and `seq` is the session's and new; if so,
-    /// `seq` is spent and the session counts as used now.
-    fn admit(&self, token: u64, seq: u64) -> bool {
+    /// `seq` is spent and the session counts as used now (and as busy, for a request).
+    fn admit(&self, token: u64, seq: u64, what: Use) -> bool {
         let admitted = token == self.token
             && self.proof.load(Ordering::Acquire) == PROOF_OK
             && self
@@ -149,18 +154,29 @@ impl Session {
                 .is_ok();
         if admitted {
             let us = self.granted.elapsed().as_micros().max(1);
-            self.last_used_us
-                .store(u64::try_from(us).unwrap_or(u64::MAX), Ordering::Release);
+            let us = u64::try_from(us).unwrap_or(u64::MAX);
+            self.last_used_us.store(us, Ordering::Release);
+            if what == Use::Request {
+                self.last_request_us.store(us, Ordering::Release);
+            }
         }
         admitted
     }
 
-    /// How long it has been idle (since its grant, if it was never used), and whether it was
-    /// ever used.
+    /// How long it has gone without a request or ping (since its grant, if it had none), and
+    /// whether it ever had one.
     fn idle(&self) -> (Duration, bool) {
         let used = self.last_used_us.load(Ordering::Acquire);
         let since = self.granted.elapsed();
         (since.saturating_sub(Duration::from_micros(used)), used > 0)
+    }
+
+    /// How long it has gone without a request (since its grant, if it had none).
+    fn without_requests(&self) -> Duration {
+        let used = self.last_request_us.load(Ordering::Acquire);
+        self.granted
+            .elapsed()
+            .saturating_sub(Duration::from_micros(used))
     }
 
     /// The right to post writes to the session's regions, unless it is closing.
@@ -176,13 +192,13 @@ impl Session {
         drop(lock(&self.posting));
     }
 
-    /// Ends the session's control connection; the control thread then frees the slot (if the
-    /// slot is still this session's). Whether this call closed it (false: it was closing already).
     /// Whether its proof arrived from its hello's address.
     fn proven(&self) -> bool {
         self.proof.load(Ordering::Acquire) == PROOF_OK
     }
 
+    /// Ends the session's control connection; the control thread then frees the slot (if the
+    /// slot is still this session's). Whether this call closed it (false: it was closing already).
     fn close(&self) -> bool {
         if self.closing.swap(true, Ordering::AcqRel) {
             return false;
@@ -190,6 +206,15 @@ impl Session {
         let _ = self.control.shutdown(std::net::Shutdown::Both);
         true
     }
+}
+
+/// What a session's admitted write was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Use {
+    /// A request: work, which keeps the session's slot.
+    Request,
+    /// A ping: keeps the session open, not its slot from a waiting requester.
+    Ping,
 }
 
 /// A session's proof has not arrived.
@@ -457,7 +482,7 @@ impl Shared {
     }
 
     /// A free slot for a new session, else the slot of the oldest session that has not proven
-    /// its address, else of the session idle longest if it has been idle at least
+    /// its address, else of the session longest without a request if that is at least
     /// `idle_evict` (the session whose slot it was is closed); `None` if every session is
     /// proven and busier.
     fn free_slot(&self, sessions: &[Option<Session>]) -> Option<usize> {
@@ -480,7 +505,7 @@ impl Shared {
         let (slot, idle) = sessions
             .iter()
             .enumerate()
-            .filter_map(|(i, s)| Some((i, s.as_ref()?.idle().0)))
+            .filter_map(|(i, s)| Some((i, s.as_ref()?.without_requests())))
             .max_by_key(|&(_, idle)| idle)?;
         if idle < self.config.idle_evict {
             return None;

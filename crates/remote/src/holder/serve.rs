@@ -14,7 +14,7 @@ use kvroute_kernels::{Queries, WireOut};
 use kvroute_transport::{MrDesc, OnDone};
 
 use super::compute::GroupCall;
-use super::{Session, Shared, lock};
+use super::{Session, Shared, Use, lock};
 use crate::error::RemoteError;
 use crate::session::HolderStats;
 use crate::wire::{self, Request, SegmentKind, Status};
@@ -160,7 +160,7 @@ impl Shared {
             pong,
             ..
         }) = parsed.filter(|p| {
-            session.admit(p.token, p.seq)
+            session.admit(p.token, p.seq, Use::Ping)
                 && (1..=self.config.reply_bytes).contains(&(p.reply_len as usize))
                 && (cfg!(feature = "measure") || p.pong == wire::Pong::Staged)
         })
@@ -240,7 +240,7 @@ impl Shared {
                 // sequence number it has not used: a request from anyone else, or the
                 // session's last one replayed by a stray immediate, is dropped.
                 let admitted = wire::request_credentials(&header)
-                    .is_some_and(|(token, seq)| session.admit(token, seq));
+                    .is_some_and(|(token, seq)| session.admit(token, seq, Use::Request));
                 if !admitted {
                     {
                         lock(&self.stats).refused += 1;
