@@ -60,7 +60,6 @@ fn requester(fabric: &MemFabric, holders: &[&Holder]) -> Result<Requester> {
         link_bytes: 1 << 20,
         pool_pages: 64,
         scale: SCALE,
-        tag: 0,
         spin: Duration::from_millis(1),
         max_holders: 3,
     };

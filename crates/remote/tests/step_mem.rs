@@ -118,7 +118,6 @@ fn stepper_polling(
         link_bytes: 2 << 20,
         pool_pages: 128,
         scale: SCALE,
-        tag: 0,
         spin: Duration::from_millis(1),
         max_holders: 4,
     };

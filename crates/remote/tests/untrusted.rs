@@ -742,6 +742,78 @@ fn a_holder_cannot_write_into_another_holders_replies() -> Result<()> {
     Ok(())
 }
 
+/// A holder floods its requester with writes carrying 100,000 distinct immediate values nobody
+/// uses: the requester's IMM counter stores at most 4,096 values and drops (and counts) the
+/// rest, and every route to the honest holder, during the flood and after it, is answered.
+/// (Each stray value used to keep a slot of its own for the life of the engine.)
+#[test]
+fn a_flood_of_stray_immediates_is_dropped_at_bounded_cost() -> Result<()> {
+    let _serial = serial();
+    let fabric = MemFabric::new();
+    let (honest, hostile) = (holder(&fabric)?, holder(&fabric)?);
+    let config = RequesterConfig {
+        timeout: Duration::from_secs(5),
+        link_bytes: 1 << 16,
+        pool_pages: 8,
+        ..RequesterConfig::new(0.1)
+    };
+    let mut req = common::connect(&fabric, &[honest.addr(), hostile.addr()], config)?;
+    route_once(&mut req)?;
+    let given = req
+        .reply_region(1)
+        .expect("the hostile holder's region")
+        .clone();
+    let attacker = TransferEngine::mem(&fabric, 1)?;
+    let junk = attacker.alloc_mr(64)?;
+    const FLOOD: u32 = 100_000;
+    let flood = std::thread::spawn(move || -> Result<()> {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicU32, Ordering};
+        let done = Arc::new(AtomicU32::new(0));
+        for i in 0..FLOOD {
+            let done = done.clone();
+            attacker.submit_single_write(
+                8,
+                Some(0x5000_0000 + i),
+                (junk.handle(), 0),
+                (&given, 0),
+                OnDone::callback(move |_| {
+                    done.fetch_add(1, Ordering::Relaxed);
+                }),
+            )?;
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while done.load(Ordering::Relaxed) < FLOOD && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        anyhow::ensure!(
+            done.load(Ordering::Relaxed) == FLOOD,
+            "the flood did not finish"
+        );
+        Ok(())
+    });
+    let mut routes = 0;
+    while !flood.is_finished() {
+        route_once(&mut req)?;
+        routes += 1;
+    }
+    flood.join().expect("the flood thread")?;
+    route_once(&mut req)?;
+    let stats = req.engine().stats();
+    assert!(
+        stats.imm_values_tracked <= 4096,
+        "{} values held",
+        stats.imm_values_tracked
+    );
+    assert!(
+        stats.imm_dropped >= u64::from(FLOOD) - 4096,
+        "{} arrivals dropped",
+        stats.imm_dropped
+    );
+    eprintln!("{routes} routes answered during the flood; {stats:?}");
+    Ok(())
+}
+
 /// Reads what the holder sent within `wait`: the bytes (none if it sent nothing).
 fn read_within(stream: &TcpStream, wait: Duration) -> Result<Vec<u8>> {
     let mut stream = stream.try_clone()?;

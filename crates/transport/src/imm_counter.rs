@@ -11,6 +11,12 @@
 //! below look for. The counter stores a caller-chosen token per expectation and hands it back
 //! when it fires; running the callback is the caller's business.
 //!
+//! Values are chosen by peers, so what a flood of them can cost is bounded: a value that finds
+//! no slot of its own when its shard already holds [`MAX_SHARD_SLOTS`] is dropped and counted
+//! ([`ImmCounter::dropped`]), never stored. A value the application *reserves*
+//! ([`ImmCounter::reserve`]) keeps its slot, so its arrivals are counted whatever a flood of
+//! other values does; a value with a waiting expectation has its slot too.
+//!
 //! A value may instead be *watched* ([`ImmCounter::watch`]): its arrivals are then added to one
 //! atomic word of its own, found and bumped without the shard's lock, and read by the watcher
 //! without any lock. That is a doorbell's path (a ping-pong, a step's notification), where a
@@ -31,6 +37,10 @@ const SHARDS: usize = 16;
 /// inserting and allocating them anew; beyond this, idle slots are removed. Values are chosen
 /// by peers, so the idle slots must stay bounded: at most `SHARDS * KEEP_IDLE` in all.
 const KEEP_IDLE: usize = 8;
+/// Slots a shard holds before an arrival of a value with no slot is dropped: at most
+/// `SHARDS * MAX_SHARD_SLOTS` = 4,096 values stored however many a peer sends. Reserved
+/// values and values with a waiting expectation always have their slot.
+pub const MAX_SHARD_SLOTS: usize = 256;
 
 #[derive(Debug)]
 struct Slot<T> {
@@ -38,6 +48,8 @@ struct Slot<T> {
     arrived: u64,
     /// Expectations still short of arrivals, oldest first: (arrivals needed, token).
     waiting: VecDeque<(u64, T)>,
+    /// Reserved by the application ([`ImmCounter::reserve`]): the slot is kept while idle.
+    reserved: bool,
 }
 
 impl<T> Slot<T> {
@@ -46,10 +58,10 @@ impl<T> Slot<T> {
     }
 }
 
-/// Removes `imm`'s slot if the caller found it `idle` and the shard already holds more than
-/// [`KEEP_IDLE`] slots.
+/// Removes `imm`'s slot if the caller found it `idle`, it is not reserved, and the shard
+/// already holds more than [`KEEP_IDLE`] slots.
 fn settle<T>(shard: &mut FastMap<u32, Slot<T>>, imm: u32, idle: bool) {
-    if idle && shard.len() > KEEP_IDLE {
+    if idle && shard.len() > KEEP_IDLE && shard.get(&imm).is_some_and(|s| !s.reserved) {
         shard.remove(&imm);
     }
 }
@@ -58,6 +70,7 @@ impl<T> Default for Slot<T> {
     fn default() -> Self {
         Self {
             arrived: 0,
+            reserved: false,
             waiting: VecDeque::new(),
         }
     }
@@ -183,6 +196,9 @@ pub enum Arrival {
     Expected,
     /// Nobody was waiting; the arrivals are kept for a later expectation.
     Unexpected,
+    /// The value had no slot and its shard was full ([`MAX_SHARD_SLOTS`]): the arrivals
+    /// were counted in [`ImmCounter::dropped`] and nowhere else.
+    Dropped,
 }
 
 /// One shard: the slots of the values that hash to it.
@@ -193,6 +209,8 @@ type Shard<T> = Mutex<FastMap<u32, Slot<T>>>;
 pub struct ImmCounter<T> {
     shards: Box<[Shard<T>]>,
     watches: Watches,
+    /// Arrivals dropped for want of a slot.
+    dropped: AtomicU64,
 }
 
 impl<T> Default for ImmCounter<T> {
@@ -209,6 +227,7 @@ impl<T> ImmCounter<T> {
                 .map(|_| Mutex::new(FastMap::default()))
                 .collect(),
             watches: Watches::new(),
+            dropped: AtomicU64::new(0),
         }
     }
 
@@ -227,6 +246,10 @@ impl<T> ImmCounter<T> {
         // look again under it, or the arrival would be kept where the watch no longer reads.
         if self.watches.bump(imm, n) {
             return Arrival::Expected;
+        }
+        if shard.len() >= MAX_SHARD_SLOTS && !shard.contains_key(&imm) {
+            self.dropped.fetch_add(n, Ordering::Relaxed);
+            return Arrival::Dropped;
         }
         let slot = shard.entry(imm).or_default();
         let found = if slot.waiting.is_empty() {
@@ -323,6 +346,34 @@ impl<T> ImmCounter<T> {
         taken
     }
 
+    /// Reserves `imm` for the application: its slot is kept, so its arrivals are counted even
+    /// when a flood of other values fills its shard. False if it is reserved already or
+    /// watched.
+    pub fn reserve(&self, imm: u32) -> bool {
+        let mut shard = lock(self.shard(imm));
+        if self.watches.find(imm).is_some() {
+            return false;
+        }
+        let slot = shard.entry(imm).or_default();
+        !std::mem::replace(&mut slot.reserved, true)
+    }
+
+    /// Ends the reservation of `imm`; arrivals counted and unclaimed stay counted.
+    pub fn release(&self, imm: u32) {
+        let mut shard = lock(self.shard(imm));
+        let Some(slot) = shard.get_mut(&imm) else {
+            return;
+        };
+        slot.reserved = false;
+        let idle = slot.idle();
+        settle(&mut shard, imm, idle);
+    }
+
+    /// Arrivals dropped because their value had no slot and its shard was full.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
     /// Removes every waiting expectation (engine shutdown), returning their tokens.
     pub fn drain_waiting(&self) -> Vec<T> {
         let mut out = Vec::new();
@@ -331,7 +382,7 @@ impl<T> ImmCounter<T> {
             for slot in shard.values_mut() {
                 out.extend(slot.waiting.drain(..).map(|(_, t)| t));
             }
-            shard.retain(|_, s| s.arrived > 0);
+            shard.retain(|_, s| s.arrived > 0 || s.reserved);
         }
         out
     }
@@ -429,6 +480,38 @@ mod tests {
         }
         assert_eq!(c.tracked_values(), 1000);
         assert!((0..1000).all(|imm| c.pending(imm) == 2));
+    }
+
+    #[test]
+    fn a_flood_of_values_is_bounded_and_never_drops_a_reserved_or_awaited_one() {
+        let c = ImmCounter::new();
+        let mut fired = Vec::new();
+        let (reserved, awaited) = (0xdead_beef, 0xfeed_f00d);
+        assert!(c.reserve(reserved));
+        assert!(!c.reserve(reserved), "reserved twice");
+        assert_eq!(c.expect(awaited, 2, 7), Expectation::Waiting);
+        let flood = 100_000u64;
+        for imm in 0..flood as u32 {
+            c.arrive(imm, 1, &mut fired);
+        }
+        let limit = SHARDS * MAX_SHARD_SLOTS;
+        assert!(c.slots() <= limit, "{} slots", c.slots());
+        let kept: u64 = (0..flood as u32).map(|imm| c.pending(imm)).sum();
+        assert_eq!(
+            kept + c.dropped(),
+            flood,
+            "every arrival kept or counted dropped"
+        );
+        assert!(c.dropped() >= flood - limit as u64);
+        // The reserved value's early arrivals are counted for its later expectation, and the
+        // awaited one fires.
+        assert_eq!(c.arrive(reserved, 3, &mut fired), Arrival::Unexpected);
+        assert_eq!(c.expect(reserved, 3, 1), Expectation::Met(1));
+        c.arrive(awaited, 2, &mut fired);
+        assert_eq!(fired, vec![7]);
+        // A released value's slot goes once idle; reserving again works.
+        c.release(reserved);
+        assert!(c.reserve(reserved));
     }
 
     #[test]

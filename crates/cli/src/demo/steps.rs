@@ -75,7 +75,6 @@ pub(super) fn decode_steps(
         // Every chunk in the fetch cache, and room for a gather.
         pool_pages: spec.layout().pages() as u32 * (spec.chunks + 1),
         scale: SCALE,
-        tag: 0,
         spin: Duration::from_millis(1),
         max_holders: 0,
     };

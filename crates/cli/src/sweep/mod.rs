@@ -185,15 +185,14 @@ fn setup(
         ],
     )?;
     let (engine, _) = fabric_engine_with(provider, args.progress)?;
-    let requester = Requester::connect(engine, &[holder.addr], config(slot_bytes, pool_pages, 0))?;
+    let requester = Requester::connect(engine, &[holder.addr], config(slot_bytes, pool_pages))?;
     Ok(Setup { holder, requester })
 }
 
-fn config(link_bytes: usize, pool_pages: u32, tag: u16) -> RequesterConfig {
+fn config(link_bytes: usize, pool_pages: u32) -> RequesterConfig {
     let mut c = RequesterConfig::new(SCALE);
     c.link_bytes = link_bytes;
     c.pool_pages = pool_pages.max(1);
-    c.tag = tag;
     c.timeout = Duration::from_secs(30);
     // A measurement: poll for the whole wait, never sleep.
     c.spin = c.timeout;
@@ -490,7 +489,7 @@ fn concurrency_sweep(
     let engine = control.requester.engine().clone();
     let addr = control.holder.addr;
     let mut requesters = (0..max_n)
-        .map(|i| Requester::connect(engine.clone(), &[addr], config(link, 1, i as u16 + 1)))
+        .map(|_| Requester::connect(engine.clone(), &[addr], config(link, 1)))
         .collect::<Result<Vec<_>, _>>()?;
     let rope = spec.rope()?;
     let block = spec.chunk(ChunkId(0))?;

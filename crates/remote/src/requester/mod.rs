@@ -44,9 +44,6 @@ pub struct RequesterConfig {
     pub pool_pages: u32,
     /// The softmax scale sent with every request.
     pub scale: f32,
-    /// This requester's immediate namespace (0 to 4095): requesters that share one engine
-    /// need distinct tags, so each one's replies and fetch pages are counted apart.
-    pub tag: u16,
     /// How long a wait for a reply polls (yielding the core) before it sleeps in 50 us
     /// steps: latency against CPU left to others.
     pub spin: Duration,
@@ -58,7 +55,7 @@ pub struct RequesterConfig {
 }
 
 impl RequesterConfig {
-    /// Defaults for `scale`: 5 s timeout, 8 MiB per holder link, a 512-page pool, tag 0,
+    /// Defaults for `scale`: 5 s timeout, 8 MiB per holder link, a 512-page pool,
     /// 1 ms of polling per wait, no holders added after connect.
     pub fn new(scale: f32) -> Self {
         Self {
@@ -66,7 +63,6 @@ impl RequesterConfig {
             link_bytes: 8 << 20,
             pool_pages: 512,
             scale,
-            tag: 0,
             spin: Duration::from_millis(1),
             max_holders: 0,
         }
@@ -248,6 +244,42 @@ fn closed(stream: &TcpStream) -> Option<String> {
     }
 }
 
+/// A link's two immediate values, reserved in the engine while the link is being opened and
+/// released if it fails to open.
+struct LinkImms<'a> {
+    engine: &'a TransferEngine,
+    reply: u32,
+    fetch: u32,
+}
+
+impl<'a> LinkImms<'a> {
+    fn reserve(engine: &'a TransferEngine) -> Self {
+        Self {
+            engine,
+            reply: engine.reserve_imm(),
+            fetch: engine.reserve_imm(),
+        }
+    }
+}
+
+impl Drop for LinkImms<'_> {
+    fn drop(&mut self) {
+        self.engine.release_imm(self.reply);
+        self.engine.release_imm(self.fetch);
+    }
+}
+
+impl Drop for Requester {
+    /// Gives the engine back the immediate values of every link (the engine may outlive this
+    /// requester, shared with others).
+    fn drop(&mut self) {
+        for l in &self.links {
+            self.engine.release_imm(l.reply_imm);
+            self.engine.release_imm(l.fetch_imm);
+        }
+    }
+}
+
 impl Requester {
     /// Opens a session with every holder in `holders` and builds the chunk registry from what
     /// they serve. A holder that is busy or unreachable is an error. `holders` may be empty
@@ -262,9 +294,6 @@ impl Requester {
             return Err(RemoteError::Config(
                 "a requester needs 1 to 4096 holders".into(),
             ));
-        }
-        if config.tag >= 1 << 12 {
-            return Err(RemoteError::Config("a requester tag is 0 to 4095".into()));
         }
         if config.link_bytes < wire::REQUEST_HEADER || config.timeout.is_zero() {
             return Err(RemoteError::Config(
@@ -335,9 +364,11 @@ impl Requester {
             .map_err(io)?;
         let mut reader = BufReader::new(control.try_clone().map_err(io)?);
         let mut writer = control.try_clone().map_err(io)?;
-        // 8 bits of kind, 12 of requester tag, 12 of link.
-        let id = (u32::from(config.tag) << 12) | i as u32;
-        let (reply_imm, fetch_imm) = (0x6100_0000 | id, 0x6200_0000 | id);
+        // Reserved in the engine, so never another link's or requester's (requesters may
+        // share an engine), drawn at random, so a holder told its own cannot aim at another
+        // link's, and counted even while a flood of stray values fills the engine's counter.
+        let imms = LinkImms::reserve(&self.engine);
+        let (reply_imm, fetch_imm) = (imms.reply, imms.fetch);
         let reply = self.engine.alloc_mr(config.link_bytes)?;
         let hello = Hello {
             addr: self.engine.main_address(),
@@ -358,6 +389,8 @@ impl Requester {
             registry.register(entry.clone())?;
         }
         self.registry = registry;
+        // The link owns them from here; `Requester`'s drop releases them.
+        std::mem::forget(imms);
         self.links.push(Link {
             control,
             reader,

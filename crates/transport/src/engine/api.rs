@@ -585,6 +585,33 @@ impl TransferEngine {
         self.inner.engine.imm.take(imm)
     }
 
+    /// Reserves an immediate value for the caller's own use and returns it: drawn at random
+    /// among the values not reserved yet, so a peer told one value cannot derive another,
+    /// and counted whatever a flood of other values does (each shard of the counter stores at
+    /// most [`crate::imm_counter::MAX_SHARD_SLOTS`] values; arrivals of a value with no slot
+    /// beyond that are dropped and counted in [`TransferEngine::dropped_imms`]). Values whose
+    /// arrivals may come before their expectation (a notification, pages fetched ahead of the
+    /// reply that names them) must be reserved. [`TransferEngine::release_imm`] ends it.
+    pub fn reserve_imm(&self) -> u32 {
+        use std::hash::BuildHasher;
+        let state = std::collections::hash_map::RandomState::new();
+        (0u64..)
+            .map(|draw| state.hash_one(draw) as u32)
+            .find(|&imm| self.inner.engine.imm.reserve(imm))
+            .unwrap_or_default()
+    }
+
+    /// Ends the reservation of `imm` ([`TransferEngine::reserve_imm`]).
+    pub fn release_imm(&self, imm: u32) {
+        self.inner.engine.imm.release(imm);
+    }
+
+    /// Arrivals dropped because their value had no slot in the IMM counter and its shard was
+    /// full: a peer sending values nobody uses.
+    pub fn dropped_imms(&self) -> u64 {
+        self.inner.engine.imm.dropped()
+    }
+
     /// Calls `handler(imm, count)` on the callback thread for arrivals that find no
     /// expectation waiting (they also stay counted, for a later expectation or `take_imm`).
     pub fn on_unexpected_imm(&self, handler: impl FnMut(u32, u64) + Send + 'static) {

@@ -524,6 +524,7 @@ impl TransferEngine {
                 .map(|g| stats::snapshot(&g.counters, &g.worker_written.in_flight))
                 .collect(),
             imm_values_tracked: self.inner.engine.imm.tracked_values(),
+            imm_dropped: self.inner.engine.imm.dropped(),
         }
     }
 

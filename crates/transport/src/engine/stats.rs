@@ -67,6 +67,9 @@ pub struct EngineStats {
     pub groups: Vec<GroupStats>,
     /// Immediate values with counts or expectations held by the IMM counter.
     pub imm_values_tracked: usize,
+    /// Arrivals dropped because their value found no room in the IMM counter
+    /// ([`crate::TransferEngine::dropped_imms`]).
+    pub imm_dropped: u64,
 }
 
 /// Latency samples, recorded only when the engine is configured to.
