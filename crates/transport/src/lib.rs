@@ -77,7 +77,7 @@ pub use cancel::CancellationToken;
 pub use domain::Domain;
 pub use engine::{
     Backpressure, DomainStats, EngineBuilder, EngineConfig, EngineStats, GroupStats, ImmTarget,
-    ImmWatch, PeerGroupHandle, Progress, TransferEngine,
+    ImmWatch, PeerGroupHandle, Progress, TransferEngine, describe_metrics, export_metrics,
 };
 pub use error::{Side, TransferError, TransportError};
 pub use fabric::{FabricConfig, FabricDomain, FabricReport, ProviderChoice};

@@ -423,6 +423,9 @@ impl<D: Domain> Group<D> {
                 }
             }
             CompletionKind::Arrival { imm } => {
+                if !cfg!(kvroute_no_metrics) {
+                    stats::add(&self.shared.counters[d].arrivals, u64::from(c.count));
+                }
                 let found = self
                     .engine
                     .imm
@@ -589,6 +592,7 @@ impl<D: Domain> Group<D> {
         };
         self.regions[slot as usize] = Some(entry);
         self.shared.directory.set_region(slot, Some(entry));
+        stats::add(&self.shared.worker_written.registered_bytes, len);
         let desc = MrDesc {
             addr: regs[0].remote_addr,
             len,
@@ -621,6 +625,7 @@ impl<D: Domain> Group<D> {
         self.shared.directory.set_region(key.slot, None);
         self.regions[key.slot as usize] = None;
         self.free_regions.push(key.slot);
+        stats::sub(&self.shared.worker_written.registered_bytes, entry.len);
         for (d, lkey) in self.domains.iter_mut().zip(entry.lkeys) {
             d.deregister(lkey)?;
         }
@@ -671,6 +676,7 @@ impl<D: Domain> Group<D> {
             addr: addr.clone(),
         });
         self.peers.push(ids);
+        stats::add(&self.shared.worker_written.peers, 1);
         self.by_nic0.insert(ids[0], entry.clone());
         self.shared.directory.insert_peer(&entry);
         tracing::debug!(
@@ -697,6 +703,7 @@ impl<D: Domain> Group<D> {
         };
         self.shared.directory.remove_peer(&entry);
         let ids = std::mem::replace(&mut self.peers[entry.index as usize], [RELEASED; MAX_NICS]);
+        stats::sub(&self.shared.worker_written.peers, 1);
         self.by_nic0.remove(&ids[0]);
         let mut first_error = None;
         for (d, id) in self.domains.iter_mut().zip(ids) {
@@ -845,7 +852,12 @@ fn post_units<D: Domain>(
             }
             t.posted[d as usize] += accepted;
             budget -= accepted;
-            stats::add(&counters[d as usize].posted, u64::from(accepted));
+            let counters = &counters[d as usize];
+            stats::add(&counters.posted, u64::from(accepted));
+            if !cfg!(kvroute_no_metrics) {
+                let bytes = scratch[..accepted as usize].iter().map(|w| w.len).sum();
+                stats::add(&counters.bytes, bytes);
+            }
             posting.full[d as usize] = accepted < n;
             if accepted < n {
                 more = true;
@@ -879,6 +891,9 @@ fn post_send<D: Domain>(
         Ok(true) => {
             t.posted[0] = 1;
             stats::add(&counters.posted, 1);
+            if !cfg!(kvroute_no_metrics) {
+                stats::add(&counters.bytes, wr.len);
+            }
             Posted::Exhausted
         }
         Ok(false) => {

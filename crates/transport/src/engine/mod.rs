@@ -12,6 +12,7 @@ pub(crate) mod callbacks;
 mod group;
 mod imm_watch;
 mod message;
+mod observe;
 mod pass_lock;
 mod shared;
 mod stats;
@@ -28,6 +29,7 @@ use crossbeam_utils::CachePadded;
 pub use api::{ImmTarget, PeerGroupHandle};
 use callbacks::Job;
 pub use imm_watch::ImmWatch;
+pub use observe::{describe_metrics, export_metrics};
 use pass_lock::PassLock;
 use shared::{Directory, EngineShared, GroupShared, PeerGroupEntry, WorkerWake};
 pub use stats::{DomainStats, EngineStats, GroupStats};
@@ -223,9 +225,9 @@ impl EngineBuilder {
             }
         }
         tracing::info!(groups = inner.groups.len(), provider = %inner.groups[0].provider, "transfer engine started");
-        Ok(TransferEngine {
-            inner: Arc::new(inner),
-        })
+        let inner = Arc::new(inner);
+        observe::register(&inner);
+        Ok(TransferEngine { inner })
     }
 }
 
@@ -361,6 +363,7 @@ impl Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         self.shutdown();
+        observe::retire(self);
     }
 }
 
@@ -521,7 +524,7 @@ impl TransferEngine {
                 .inner
                 .groups
                 .iter()
-                .map(|g| stats::snapshot(&g.counters, &g.worker_written.in_flight))
+                .map(|g| stats::snapshot(&g.counters, &g.worker_written))
                 .collect(),
             imm_values_tracked: self.inner.engine.imm.tracked_values(),
             imm_dropped: self.inner.engine.imm.dropped(),

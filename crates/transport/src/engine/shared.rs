@@ -230,6 +230,10 @@ pub(crate) struct GroupShared {
 #[derive(Debug, Default)]
 pub(crate) struct WorkerWritten {
     pub(crate) in_flight: AtomicU64,
+    /// Bytes registered with the group's NICs (written by the pass, rarely).
+    pub(crate) registered_bytes: AtomicU64,
+    /// Peers connected (written by the pass, rarely).
+    pub(crate) peers: AtomicU64,
     pub(crate) latency: LatencyLog,
 }
 

@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+use super::shared::WorkerWritten;
+
 /// One NIC's counters.
 #[derive(Debug, Default)]
 pub(crate) struct DomainCounters {
@@ -14,6 +16,8 @@ pub(crate) struct DomainCounters {
     pub(crate) completed: AtomicU64,
     pub(crate) failed: AtomicU64,
     pub(crate) unreported: AtomicU64,
+    pub(crate) bytes: AtomicU64,
+    pub(crate) arrivals: AtomicU64,
 }
 
 /// Adds `n` to a counter only the group's pass writes (see the module's note).
@@ -33,6 +37,8 @@ impl DomainCounters {
             completed: self.completed.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
             unreported: self.unreported.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+            arrivals: self.arrivals.load(Ordering::Relaxed),
         }
     }
 }
@@ -49,6 +55,10 @@ pub struct DomainStats {
     /// Work requests posted without a completion (immediate-only writes nobody waits on):
     /// counted in `posted`, never in `completed` or `failed`.
     pub unreported: u64,
+    /// Bytes of the writes and sends posted.
+    pub bytes: u64,
+    /// Peers' writes with an immediate that landed here.
+    pub arrivals: u64,
 }
 
 /// Counters of one domain group.
@@ -58,6 +68,10 @@ pub struct GroupStats {
     pub domains: Vec<DomainStats>,
     /// Transfers accepted and not yet finished.
     pub in_flight: u64,
+    /// Bytes of memory registered with the group's NICs now.
+    pub registered_bytes: u64,
+    /// Peers connected now.
+    pub peers: u64,
 }
 
 /// Everything [`crate::TransferEngine::stats`] reports.
@@ -93,9 +107,11 @@ impl LatencyLog {
     }
 }
 
-pub(crate) fn snapshot(domains: &[DomainCounters], in_flight: &AtomicU64) -> GroupStats {
+pub(crate) fn snapshot(domains: &[DomainCounters], written: &WorkerWritten) -> GroupStats {
     GroupStats {
         domains: domains.iter().map(DomainCounters::snapshot).collect(),
-        in_flight: in_flight.load(Ordering::Relaxed),
+        in_flight: written.in_flight.load(Ordering::Relaxed),
+        registered_bytes: written.registered_bytes.load(Ordering::Relaxed),
+        peers: written.peers.load(Ordering::Relaxed),
     }
 }
