@@ -43,6 +43,7 @@ pub mod directory;
 mod error;
 pub mod hybrid;
 pub mod layout;
+pub mod observe;
 pub mod pool;
 pub mod prefix;
 pub mod registry;

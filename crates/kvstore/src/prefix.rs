@@ -432,6 +432,7 @@ impl<V> PrefixCache<V> {
             }
         }
         out.inserted = inserted;
+        crate::observe::prefix_access(hashes.len(), out.hit_blocks, out.evicted);
         Ok(out)
     }
 

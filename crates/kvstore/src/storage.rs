@@ -380,6 +380,7 @@ impl BlockStore {
         self.present.insert(key);
         self.stats.puts += 1;
         self.stats.bytes_written += (HEADER_BYTES + full) as u64;
+        crate::observe::storage_write((HEADER_BYTES + full) as u64);
         Ok(())
     }
 
@@ -457,9 +458,11 @@ impl BlockStore {
             want,
             layer as usize,
             layer_bytes,
-        )?;
+        )
+        .inspect_err(note_corrupt)?;
         self.stats.reads += 1;
         self.stats.bytes_read += (HEADER_BYTES + layer_bytes) as u64;
+        crate::observe::storage_read((HEADER_BYTES + layer_bytes) as u64);
         Ok(())
     }
 
@@ -492,7 +495,9 @@ impl BlockStore {
                 report.missing.push(format!("{key:016x}"));
                 continue;
             }
+            // Corrupt blocks are counted where they are found (`note_corrupt`).
             let read = open_checked(&path, self.layout, *key)
+                .inspect_err(note_corrupt)
                 .and_then(|(file, header)| self.read_whole(&file, &path, &header, &mut buf));
             match read {
                 Ok(()) => {
@@ -519,7 +524,7 @@ impl BlockStore {
             {
                 Err(StorageError::Missing { key })
             }
-            opened => opened,
+            opened => opened.inspect_err(note_corrupt),
         }
     }
 
@@ -541,10 +546,19 @@ impl BlockStore {
             &header.layer_crcs,
             0,
             layer_bytes,
-        )?;
+        )
+        .inspect_err(note_corrupt)?;
         self.stats.reads += 1;
         self.stats.bytes_read += (HEADER_BYTES + out.len()) as u64;
+        crate::observe::storage_read((HEADER_BYTES + out.len()) as u64);
         Ok(())
+    }
+}
+
+/// Counts a read that found its block corrupt.
+fn note_corrupt(e: &StorageError) {
+    if matches!(e, StorageError::Corrupt { .. }) {
+        crate::observe::storage_corrupt();
     }
 }
 

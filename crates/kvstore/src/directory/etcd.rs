@@ -292,7 +292,7 @@ async fn renew(
                 return Renewal::Gone;
             }
             Err(why) => {
-                note(status, false, Some(format!("renewing the lease: {why}")));
+                renewal(status, false, Some(format!("renewing the lease: {why}")));
                 if pause(config.retry, stop).await {
                     return Renewal::Stopped;
                 }
@@ -306,18 +306,18 @@ async fn renew(
             })
             .await;
             match answer {
-                Ok(Ok(Some(r))) if r.ttl() > 0 => note(status, true, None),
+                Ok(Ok(Some(r))) if r.ttl() > 0 => renewal(status, true, None),
                 Ok(Ok(Some(_))) => return Renewal::Gone,
                 Ok(Ok(None)) => {
-                    note(status, false, Some("renewal stream ended".to_owned()));
+                    renewal(status, false, Some("renewal stream ended".to_owned()));
                     break;
                 }
                 Ok(Err(e)) => {
-                    note(status, false, Some(format!("renewing the lease: {e}")));
+                    renewal(status, false, Some(format!("renewing the lease: {e}")));
                     break;
                 }
                 Err(_) => {
-                    note(
+                    renewal(
                         status,
                         false,
                         Some(format!("no renewal answer within {:?}", config.timeout)),
@@ -333,6 +333,12 @@ async fn renew(
             return Renewal::Stopped;
         }
     }
+}
+
+/// A renewal's outcome: counted, and noted in the registration's status.
+fn renewal(status: &Mutex<RegistrationStatus>, ok: bool, error: Option<String>) {
+    crate::observe::directory_renewal(ok);
+    note(status, ok, error);
 }
 
 fn note(status: &Mutex<RegistrationStatus>, registered: bool, error: Option<String>) {
@@ -383,9 +389,13 @@ async fn keep(
                     s.registered = true;
                     s.re_registrations += 1;
                     s.last_error = None;
+                    crate::observe::directory_registration(true, true);
                     break;
                 }
-                Err(why) => note(&status, false, Some(format!("registering again: {why}"))),
+                Err(why) => {
+                    crate::observe::directory_registration(true, false);
+                    note(&status, false, Some(format!("registering again: {why}")));
+                }
             }
             if pause(config.retry, &mut stop).await {
                 return;
@@ -516,6 +526,7 @@ async fn follow_once(members: &Members, slot: &WatchSlot) -> String {
                 if r.events().is_empty() {
                     continue;
                 }
+                crate::observe::directory_watch_events(r.events().len());
                 for event in r.events() {
                     let Some(kv) = event.kv() else { continue };
                     match event.event_type() {
@@ -617,7 +628,11 @@ impl Directory for EtcdDirectory {
         let lease = self
             .runtime
             .block_on(write_under_new_lease(&self.members, &kvs, ttl_s))
-            .map_err(|why| self.unavailable(format!("registering {}: {why}", holder.id)))?;
+            .inspect(|_| crate::observe::directory_registration(false, true))
+            .map_err(|why| {
+                crate::observe::directory_registration(false, false);
+                self.unavailable(format!("registering {}: {why}", holder.id))
+            })?;
         let status = Arc::new(Mutex::new(RegistrationStatus {
             registered: true,
             lease: Some(lease),

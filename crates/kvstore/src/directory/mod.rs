@@ -402,6 +402,7 @@ impl WatchSlot {
             stale: None,
             published_unix_ms: unix_ms(),
         });
+        crate::observe::directory_view();
         self.changed.notify_all();
     }
 
@@ -413,6 +414,7 @@ impl WatchSlot {
         {
             state.generation += 1;
             state.stale = Some(why);
+            crate::observe::directory_stale();
             self.changed.notify_all();
         }
     }
