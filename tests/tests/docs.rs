@@ -144,3 +144,36 @@ fn the_readme_names_every_workspace_member() {
         );
     }
 }
+
+/// Every metric the Grafana dashboard in docs/ queries is one docs/metrics.md lists (so a
+/// renamed or removed metric cannot leave a panel silently empty).
+#[test]
+fn the_dashboard_queries_only_documented_metrics() {
+    let root = root();
+    let listed = std::fs::read_to_string(root.join("docs/metrics.md")).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("docs/grafana/kvroute.json")).unwrap(),
+    )
+    .unwrap();
+    let mut names = Vec::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            let mut rest = expr;
+            while let Some(at) = rest.find("kvroute_") {
+                let name: String = rest[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                rest = &rest[at + name.len()..];
+                names.push(name.trim_end_matches("_bucket").to_owned());
+            }
+        }
+    }
+    assert!(names.len() >= 20, "{names:?}");
+    let missing: Vec<&String> = names
+        .iter()
+        .filter(|n| !listed.contains(&format!("`{n}`")))
+        .collect();
+    assert!(missing.is_empty(), "not in docs/metrics.md: {missing:?}");
+}

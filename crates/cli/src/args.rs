@@ -216,6 +216,9 @@ pub struct HelixRankArgs {
     /// The rendezvous directory.
     #[arg(long)]
     pub dir: std::path::PathBuf,
+    /// Serve the rank's metrics (its transport's) at http://ADDR/metrics (printed on stderr).
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
 }
 
 /// `kvroute directory ...`.
@@ -878,6 +881,14 @@ pub struct RequesterArgs {
     /// Seed of the queries and the sparse selection.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Serve the requester's metrics (the step API's, the selector's, its transport's) at
+    /// http://ADDR/metrics while it runs (printed on stderr).
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
+    /// With --metrics-listen: keep serving the page this long after the last step,
+    /// milliseconds (0 to 600000), so that a scraper reads the final counts.
+    #[arg(long, value_parser = u64_in(0..=600_000), default_value_t = 0)]
+    pub metrics_linger_ms: u64,
     /// The decode steps.
     #[command(flatten)]
     pub run: StepArgs,

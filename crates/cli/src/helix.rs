@@ -470,6 +470,10 @@ pub(crate) fn rank(args: &HelixRankArgs) -> Result<()> {
         println!("{}", serde_json::to_string(line)?);
         Ok(())
     };
+    if let Some(addr) = &args.metrics_listen {
+        let at = crate::metrics_http::serve(addr)?;
+        eprintln!("metrics at http://{at}/metrics");
+    }
     let run = || -> Result<()> {
         let provider = provider_for(&args.provider)?;
         let (engine, _) = fabric_engine(&provider)?;

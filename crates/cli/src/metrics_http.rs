@@ -31,6 +31,9 @@ pub(crate) fn serve(addr: &str) -> Result<SocketAddr> {
         .context("--metrics-listen: histogram buckets")?
         .install_recorder()
         .context("--metrics-listen: installing the metrics recorder")?;
+    kvroute_transport::describe_metrics();
+    kvroute_remote::observe::describe_metrics();
+    kvroute_kvstore::observe::describe_metrics();
     let listener = TcpListener::bind(addr).with_context(|| format!("--metrics-listen {addr}"))?;
     let local = listener.local_addr()?;
     tracing::info!(%local, "metrics at http://{local}/metrics");
@@ -68,7 +71,11 @@ fn answer(mut stream: TcpStream, handle: &PrometheusHandle) -> Result<()> {
     let mut parts = line.split(|&b| b == b' ');
     let (method, path) = (parts.next(), parts.next());
     let (status, body) = match (method, path) {
-        (Some(b"GET"), Some(b"/metrics")) => ("200 OK", handle.render()),
+        (Some(b"GET"), Some(b"/metrics")) => {
+            // The transport's counters are read now, not reported as they change.
+            kvroute_transport::export_metrics();
+            ("200 OK", handle.render())
+        }
         (Some(b"GET"), Some(_)) => ("404 Not Found", "not found: try /metrics\n".to_owned()),
         _ => ("400 Bad Request", "bad request\n".to_owned()),
     };

@@ -98,6 +98,59 @@ fn a_holders_metrics_page_counts_what_its_requester_saw_it_serve() {
         body.contains("kvroute_holder_kernel_seconds_bucket"),
         "{body}"
     );
+    // The transport's counters, read at the scrape: the holder answered the requester's
+    // writes with writes of its own, and its regions are registered.
+    let tcp = "provider=\"fabric:tcp;ofi_rxm\"";
+    for family in [
+        "kvroute_transport_bytes_total",
+        "kvroute_transport_arrivals_total",
+        "kvroute_transport_registered_bytes",
+        "kvroute_transport_engines",
+    ] {
+        assert!(sample(&body, family, tcp) > 0.0, "{family}: {body}");
+    }
+    assert_eq!(
+        sample(
+            &body,
+            "kvroute_transport_work_requests_total",
+            "state=\"posted\""
+        ),
+        sample(
+            &body,
+            "kvroute_transport_work_requests_total",
+            "state=\"completed\""
+        ) + sample(
+            &body,
+            "kvroute_transport_work_requests_total",
+            "state=\"unreported\""
+        ) + sample(
+            &body,
+            "kvroute_transport_work_requests_total",
+            "state=\"failed\""
+        ),
+        "every posted work request finished: {body}"
+    );
+    // Prometheus' own linter accepts the page (names, types, units, help).
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (cargo xtask deps installs Debian's prometheus)");
+    promtool
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    let lint = promtool.wait_with_output().unwrap();
+    assert!(
+        lint.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&lint.stdout),
+        String::from_utf8_lossy(&lint.stderr)
+    );
     let (status, _) = get(&metrics, "/other");
     assert!(status.contains("404"), "{status}");
     drop(holder.stdin.take());

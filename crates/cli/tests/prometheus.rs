@@ -93,6 +93,18 @@ fn query(prometheus: &str, query: &str) -> serde_json::Value {
     serde_json::from_str(body).unwrap_or(serde_json::Value::Null)
 }
 
+/// `text` as a URL's query value.
+fn percent_encoded(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 /// The value per `instance` of an instant vector.
 fn by_instance(answer: &serde_json::Value) -> Vec<(String, f64)> {
     answer["data"]["result"]
@@ -136,20 +148,23 @@ fn prometheus_scrapes_the_holders_counters_and_sees_a_killed_one_down() {
     let (mut h1, c1, m1) = holder(1);
     let dir = std::env::temp_dir().join(format!("kvroute-prometheus-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
+    let free = || {
+        TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let prometheus = format!("127.0.0.1:{}", free());
+    let requester = format!("127.0.0.1:{}", free());
     let config = dir.join("prometheus.yml");
     std::fs::write(
         &config,
         format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: kvroute\n    static_configs:\n      - targets: ['{m0}', '{m1}']\n"
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: kvroute\n    static_configs:\n      - targets: ['{m0}', '{m1}', '{requester}']\n"
         ),
     )
     .unwrap();
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let prometheus = format!("127.0.0.1:{port}");
     let _server = Killed(
         Command::new("prometheus")
             .arg(format!("--config.file={}", config.display()))
@@ -175,6 +190,12 @@ fn prometheus_scrapes_the_holders_counters_and_sees_a_killed_one_down() {
             "1",
             "--force",
             "route",
+        ])
+        .args([
+            "--metrics-listen",
+            &requester,
+            "--metrics-linger-ms",
+            "4000",
         ])
         .output()
         .unwrap();
@@ -208,6 +229,45 @@ fn prometheus_scrapes_the_holders_counters_and_sees_a_killed_one_down() {
         agreed,
         "Prometheus has {seen:?}, the requester read {served:?}"
     );
+    // The requester's decisions by choice, as Prometheus scraped them before it exited (the
+    // series is stale since: a range query still has its samples).
+    let stats = &report["stats"];
+    for (how, n) in [("route", &stats["routes"]), ("fetch", &stats["fetches"])] {
+        let want = n.as_f64().unwrap();
+        let q = percent_encoded(&format!(
+            "max_over_time(kvroute_step_pairs_total{{how=\"{how}\"}}[5m])"
+        ));
+        let mut got = Vec::new();
+        let seen = until(Duration::from_secs(10), || {
+            got = by_instance(&query(&prometheus, &q));
+            got.iter().map(|(_, v)| v).sum::<f64>() == want || (want == 0.0 && got.is_empty())
+        });
+        assert!(
+            seen,
+            "{how}: Prometheus has {got:?}, the report says {want}"
+        );
+    }
+    // Every query of the dashboard in docs/ is one this Prometheus accepts.
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/grafana/kvroute.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let exprs: Vec<&str> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap())
+        .map(|t| t["expr"].as_str().unwrap())
+        .collect();
+    assert!(exprs.len() >= 8);
+    for expr in exprs {
+        let answer = query(&prometheus, &percent_encoded(expr));
+        assert_eq!(answer["status"], "success", "{expr}: {answer}");
+    }
     // Holder 1 killed: its target goes down.
     h1.kill();
     let mut up = Vec::new();

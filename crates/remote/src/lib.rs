@@ -34,7 +34,7 @@ mod holder;
 pub mod kernel_rate;
 #[cfg(feature = "measure")]
 pub mod measure;
-mod observe;
+pub mod observe;
 pub mod probe;
 #[allow(unsafe_code)]
 mod requester;

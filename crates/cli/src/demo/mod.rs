@@ -380,6 +380,10 @@ fn holder_addrs(args: &RequesterArgs) -> Result<Vec<SocketAddr>> {
 
 /// `kvroute requester`.
 pub(crate) fn requester(args: &RequesterArgs) -> Result<DemoReport> {
+    if let Some(addr) = &args.metrics_listen {
+        let at = crate::metrics_http::serve(addr)?;
+        eprintln!("metrics at http://{at}/metrics");
+    }
     let spec = corpus_of(&args.corpus)?;
     let provider = provider_for(&args.provider)?;
     let steps = (&args.run, args.seed);
@@ -395,7 +399,11 @@ pub(crate) fn requester(args: &RequesterArgs) -> Result<DemoReport> {
             Discovery::Addrs(&addrs)
         }
     };
-    decode_steps("requester", &spec, &provider, discovery, steps, &mut |_| {
+    let report = decode_steps("requester", &spec, &provider, discovery, steps, &mut |_| {
         Ok(None)
-    })
+    });
+    if args.metrics_listen.is_some() {
+        std::thread::sleep(Duration::from_millis(args.metrics_linger_ms));
+    }
+    report
 }

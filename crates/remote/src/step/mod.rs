@@ -323,6 +323,7 @@ impl Stepper {
         }
         self.stats.local += requests.iter().filter(|r| r.local.is_some()).count() as u64;
         crate::observe::step(&report, &self.stats());
+        crate::observe::selector(&self.cal);
         Ok(StepOutput {
             outputs: merged,
             report,
