@@ -32,6 +32,7 @@ pub(crate) fn serve(addr: &str) -> Result<SocketAddr> {
         .install_recorder()
         .context("--metrics-listen: installing the metrics recorder")?;
     kvroute_transport::describe_metrics();
+    kvroute_transport::time_transfers();
     kvroute_remote::observe::describe_metrics();
     kvroute_kvstore::observe::describe_metrics();
     let listener = TcpListener::bind(addr).with_context(|| format!("--metrics-listen {addr}"))?;

@@ -106,6 +106,7 @@ fn a_holders_metrics_page_counts_what_its_requester_saw_it_serve() {
         "kvroute_transport_arrivals_total",
         "kvroute_transport_registered_bytes",
         "kvroute_transport_engines",
+        "kvroute_transport_transfer_seconds_count",
     ] {
         assert!(sample(&body, family, tcp) > 0.0, "{family}: {body}");
     }
@@ -129,6 +130,11 @@ fn a_holders_metrics_page_counts_what_its_requester_saw_it_serve() {
             "state=\"failed\""
         ),
         "every posted work request finished: {body}"
+    );
+    assert_eq!(
+        sample(&body, "kvroute_transport_transfers_total", "outcome=\"ok\""),
+        sample(&body, "kvroute_transport_transfer_seconds_count", tcp),
+        "every transfer finished is timed: {body}"
     );
     // Prometheus' own linter accepts the page (names, types, units, help).
     let mut promtool = Command::new("promtool")

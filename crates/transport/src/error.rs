@@ -193,3 +193,38 @@ pub enum TransferError {
     #[error("no completion within {0:?}: the peer is gone or refused the access")]
     TimedOut(std::time::Duration),
 }
+
+impl TransferError {
+    /// Every kind [`TransferError::kind`] names, in a fixed order.
+    pub const KINDS: [&'static str; 9] = [
+        "remote_access",
+        "peer_unreachable",
+        "remote_buffer_too_small",
+        "cancelled",
+        "shutdown",
+        "injected",
+        "provider",
+        "imm_watched",
+        "timed_out",
+    ];
+
+    /// The error's kind, without its details: a metrics label.
+    pub fn kind(&self) -> &'static str {
+        Self::KINDS[self.kind_index()]
+    }
+
+    /// The index of [`TransferError::kind`] in [`TransferError::KINDS`].
+    pub(crate) fn kind_index(&self) -> usize {
+        match self {
+            Self::RemoteAccess(_) => 0,
+            Self::PeerUnreachable => 1,
+            Self::RemoteBufferTooSmall => 2,
+            Self::Cancelled => 3,
+            Self::Shutdown => 4,
+            Self::Injected => 5,
+            Self::Provider(_) => 6,
+            Self::ImmWatched(_) => 7,
+            Self::TimedOut(_) => 8,
+        }
+    }
+}

@@ -150,7 +150,8 @@ impl TransferEngine {
         if self.inner.stopped.load(Ordering::Acquire) {
             return Err(TransportError::Shutdown);
         }
-        let submitted_at = self.inner.engine.record_latency.then(Instant::now);
+        let timed = self.inner.engine.record_latency || super::observe::timing();
+        let submitted_at = timed.then(Instant::now);
         let mut sub = Submission {
             work,
             on_done,

@@ -251,7 +251,7 @@ impl<D: Domain> Group<D> {
         {
             return Some(sub);
         }
-        if let Some(at) = sub.submitted_at {
+        if let Some(at) = sub.submitted_at.filter(|_| self.engine.record_latency) {
             LatencyLog::push(
                 &self.shared.worker_written.latency.submit_to_post,
                 at.elapsed(),
@@ -373,7 +373,18 @@ impl<D: Domain> Group<D> {
         };
         entry.generation = entry.generation.wrapping_add(1);
         self.free_slots.push(slot);
-        stats::sub(&self.shared.worker_written.in_flight, 1);
+        let written = &self.shared.worker_written;
+        stats::sub(&written.in_flight, 1);
+        if !cfg!(kvroute_no_metrics) {
+            let outcome_index = outcome.as_ref().err().map_or(0, |e| 1 + e.kind_index());
+            stats::add(&written.finished[outcome_index], 1);
+            if let Some(at) = t.submitted_at {
+                stats::add(
+                    &written.transfer_time[super::observe::bucket(at.elapsed())],
+                    1,
+                );
+            }
+        }
         if let Some(done) = t.on_done.take() {
             let callbacks = &self.engine.callbacks;
             done.finish(outcome, |f, o| callbacks.run_done(f, o));

@@ -29,7 +29,7 @@ use crossbeam_utils::CachePadded;
 pub use api::{ImmTarget, PeerGroupHandle};
 use callbacks::Job;
 pub use imm_watch::ImmWatch;
-pub use observe::{describe_metrics, export_metrics};
+pub use observe::{TRANSFER_BUCKETS, describe_metrics, export_metrics, time_transfers};
 use pass_lock::PassLock;
 use shared::{Directory, EngineShared, GroupShared, PeerGroupEntry, WorkerWake};
 pub use stats::{DomainStats, EngineStats, GroupStats};

@@ -12,9 +12,44 @@
 //! export, never counted twice).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
 
 use super::Inner;
+use crate::error::TransferError;
+
+/// Upper bounds, seconds, of the buckets transfers' submit-to-finish times are counted in
+/// (the exporter's buckets of every `_seconds` histogram, so a count recorded at its bucket's
+/// bound lands in the same bucket there); a last bucket takes the longer ones.
+pub const TRANSFER_BUCKETS: [f64; 13] = [
+    1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0,
+];
+
+/// Whether submits take a timestamp for `kvroute_transport_transfer_seconds`.
+static TIMING: AtomicBool = AtomicBool::new(false);
+
+/// Times every transfer submitted from now on, in every engine of the process (a clock read
+/// at submit and at finish): what an exporter turns on, for
+/// `kvroute_transport_transfer_seconds`. Off by default, so an embedding that exports nothing
+/// reads no clock.
+pub fn time_transfers() {
+    TIMING.store(true, Ordering::Relaxed);
+}
+
+/// Whether [`time_transfers`] was called.
+pub(super) fn timing() -> bool {
+    !cfg!(kvroute_no_metrics) && TIMING.load(Ordering::Relaxed)
+}
+
+/// The bucket of [`TRANSFER_BUCKETS`] `d` falls in.
+pub(super) fn bucket(d: Duration) -> usize {
+    let s = d.as_secs_f64();
+    TRANSFER_BUCKETS
+        .iter()
+        .position(|&le| s <= le)
+        .unwrap_or(TRANSFER_BUCKETS.len())
+}
 
 /// The engines of the process, registered when they start.
 static LIVE: Mutex<Vec<Weak<Inner>>> = Mutex::new(Vec::new());
@@ -31,6 +66,10 @@ struct Counts {
     bytes: u64,
     arrivals: u64,
     imm_dropped: u64,
+    /// Transfers finished: succeeded, then failed per [`TransferError::KINDS`].
+    finished: [u64; 1 + TransferError::KINDS.len()],
+    /// Timed transfers per bucket of [`TRANSFER_BUCKETS`], the last one for longer.
+    time: [u64; TRANSFER_BUCKETS.len() + 1],
 }
 
 impl Counts {
@@ -42,6 +81,12 @@ impl Counts {
         self.bytes += o.bytes;
         self.arrivals += o.arrivals;
         self.imm_dropped += o.imm_dropped;
+        for (a, b) in self.finished.iter_mut().zip(&o.finished) {
+            *a += b;
+        }
+        for (a, b) in self.time.iter_mut().zip(&o.time) {
+            *a += b;
+        }
     }
 
     fn max(&self, o: &Counts) -> Counts {
@@ -53,6 +98,8 @@ impl Counts {
             bytes: self.bytes.max(o.bytes),
             arrivals: self.arrivals.max(o.arrivals),
             imm_dropped: self.imm_dropped.max(o.imm_dropped),
+            finished: std::array::from_fn(|i| self.finished[i].max(o.finished[i])),
+            time: std::array::from_fn(|i| self.time[i].max(o.time[i])),
         }
     }
 }
@@ -111,9 +158,12 @@ fn measure(inner: &Inner) -> Vec<(String, Counts, Gauges)> {
                     unreported: d.unreported,
                     bytes: d.bytes,
                     arrivals: d.arrivals,
-                    imm_dropped: 0,
+                    ..Counts::default()
                 });
             }
+            let w = &g.worker_written;
+            counts.finished = std::array::from_fn(|i| w.finished[i].load(Ordering::Relaxed));
+            counts.time = std::array::from_fn(|i| w.transfer_time[i].load(Ordering::Relaxed));
             let first = i == 0;
             if first {
                 counts.imm_dropped = imm.dropped();
@@ -165,15 +215,40 @@ pub fn export_metrics() {
         let (counts, gauges) = live.get(provider).copied().unwrap_or_default();
         let mut now = t.retired;
         now.add(&counts);
-        t.exported = now.max(&t.exported);
+        let before = t.exported;
+        t.exported = now.max(&before);
         publish(provider, &t.exported, &gauges);
+        record_times(provider, &before.time, &t.exported.time);
     }
     drop(totals);
     drop(engines);
 }
 
+/// Records the timed transfers counted since the last export into the facade's histogram,
+/// each at its bucket's bound (beyond the last bound: twice it), so the exporter's buckets
+/// (the same bounds) count exactly what the engines counted; its sum is therefore an upper
+/// bound of the true sum.
+fn record_times(provider: &str, before: &[u64], now: &[u64]) {
+    let h = metrics::histogram!("kvroute_transport_transfer_seconds", "provider" => provider.to_owned());
+    for (i, (&b, &n)) in before.iter().zip(now).enumerate() {
+        let at = TRANSFER_BUCKETS
+            .get(i)
+            .copied()
+            .unwrap_or(2.0 * TRANSFER_BUCKETS[TRANSFER_BUCKETS.len() - 1]);
+        if n > b {
+            h.record_many(at, usize::try_from(n - b).unwrap_or(usize::MAX));
+        }
+    }
+}
+
 fn publish(provider: &str, c: &Counts, g: &Gauges) {
     let p = provider.to_owned();
+    metrics::counter!("kvroute_transport_transfers_total", "provider" => p.clone(), "outcome" => "ok")
+        .absolute(c.finished[0]);
+    for (kind, &n) in TransferError::KINDS.iter().zip(&c.finished[1..]) {
+        metrics::counter!("kvroute_transport_transfers_total", "provider" => p.clone(), "outcome" => *kind)
+            .absolute(n);
+    }
     for (state, v) in [
         ("posted", c.posted),
         ("completed", c.completed),
@@ -216,9 +291,17 @@ pub fn describe_metrics() {
             "kvroute_transport_dropped_immediates_total",
             "Arrivals dropped because their immediate value found no room in the IMM counter.",
         ),
+        (
+            "kvroute_transport_transfers_total",
+            "Transfers finished, by provider and outcome (ok, or the error's kind).",
+        ),
     ] {
         metrics::describe_counter!(name, help);
     }
+    metrics::describe_histogram!(
+        "kvroute_transport_transfer_seconds",
+        "Transfers' submit-to-finish time, by provider (each counted at its bucket's bound)."
+    );
     for (name, help) in [
         (
             "kvroute_transport_engines",
@@ -245,6 +328,16 @@ pub fn describe_metrics() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_time_falls_in_the_first_bucket_whose_bound_it_does_not_pass() {
+        assert_eq!(bucket(Duration::from_micros(3)), 0);
+        assert_eq!(bucket(Duration::from_micros(10)), 0);
+        assert_eq!(bucket(Duration::from_micros(11)), 1);
+        assert_eq!(bucket(Duration::from_millis(2)), 5);
+        assert_eq!(bucket(Duration::from_secs(10)), 12);
+        assert_eq!(bucket(Duration::from_secs(11)), TRANSFER_BUCKETS.len());
+    }
 
     #[test]
     fn counts_add_and_keep_the_larger() {

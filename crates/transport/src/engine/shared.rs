@@ -234,6 +234,11 @@ pub(crate) struct WorkerWritten {
     pub(crate) registered_bytes: AtomicU64,
     /// Peers connected (written by the pass, rarely).
     pub(crate) peers: AtomicU64,
+    /// Transfers finished, by outcome: succeeded, then failed per [`TransferError::KINDS`].
+    pub(crate) finished: [AtomicU64; 1 + TransferError::KINDS.len()],
+    /// Submit-to-finish times of transfers timed ([`super::observe::time_transfers`]), per
+    /// bucket of [`super::observe::TRANSFER_BUCKETS`], the last one for longer.
+    pub(crate) transfer_time: [AtomicU64; super::observe::TRANSFER_BUCKETS.len() + 1],
     pub(crate) latency: LatencyLog,
 }
 
