@@ -89,6 +89,33 @@ pub(crate) fn holder_stray_imms(count: u64) {
     counter!("kvroute_holder_stray_immediates_total").increment(count);
 }
 
+/// Why a requester gave a holder's request up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// No reply (or send completion) by the deadline.
+    Timeout,
+    /// The holder's control connection closed.
+    Closed,
+    /// The request's write failed.
+    WriteFailed,
+    /// The reply came but its fetch pages did not, or it could not be read.
+    Fetch,
+}
+
+/// A holder's request given up by its requester (the link is then dead to it).
+pub(crate) fn holder_failure(reason: Failure) {
+    if cfg!(kvroute_no_metrics) {
+        return;
+    }
+    let reason = match reason {
+        Failure::Timeout => "timeout",
+        Failure::Closed => "closed",
+        Failure::WriteFailed => "write_failed",
+        Failure::Fetch => "fetch",
+    };
+    counter!("kvroute_requester_holder_failures_total", "reason" => reason).increment(1);
+}
+
 /// One step of the step API: its decisions, times, fallbacks and losses, the fetch cache.
 pub(crate) fn step(report: &StepReport, stats: &StepStats) {
     if cfg!(kvroute_no_metrics) {
@@ -260,6 +287,11 @@ pub fn describe_metrics() {
             Counter,
             "kvroute_step_fallbacks_total",
             "Calls re-sent to a replica.",
+        ),
+        (
+            Counter,
+            "kvroute_requester_holder_failures_total",
+            "Requests a requester gave up on their holder for, by reason (timeout, closed, write_failed, fetch).",
         ),
         (
             Counter,

@@ -8,8 +8,9 @@ use std::time::Instant;
 use kvroute_kernels::layout::PARTIAL_ROW_BYTES;
 use kvroute_transport::{CancellationToken, DoneFlag, OnDone, TransferShape};
 
-use super::{Requester, wait_all};
+use super::{Requester, Unfinished, wait_all};
 use crate::error::RouteError;
+use crate::observe::Failure;
 use crate::wire::{self, SegmentSpec, Status};
 
 /// One request encoded in a link's send staging, not yet posted.
@@ -164,15 +165,28 @@ impl Requester {
                 self.config.spin,
                 control,
             ) {
-                Err(e) => Some(e.describe(&["send completion", "reply"], self.config.timeout)),
+                Err(e) => {
+                    let reason = match e {
+                        Unfinished::Late(_) => Failure::Timeout,
+                        Unfinished::Closed(_) => Failure::Closed,
+                    };
+                    Some((
+                        reason,
+                        e.describe(&["send completion", "reply"], self.config.timeout),
+                    ))
+                }
                 Ok(()) => match sent.result() {
-                    Some(Err(e)) => Some(format!("request write failed: {e}")),
+                    Some(Err(e)) => {
+                        Some((Failure::WriteFailed, format!("request write failed: {e}")))
+                    }
                     _ => self
                         .await_fetch_writes(&prepared[i], deadline, &token)
-                        .err(),
+                        .err()
+                        .map(|why| (Failure::Fetch, why)),
                 },
             };
-            if let Some(why) = failure {
+            if let Some((reason, why)) = failure {
+                crate::observe::holder_failure(reason);
                 token.cancel();
                 out[i] = Err(RouteError::HolderFailed {
                     holder: self.links[link].addr,
