@@ -9,9 +9,13 @@
 //! - **stopped**: an honest requester sent SIGSTOP for 0.5-4 s, then SIGCONT (its holder may
 //!   evict it meanwhile: an error of its own, never a wrong answer);
 //! - **rogue**: a session that writes forged immediates, wrong tokens, replays, random bytes
-//!   and corrupted requests into its inbox;
+//!   and corrupted requests into its inbox, and floods of up to 20,000 immediates of random
+//!   values;
+//! - **unproven**: a hello that never proves its address, then up to 2,000 `Stats` lines,
+//!   held open for up to 6 s; any answer but the welcome is a failure;
 //! - **malformed control**: connections that send garbage, truncated or forged hellos, or
-//!   nothing at all.
+//!   nothing at all;
+//! - **connection flood**: 20-60 silent control connections at once, held for 1-8 s.
 //!
 //! Per provider there is a **main** holder, never killed, whose memory and fds are measured, and
 //! a **victim** holder, killed with SIGKILL and restarted every 10-30 s. A requester may end in
@@ -260,7 +264,14 @@ fn rogue(provider: &str, holder: &str) -> Result<(), Error> {
         let mut bytes = Vec::new();
         wire::encode_request(&mut bytes, seq, welcome.token, 0, 0.1, &[seg]);
         seq += 1;
-        let imm = match rng.range(0, 6) {
+        let imm = match rng.range(0, 7) {
+            // A flood of immediates of random values (the holder counts and drops them).
+            5 => {
+                for _ in 0..rng.range(1_000, 20_000) {
+                    engine.submit_imm(rng.next() as u32, &welcome.inbox, OnDone::nothing())?;
+                }
+                continue;
+            }
             // Immediates naming every session, as requests and pings.
             0 => {
                 let session = rng.range(0, 8) as u16;
@@ -315,6 +326,57 @@ fn rogue(provider: &str, holder: &str) -> Result<(), Error> {
     Ok(())
 }
 
+/// A hello that never proves its address, then `Stats` lines: the holder must answer nothing
+/// but the welcome (or turn it away busy) and close it at its proof timeout.
+fn unproven(provider: &str, holder: &str) -> Result<(), Error> {
+    let mut rng = Rng::seeded();
+    let engine = engine(provider)?;
+    let reply = engine.alloc_mr(1 << 16)?;
+    let hello = Hello {
+        addr: engine.main_address(),
+        reply: reply.desc().clone(),
+        pool: None,
+        reply_imm: 0x6100_0fff,
+        fetch_imm: 0x6200_0fff,
+    };
+    let mut control = TcpStream::connect(holder)?;
+    control.set_read_timeout(Some(Duration::from_secs(10)))?;
+    writeln!(control, "{}", serde_json::to_string(&hello)?)?;
+    let mut reader = BufReader::new(control.try_clone()?);
+    let mut welcome = String::new();
+    reader.read_line(&mut welcome)?;
+    if !welcome.contains("Welcome") {
+        return Err(format!("no welcome: {}", welcome.trim()).into());
+    }
+    for _ in 0..rng.range(100, 2_000) {
+        if writeln!(control, "\"Stats\"").is_err() {
+            break; // closed at the proof timeout: fine
+        }
+    }
+    control.set_read_timeout(Some(rng.millis(500, 6_000)))?;
+    let mut more = String::new();
+    match reader.read_line(&mut more) {
+        Ok(0) | Err(_) => Ok(()),
+        Ok(_) => {
+            eprintln!("an unproven session was answered: {}", more.trim());
+            std::process::exit(WRONG)
+        }
+    }
+}
+
+/// 20-60 silent control connections at once, held for 1-8 s: a newcomer must still get in.
+fn connection_flood(addr: SocketAddr, rng: &mut Rng) {
+    let n = rng.range(20, 60);
+    let hold = rng.millis(1_000, 8_000);
+    std::thread::spawn(move || {
+        let held: Vec<TcpStream> = (0..n)
+            .filter_map(|_| TcpStream::connect(addr).ok())
+            .collect();
+        std::thread::sleep(hold);
+        drop(held);
+    });
+}
+
 // ----- the supervisor -----
 
 /// Garbage on a control connection; none of it may hurt the holder.
@@ -345,6 +407,7 @@ enum Kind {
     Killed,
     Stopped,
     Rogue,
+    Unproven,
 }
 
 struct Running {
@@ -417,6 +480,7 @@ struct Tally {
     /// Error messages, by their first words.
     errors: BTreeMap<String, u64>,
     malformed: u64,
+    floods: u64,
     holder_kills: u64,
     regions_removed: usize,
 }
@@ -447,11 +511,17 @@ impl Soak {
         } else {
             self.holders[h].1.addr
         };
-        let kind = match self.rng.range(0, 20) {
+        let kind = match self.rng.range(0, 22) {
             0..=10 => Kind::Honest,
             11..=13 => Kind::Killed,
             14..=15 => Kind::Stopped,
             16..=17 => Kind::Rogue,
+            18 => Kind::Unproven,
+            19 => {
+                connection_flood(addr, &mut self.rng);
+                self.tally.floods += 1;
+                return Ok(());
+            }
             _ => {
                 malformed_control(addr, &mut self.rng);
                 self.tally.malformed += 1;
@@ -461,6 +531,8 @@ impl Soak {
         let mut cmd = Command::new(&self.me);
         if kind == Kind::Rogue {
             cmd.args(["--rogue", provider, &addr.to_string()]);
+        } else if kind == Kind::Unproven {
+            cmd.args(["--unproven", provider, &addr.to_string()]);
         } else {
             cmd.args(["--requester", provider, &addr.to_string(), &self.reference]);
         }
@@ -728,9 +800,12 @@ fn supervise(minutes: f64) -> Result<(), Error> {
         println!("  error x{n}: {what}");
     }
     println!(
-        "malformed control connections {}, victim holders killed {}, regions of killed \
-         processes removed {}",
-        soak.tally.malformed, soak.tally.holder_kills, soak.tally.regions_removed
+        "malformed control connections {}, connection floods {}, victim holders killed {}, \
+         regions of killed processes removed {}",
+        soak.tally.malformed,
+        soak.tally.floods,
+        soak.tally.holder_kills,
+        soak.tally.regions_removed
     );
     for h in std::mem::take(&mut soak.holders) {
         h.1.stop()?;
@@ -784,6 +859,11 @@ fn main() -> Result<(), Error> {
         // A rogue meets refusals and dead holders: its own errors are outcomes, not failures.
         Some("--rogue") => rogue(arg(1)?, arg(2)?).or_else(|e| {
             eprintln!("rogue: {e}");
+            std::process::exit(ERRORED)
+        }),
+        // Busy, refused or a dead holder: outcomes, not failures; an answer is (exit WRONG).
+        Some("--unproven") => unproven(arg(1)?, arg(2)?).or_else(|e| {
+            eprintln!("unproven: {e}");
             std::process::exit(ERRORED)
         }),
         Some("--minutes") => supervise(arg(1)?.parse()?),
