@@ -228,6 +228,15 @@ pub struct DualPath {
     next_de: u32,
     next_side: bool,
     next_group: u32,
+    /// The smallest decode footprint (bytes) known to fit in no DE's HBM; infinite when none
+    /// is known. Between frees ([`DualPath::decode_done`], [`DualPath::engine_failed`] reset
+    /// it) HBM only fills and engines only die, so a queue head at least this large is
+    /// blocked without a scan. Rescanning every DE on every event while the head waited held
+    /// round robin to 0.53M events/s against 1.1M with this (conversation trace x 40, 42P84D,
+    /// 5.1 GB of DE HBM; identical placements).
+    blocked_need_bytes: f64,
+    /// DEs examined for room, for [`DualPath::decode_engines_examined`].
+    decode_engines_examined: u64,
 }
 
 /// A request lost to a failed engine, and what to do with it.
@@ -255,6 +264,8 @@ impl DualPath {
             next_de: 0,
             next_side: false,
             next_group: 0,
+            blocked_need_bytes: f64::INFINITY,
+            decode_engines_examined: 0,
         })
     }
 
@@ -276,6 +287,12 @@ impl DualPath {
     /// Unfinished tokens assigned to engine `e` (`tok_e`).
     pub fn tokens_of(&self, e: u32) -> u64 {
         self.engines[e as usize].tok
+    }
+
+    /// DEs examined for HBM room so far: the work of placement, which a queue head that fits
+    /// nowhere does not add to until HBM is freed.
+    pub fn decode_engines_examined(&self) -> u64 {
+        self.decode_engines_examined
     }
 
     /// Bytes queued on node `n`'s storage NIC.
@@ -345,6 +362,7 @@ impl DualPath {
         de.req = de.req.saturating_sub(1);
         de.hbm_used =
             (de.hbm_used - p.request.decode_bytes(self.config.kv_bytes_per_token)).max(0.0);
+        self.blocked_need_bytes = f64::INFINITY;
     }
 
     /// Engine `e` failed: it takes nothing more, and every unfinished request placed on it
@@ -364,6 +382,10 @@ impl DualPath {
             .map(|(&id, _)| id)
             .collect();
         lost.sort_unstable();
+        if !lost.is_empty() {
+            // Their DEs' HBM is freed, and the queue has a new head.
+            self.blocked_need_bytes = f64::INFINITY;
+        }
         for &id in lost.iter().rev() {
             let Some(h) = self.held.remove(&id) else {
                 continue;
@@ -428,6 +450,11 @@ impl DualPath {
         out.push(placement);
     }
 
+    /// Whether a request needing `need` bytes of DE HBM is known to fit in no DE.
+    fn decode_blocked(&self, need: f64) -> bool {
+        need >= self.blocked_need_bytes
+    }
+
     fn de_fits(&self, e: u32, need: f64) -> bool {
         let eng = &self.engines[e as usize];
         !eng.dead && eng.hbm_used + need <= self.config.de_hbm_bytes
@@ -438,16 +465,23 @@ impl DualPath {
         let des = self.topo.engines() - pes;
         while let Some(&r) = self.queue.front() {
             let need = r.decode_bytes(self.config.kv_bytes_per_token);
+            if self.decode_blocked(need) {
+                return;
+            }
             let Some(pe) = (0..pes)
                 .map(|i| (self.next_pe + i) % pes)
                 .find(|&e| !self.engines[e as usize].dead)
             else {
                 return;
             };
-            let Some(de) = (0..des)
-                .map(|i| pes + (self.next_de + i) % des)
-                .find(|&e| self.de_fits(e, need))
-            else {
+            let mut examined = 0;
+            let de = (0..des).map(|i| pes + (self.next_de + i) % des).find(|&e| {
+                examined += 1;
+                self.de_fits(e, need)
+            });
+            self.decode_engines_examined += examined;
+            let Some(de) = de else {
+                self.blocked_need_bytes = need;
                 return;
             };
             self.queue.pop_front();
@@ -493,6 +527,10 @@ impl DualPath {
         let engines = first_node * t.engines_per_node..last_node * t.engines_per_node;
         let mut placed = 0;
         while let Some(&r) = self.queue.front() {
+            if self.decode_blocked(r.decode_bytes(self.config.kv_bytes_per_token)) {
+                // No DE has room: nothing to place, whichever PE would take it.
+                break;
+            }
             let mut best: [Option<(u64, u32)>; 2] = [None, None];
             for e in engines.clone() {
                 let eng = &self.engines[e as usize];
@@ -526,7 +564,7 @@ impl DualPath {
     }
 
     /// The two-phase DE choice: the DE group with the least `tok`, then within it.
-    fn pick_de(&self, r: Request) -> Option<u32> {
+    fn pick_de(&mut self, r: Request) -> Option<u32> {
         let t = self.topo;
         let need = r.decode_bytes(self.config.kv_bytes_per_token);
         let per_group = t.nodes_per_group * t.engines_per_node;
@@ -550,6 +588,7 @@ impl DualPath {
             let mean = total as f64 / range.len() as f64;
             let mut low: Option<(u32, u32)> = None;
             let mut high: Option<(f64, u32)> = None;
+            self.decode_engines_examined += range.len() as u64;
             for e in range {
                 if !self.de_fits(e, need) {
                     continue;
@@ -570,6 +609,8 @@ impl DualPath {
                 return Some(e);
             }
         }
+        // Every DE was examined and none fits.
+        self.blocked_need_bytes = need;
         None
     }
 }
@@ -624,6 +665,7 @@ pub fn pack_forward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rng::Rng;
 
     const KVB: f64 = 1000.0;
 
@@ -739,6 +781,112 @@ mod tests {
         assert!(run(&mut s).is_empty());
         s.decode_done(0);
         assert_eq!(run(&mut s).len(), 1);
+    }
+
+    /// 1P4D, one engine a node, HBM for one request per DE: four requests fill every DE and
+    /// the fifth waits. Each event of the simulator calls `schedule`; once one call has found
+    /// no room, the next ones examine no DE while nothing is freed (a full scan each made
+    /// 1000 calls cost 4000 examinations). A finished decode frees
+    /// its DE, and the head goes there.
+    #[test]
+    fn blocked_head_examines_no_decode_engine_until_hbm_is_freed() {
+        for policy in Policy::ALL {
+            let mut cfg = config(policy);
+            cfg.de_hbm_bytes = 25_000.0 * KVB;
+            let mut s = DualPath::new(topo(1, 4, 1, 1), cfg).unwrap();
+            for i in 0..5 {
+                s.submit(req(i, 100, 14_000)).unwrap();
+            }
+            let mut placed = Vec::new();
+            while placed.len() < 4 {
+                let p = run(&mut s);
+                assert!(!p.is_empty(), "{policy:?}");
+                for p in &p {
+                    // Past beta: the PE takes more only once a prefill is done.
+                    s.prefill_done(p.request.id);
+                }
+                placed.extend(p);
+            }
+            assert_eq!(s.waiting(), 1, "{policy:?}");
+            // This call finds that no DE has room.
+            assert!(run(&mut s).is_empty());
+            let examined = s.decode_engines_examined();
+            for _ in 0..1000 {
+                assert!(run(&mut s).is_empty());
+            }
+            assert_eq!(s.decode_engines_examined(), examined, "{policy:?}");
+            let freed = placed[2].de;
+            s.decode_done(placed[2].request.id);
+            let p = run(&mut s);
+            assert_eq!(
+                (p.len(), p[0].request.id, p[0].de),
+                (1, 4, freed),
+                "{policy:?}"
+            );
+        }
+    }
+
+    /// The blocked-head memo changes no decision: a scheduler whose memo is cleared before
+    /// every `schedule` (a full scan each time) places exactly the same requests on the same
+    /// engines through random arrivals, completions and failures, for every policy, while the
+    /// memoised one examines fewer DEs.
+    #[test]
+    fn blocked_head_memo_places_exactly_as_a_full_scan() {
+        for (seed, policy) in (0..24).zip(Policy::ALL.iter().cycle()) {
+            let mut cfg = config(*policy);
+            cfg.de_hbm_bytes = 20_000.0 * KVB;
+            let mut memo = DualPath::new(topo(2, 3, 2, 1), cfg).unwrap();
+            let mut scan = DualPath::new(topo(2, 3, 2, 1), cfg).unwrap();
+            let mut rng = Rng::new(seed);
+            // (id, in decode)
+            let mut held: Vec<(u64, bool)> = Vec::new();
+            let (mut next, mut back, mut back_scan) = (0, Vec::new(), Vec::new());
+            for _ in 0..3000 {
+                let pick = (!held.is_empty()).then(|| rng.below(held.len() as u64) as usize);
+                match (rng.below(10), pick) {
+                    (0..=2, _) => {
+                        let r = req(next, rng.below(5000), 1 + rng.below(8000));
+                        next += 1;
+                        memo.submit(r).unwrap();
+                        scan.submit(r).unwrap();
+                    }
+                    (3..=5, _) => {
+                        scan.blocked_need_bytes = f64::INFINITY;
+                        let (p, q) = (run(&mut memo), run(&mut scan));
+                        assert_eq!(p, q, "seed {seed} {policy:?}");
+                        held.extend(p.iter().map(|p| (p.request.id, false)));
+                    }
+                    (6, Some(k)) => {
+                        memo.read_done(held[k].0);
+                        scan.read_done(held[k].0);
+                    }
+                    (7, Some(k)) => {
+                        memo.prefill_done(held[k].0);
+                        scan.prefill_done(held[k].0);
+                        held[k].1 = true;
+                    }
+                    (8, Some(k)) if held[k].1 => {
+                        memo.decode_done(held[k].0);
+                        scan.decode_done(held[k].0);
+                        held.swap_remove(k);
+                    }
+                    (9, _) if rng.below(60) == 0 => {
+                        let e = rng.below(20) as u32;
+                        back.clear();
+                        back_scan.clear();
+                        memo.engine_failed(e, &mut back);
+                        scan.engine_failed(e, &mut back_scan);
+                        assert_eq!(back, back_scan);
+                        held.retain(|(id, _)| back.iter().all(|r| r.request.id != *id));
+                    }
+                    _ => {}
+                }
+            }
+            assert!(
+                memo.decode_engines_examined() < scan.decode_engines_examined(),
+                "seed {seed} {policy:?}: the memo never applied"
+            );
+        }
     }
 
     #[test]

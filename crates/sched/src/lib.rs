@@ -21,5 +21,6 @@ pub mod prfaas_sim;
 pub mod rng;
 pub mod selector;
 pub mod stats;
+mod window_totals;
 
 pub use error::{Result, SchedError};
