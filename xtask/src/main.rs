@@ -365,6 +365,25 @@ fn library_alone() -> Result<()> {
         ],
         &[],
     )?;
+    // 300 engines of one requester process, one after another: the holder closes each one's
+    // endpoint when its region goes, and keeps at most 8 for a live process meanwhile (it
+    // used to keep every one until the process exited, and refused the 229th).
+    cargo_step(
+        "holder_churn (one process)",
+        &[
+            "run",
+            "--locked",
+            "-p",
+            "kvroute-remote",
+            "--example",
+            "holder_churn",
+            "--",
+            "shm",
+            "300",
+            "--one-process",
+        ],
+        &[],
+    )?;
     soak(&["--minutes".to_owned(), "1".to_owned()], false)
 }
 

@@ -37,7 +37,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Error, digest, engine, footprint, shm_entries};
+use common::{Error, digest, engine, footprint, shm_entries, shm_entries_of};
 use kvroute_kernels::RopeLayout;
 use kvroute_kernels::layout::D_QK;
 use kvroute_kvstore::{ChunkId, CorpusSpec};
@@ -818,6 +818,7 @@ fn supervise(minutes: f64) -> Result<(), Error> {
         .filter(|((_, k), _)| *k == Kind::Honest)
         .map(|(_, r)| r.1)
         .sum();
+    let ours = shm_entries_of(&soak.pids);
     let left: Vec<String> = std::fs::read_dir("/dev/shm")?
         .flatten()
         .filter_map(|e| e.file_name().into_string().ok())
@@ -829,12 +830,11 @@ fn supervise(minutes: f64) -> Result<(), Error> {
         })
         .collect();
     println!(
-        "/dev/shm: {} entries before, {} after; of this soak's processes: {}",
+        "/dev/shm: {} entries before, {} after; of this soak's processes: {ours}",
         shm_before,
         shm_entries(),
-        left.len()
     );
-    if !left.is_empty() {
+    if ours > 0 {
         return Err(format!("/dev/shm keeps regions of this soak's processes: {left:?}").into());
     }
     if !flat {

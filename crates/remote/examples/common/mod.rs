@@ -48,3 +48,18 @@ pub(crate) fn footprint(pid: &str) -> Result<(u64, usize), Error> {
 pub(crate) fn shm_entries() -> usize {
     std::fs::read_dir("/dev/shm").map_or(0, Iterator::count)
 }
+
+/// `/dev/shm` entries named by one of `pids` (`shm` regions are named `PID:...`).
+pub(crate) fn shm_entries_of(pids: &std::collections::HashSet<u32>) -> usize {
+    std::fs::read_dir("/dev/shm").map_or(0, |entries| {
+        entries
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_str()
+                    .and_then(|n| n.split(':').next()?.parse::<u32>().ok())
+                    .is_some_and(|pid| pids.contains(&pid))
+            })
+            .count()
+    })
+}

@@ -92,7 +92,18 @@ struct Lingering {
     /// The peer's address entry, kept with it: the endpoint's queued operations name the
     /// peer by it, and removing it unmaps the peer's region under them.
     fi_addr: fi::fi_addr_t,
+    /// Since when the peer's region has been found gone while its process lives on (an
+    /// engine dropped by a process that keeps running).
+    gone_since: Option<Instant>,
+    /// When its peer was released.
+    released: Instant,
 }
+
+/// Most released peers' endpoints kept open for one process: past it, the one released
+/// longest ago is closed (its operations were abandoned at least as many releases ago), so
+/// a process whose engines come and go faster than [`SENDER_GRACE`] holds at most this many
+/// `shm` regions of the holder's.
+const MAX_LINGERING_PER_PROCESS: usize = 8;
 
 /// Most sending endpoints one peer may name (one per NIC group it sends from).
 const MAX_SENDERS: usize = 4;
@@ -498,11 +509,21 @@ impl FabricDomain {
         let (ep, mut fi_addr) = (std::mem::replace(&mut p.ep, null_mut()), p.fi_addr);
         self.free_peers.push(peer);
         if let Some(pid) = pid.filter(|&pid| posted && !ep.is_null() && process_exists(pid)) {
+            let of_pid = |l: &&Lingering| l.pid == pid;
+            if self.lingering.iter().filter(of_pid).count() >= MAX_LINGERING_PER_PROCESS
+                && let Some(oldest) = (0..self.lingering.len())
+                    .filter(|&i| self.lingering[i].pid == pid)
+                    .min_by_key(|&i| self.lingering[i].released)
+            {
+                self.close_lingering_at(oldest);
+            }
             self.lingering.push(Lingering {
                 ep,
                 bytes,
                 pid,
                 fi_addr,
+                gone_since: None,
+                released: Instant::now(),
             });
             return self.reap_senders();
         }
@@ -593,30 +614,47 @@ impl FabricDomain {
         Some((l.fi_addr, l.ep))
     }
 
-    /// Closes the lingering endpoints whose peer's process has exited.
+    /// Closes the lingering endpoints whose peer's process has exited, and those whose peer's
+    /// region has been gone for [`SENDER_GRACE`] (its engine was dropped, its process lives
+    /// on: one process's engines coming and going must not each keep an endpoint, 16 MiB of
+    /// `shm` region, until the process exits).
     fn close_lingering(&mut self) {
+        let now = Instant::now();
         let mut i = 0;
         while i < self.lingering.len() {
-            if process_exists(self.lingering[i].pid) {
-                i += 1;
-                continue;
+            let l = &mut self.lingering[i];
+            if process_exists(l.pid) {
+                if shm_sender_may_send(&l.bytes) {
+                    l.gone_since = None;
+                    i += 1;
+                    continue;
+                }
+                if now.duration_since(*l.gone_since.get_or_insert(now)) < SENDER_GRACE {
+                    i += 1;
+                    continue;
+                }
             }
-            let Lingering {
-                ep, mut fi_addr, ..
-            } = self.lingering.swap_remove(i);
-            // SAFETY: an endpoint `release_peer` kept open, closed once (removed from the list),
-            // its operations abandoned then; then the peer's entry, which it kept too.
-            let closed = check(self.lib, "fi_close (lingering endpoint)", unsafe {
-                fi::fi_close(ep.cast())
+            self.close_lingering_at(i);
+        }
+    }
+
+    /// Closes lingering endpoint `i` and removes its peer's address entry.
+    fn close_lingering_at(&mut self, i: usize) {
+        let Lingering {
+            ep, mut fi_addr, ..
+        } = self.lingering.swap_remove(i);
+        // SAFETY: an endpoint `release_peer` kept open, closed once (removed from the list),
+        // its operations abandoned then; then the peer's entry, which it kept too.
+        let closed = check(self.lib, "fi_close (lingering endpoint)", unsafe {
+            fi::fi_close(ep.cast())
+        })
+        .and_then(|()| {
+            check(self.lib, "fi_av_remove (lingering peer)", unsafe {
+                fi::fi_av_remove(self.av, &raw mut fi_addr, 1, 0)
             })
-            .and_then(|()| {
-                check(self.lib, "fi_av_remove (lingering peer)", unsafe {
-                    fi::fi_av_remove(self.av, &raw mut fi_addr, 1, 0)
-                })
-            });
-            if let Err(e) = closed {
-                tracing::warn!(%e, "closing a released peer's endpoint");
-            }
+        });
+        if let Err(e) = closed {
+            tracing::warn!(%e, "closing a released peer's endpoint");
         }
     }
 
