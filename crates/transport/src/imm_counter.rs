@@ -40,7 +40,7 @@ const KEEP_IDLE: usize = 8;
 /// Slots a shard holds before an arrival of a value with no slot is dropped: at most
 /// `SHARDS * MAX_SHARD_SLOTS` = 4,096 values stored however many a peer sends. Reserved
 /// values and values with a waiting expectation always have their slot.
-pub const MAX_SHARD_SLOTS: usize = 256;
+pub(crate) const MAX_SHARD_SLOTS: usize = 256;
 
 #[derive(Debug)]
 struct Slot<T> {
@@ -77,7 +77,7 @@ impl<T> Default for Slot<T> {
 }
 
 /// Values watched at once, at most: one bit each of a mask, and a word each.
-pub const MAX_WATCHES: usize = 16;
+pub(crate) const MAX_WATCHES: usize = 16;
 
 /// The watched values. Word `i` holds slot `i`'s value in its high 32 bits and its arrivals,
 /// modulo 2^32, in its low 32; an arrival is added by compare-and-swap on the whole word, so it
@@ -171,16 +171,16 @@ impl Watches {
 
 /// A watch [`ImmCounter::watch`] set up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WatchSlot {
+pub(crate) struct WatchSlot {
     /// The slot, for [`ImmCounter::watched`] and [`ImmCounter::unwatch`].
-    pub index: usize,
+    pub(crate) index: usize,
     /// Arrivals of the value counted before the watch and taken over by it.
-    pub earlier: u64,
+    pub(crate) earlier: u64,
 }
 
 /// What [`ImmCounter::expect`] did with an expectation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Expectation<T> {
+pub(crate) enum Expectation<T> {
     /// Its arrivals had been counted already: here is its token back, fired.
     Met(T),
     /// Kept until its arrivals are counted.
@@ -191,7 +191,7 @@ pub enum Expectation<T> {
 
 /// What [`ImmCounter::arrive`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arrival {
+pub(crate) enum Arrival {
     /// An expectation was waiting on the value.
     Expected,
     /// Nobody was waiting; the arrivals are kept for a later expectation.
@@ -206,7 +206,7 @@ type Shard<T> = Mutex<FastMap<u32, Slot<T>>>;
 
 /// Per-immediate arrival counts and the expectations waiting on them.
 #[derive(Debug)]
-pub struct ImmCounter<T> {
+pub(crate) struct ImmCounter<T> {
     shards: Box<[Shard<T>]>,
     watches: Watches,
     /// Arrivals dropped for want of a slot.
@@ -221,7 +221,7 @@ impl<T> Default for ImmCounter<T> {
 
 impl<T> ImmCounter<T> {
     /// An empty counter.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             shards: (0..SHARDS)
                 .map(|_| Mutex::new(FastMap::default()))
@@ -237,7 +237,7 @@ impl<T> ImmCounter<T> {
 
     /// Counts `n` arrivals of `imm`; the expectations they complete are appended to `fired`,
     /// oldest first. Arrivals of a watched value go to its watch ([`Arrival::Expected`]).
-    pub fn arrive(&self, imm: u32, n: u64, fired: &mut Vec<T>) -> Arrival {
+    pub(crate) fn arrive(&self, imm: u32, n: u64, fired: &mut Vec<T>) -> Arrival {
         if self.watches.bump(imm, n) {
             return Arrival::Expected;
         }
@@ -275,7 +275,7 @@ impl<T> ImmCounter<T> {
     /// Expects `count` arrivals of `imm`. Met at once if they have already been counted and no
     /// earlier expectation of `imm` is waiting; otherwise kept until they arrive. Refused while
     /// `imm` is watched.
-    pub fn expect(&self, imm: u32, count: u64, token: T) -> Expectation<T> {
+    pub(crate) fn expect(&self, imm: u32, count: u64, token: T) -> Expectation<T> {
         let mut shard = lock(self.shard(imm));
         // Watches of `imm` begin under this lock, so none begins between this look and the
         // push below; one that ends meanwhile is its owner's own race with this call.
@@ -297,7 +297,7 @@ impl<T> ImmCounter<T> {
     /// [`ImmCounter::watched`], and expectations of it are refused. The arrivals already
     /// counted and unclaimed are taken over ([`WatchSlot::earlier`]). Refused while `imm` is
     /// watched or expectations of it are waiting, and when all [`MAX_WATCHES`] are in use.
-    pub fn watch(&self, imm: u32) -> Result<WatchSlot, TransportError> {
+    pub(crate) fn watch(&self, imm: u32) -> Result<WatchSlot, TransportError> {
         let mut shard = lock(self.shard(imm));
         if self.watches.find(imm).is_some() {
             return Err(TransportError::ImmWatched(imm));
@@ -318,24 +318,24 @@ impl<T> ImmCounter<T> {
 
     /// The arrivals watch `index` counted, modulo 2^32 (read it at least that often).
     #[inline]
-    pub fn watched(&self, index: usize) -> u32 {
+    pub(crate) fn watched(&self, index: usize) -> u32 {
         self.watches.words[index].load(Ordering::Acquire) as u32
     }
 
     /// Ends watch `index`: later arrivals of its value are counted as before the watch.
     /// Arrivals racing with this call may be counted by the ended watch instead.
-    pub fn unwatch(&self, index: usize) {
+    pub(crate) fn unwatch(&self, index: usize) {
         self.watches.release(index);
     }
 
     /// Arrivals of `imm` counted and not consumed by any expectation.
-    pub fn pending(&self, imm: u32) -> u64 {
+    pub(crate) fn pending(&self, imm: u32) -> u64 {
         lock(self.shard(imm)).get(&imm).map_or(0, |s| s.arrived)
     }
 
     /// Consumes and returns the arrivals of `imm` no expectation has claimed (for values used
     /// as plain notifications, which would otherwise stay counted forever).
-    pub fn take(&self, imm: u32) -> u64 {
+    pub(crate) fn take(&self, imm: u32) -> u64 {
         let mut shard = lock(self.shard(imm));
         let Some(slot) = shard.get_mut(&imm) else {
             return 0;
@@ -349,7 +349,7 @@ impl<T> ImmCounter<T> {
     /// Reserves `imm` for the application: its slot is kept, so its arrivals are counted even
     /// when a flood of other values fills its shard. False if it is reserved already or
     /// watched.
-    pub fn reserve(&self, imm: u32) -> bool {
+    pub(crate) fn reserve(&self, imm: u32) -> bool {
         let mut shard = lock(self.shard(imm));
         if self.watches.find(imm).is_some() {
             return false;
@@ -359,7 +359,7 @@ impl<T> ImmCounter<T> {
     }
 
     /// Ends the reservation of `imm`; arrivals counted and unclaimed stay counted.
-    pub fn release(&self, imm: u32) {
+    pub(crate) fn release(&self, imm: u32) {
         let mut shard = lock(self.shard(imm));
         let Some(slot) = shard.get_mut(&imm) else {
             return;
@@ -370,12 +370,12 @@ impl<T> ImmCounter<T> {
     }
 
     /// Arrivals dropped because their value had no slot and its shard was full.
-    pub fn dropped(&self) -> u64 {
+    pub(crate) fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)
     }
 
     /// Removes every waiting expectation (engine shutdown), returning their tokens.
-    pub fn drain_waiting(&self) -> Vec<T> {
+    pub(crate) fn drain_waiting(&self) -> Vec<T> {
         let mut out = Vec::new();
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
@@ -388,7 +388,7 @@ impl<T> ImmCounter<T> {
     }
 
     /// Values with counts or expectations held (0 once everything is consumed: nothing leaks).
-    pub fn tracked_values(&self) -> usize {
+    pub(crate) fn tracked_values(&self) -> usize {
         self.shards
             .iter()
             .map(|s| lock(s).values().filter(|slot| !slot.idle()).count())

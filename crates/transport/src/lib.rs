@@ -13,12 +13,12 @@
 //! - [`Domain`] (one NIC): `mem` here ([`mem::MemDomain`], in-process, for tests and benches);
 //!   libfabric (EFA, tcp, shm) and verbs (ConnectX) plug into the same trait.
 //! - domain groups (one device, 1-4 NICs) shard writes over their NICs, each shard with its
-//!   NIC's own rkey, and aggregate per-transfer completion ([`transfer_state`]).
+//!   NIC's own rkey, and aggregate per-transfer completion (`transfer_state`).
 //! - [`TransferEngine`]: the API of paper 002 figure 2, a worker thread per group, a callback
 //!   thread for user code, a memory-word watcher.
 //!
-//! The completion logic is plain state machines ([`imm_counter`], [`transfer_state`],
-//! [`recv_pool`]) model-checked with loom (`cargo xtask loom`), each model run against a
+//! The completion logic is plain state machines (`imm_counter`, `transfer_state`,
+//! `recv_pool`, crate-private) model-checked with loom (`cargo xtask loom`), each model run against a
 //! broken variant that it must catch.
 //!
 //! ```
@@ -54,15 +54,15 @@ mod engine;
 pub mod error;
 pub mod fabric;
 pub mod file;
-pub mod imm_counter;
+pub(crate) mod imm_counter;
 pub mod mem;
 pub mod mr;
 pub mod on_done;
 pub mod plan;
-pub mod recv_pool;
+pub(crate) mod recv_pool;
 pub mod request;
 mod sync;
-pub mod transfer_state;
+pub(crate) mod transfer_state;
 pub mod verbs;
 mod watcher;
 

@@ -20,14 +20,14 @@ const RETURNED: u8 = 2;
 /// A buffer was used out of its state order: a bug in a domain or in the engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("receive buffer {index} was not in the expected state")]
-pub struct PoolViolation {
+pub(crate) struct PoolViolation {
     /// The buffer.
-    pub index: u32,
+    pub(crate) index: u32,
 }
 
 /// `count` buffers of `buf_len` bytes in one allocation.
 #[derive(Debug)]
-pub struct RecvPool {
+pub(crate) struct RecvPool {
     memory: NonNull<u8>,
     buf_len: usize,
     states: Box<[AtomicU8]>,
@@ -43,7 +43,7 @@ unsafe impl Sync for RecvPool {}
 
 impl RecvPool {
     /// `count` buffers of `buf_len` bytes, all considered posted (the caller posts them).
-    pub fn new(count: u32, buf_len: usize) -> Self {
+    pub(crate) fn new(count: u32, buf_len: usize) -> Self {
         let bytes = (count as usize).saturating_mul(buf_len).max(1);
         let memory = Box::into_raw(vec![0u8; bytes].into_boxed_slice()).cast::<u8>();
         Self {
@@ -55,18 +55,13 @@ impl RecvPool {
         }
     }
 
-    /// Buffers in the pool.
-    pub fn count(&self) -> u32 {
-        self.states.len() as u32
-    }
-
     /// Bytes per buffer.
-    pub fn buf_len(&self) -> usize {
+    pub(crate) fn buf_len(&self) -> usize {
         self.buf_len
     }
 
     /// Address of buffer `index`, for posting it.
-    pub fn buffer_addr(&self, index: u32) -> u64 {
+    pub(crate) fn buffer_addr(&self, index: u32) -> u64 {
         self.memory.as_ptr() as u64 + u64::from(index) * self.buf_len as u64
     }
 
@@ -84,7 +79,7 @@ impl RecvPool {
     }
 
     /// A message landed in posted buffer `index` (worker).
-    pub fn deliver(&self, index: u32) -> Result<(), PoolViolation> {
+    pub(crate) fn deliver(&self, index: u32) -> Result<(), PoolViolation> {
         self.transition(index, POSTED, IN_CALLBACK)
     }
 
@@ -93,7 +88,7 @@ impl RecvPool {
     /// # Safety
     /// Buffer `index` must be in a callback (delivered and not yet released), which keeps the
     /// NIC from writing it while the slice lives.
-    pub unsafe fn message(&self, index: u32, len: usize) -> &[u8] {
+    pub(crate) unsafe fn message(&self, index: u32, len: usize) -> &[u8] {
         debug_assert_eq!(
             self.states[index as usize].load(Ordering::Acquire),
             IN_CALLBACK
@@ -106,7 +101,7 @@ impl RecvPool {
     }
 
     /// The callback on buffer `index` has returned (callback thread).
-    pub fn release(&self, index: u32) -> Result<(), PoolViolation> {
+    pub(crate) fn release(&self, index: u32) -> Result<(), PoolViolation> {
         // The state changes before the index is published, so `reclaim` always finds it
         // returned.
         self.transition(index, IN_CALLBACK, RETURNED)?;
@@ -115,7 +110,7 @@ impl RecvPool {
     }
 
     /// Takes every returned buffer back to posted and appends it to `to_post` (worker).
-    pub fn reclaim(&self, to_post: &mut Vec<u32>) -> Result<(), PoolViolation> {
+    pub(crate) fn reclaim(&self, to_post: &mut Vec<u32>) -> Result<(), PoolViolation> {
         let returned = std::mem::take(&mut *lock(&self.returned));
         for index in returned {
             self.transition(index, RETURNED, POSTED)?;
@@ -125,7 +120,8 @@ impl RecvPool {
     }
 
     /// Buffers currently lent to callbacks.
-    pub fn in_callback(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn in_callback(&self) -> usize {
         self.states
             .iter()
             .filter(|s| s.load(Ordering::Acquire) == IN_CALLBACK)

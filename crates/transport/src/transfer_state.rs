@@ -26,23 +26,23 @@ const OUTSTANDING: u64 = ERRORED - 1;
 
 /// The completion state of one transfer.
 #[derive(Debug, Default)]
-pub struct TransferState {
+pub(crate) struct TransferState {
     word: AtomicU64,
     first_error: Mutex<Option<TransferError>>,
 }
 
 /// A transfer's final result, returned to whichever operation finished it.
-pub type Outcome = Result<(), TransferError>;
+pub(crate) type Outcome = Result<(), TransferError>;
 
 impl TransferState {
     /// A transfer with nothing posted yet.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Reserves `n` work requests about to be posted. Refused (false) once the transfer is
     /// cancelled, sealed or finished: nothing may be posted then.
-    pub fn try_post(&self, n: u64) -> bool {
+    pub(crate) fn try_post(&self, n: u64) -> bool {
         let mut current = self.word.load(Ordering::Acquire);
         loop {
             if current & (CANCELLED | SEALED | FIRED) != 0 {
@@ -66,7 +66,7 @@ impl TransferState {
 
     /// Returns `n` reserved requests the NIC did not accept. Cannot finish the transfer: it is
     /// not sealed while its poster still holds reservations.
-    pub fn unpost(&self, n: u64) {
+    pub(crate) fn unpost(&self, n: u64) {
         let prev = self.word.fetch_sub(n, Ordering::AcqRel);
         debug_assert!(
             prev & SEALED == 0 && prev & OUTSTANDING >= n,
@@ -76,7 +76,7 @@ impl TransferState {
 
     /// Records that `n` posted requests completed with `result`. Returns the outcome if this
     /// finished the transfer.
-    pub fn complete(&self, n: u64, result: Outcome) -> Option<Outcome> {
+    pub(crate) fn complete(&self, n: u64, result: Outcome) -> Option<Outcome> {
         if let Err(error) = result {
             self.record(error);
         }
@@ -92,7 +92,7 @@ impl TransferState {
 
     /// Declares that nothing more will be posted. Returns the outcome if nothing is
     /// outstanding.
-    pub fn seal(&self) -> Option<Outcome> {
+    pub(crate) fn seal(&self) -> Option<Outcome> {
         let prev = self.word.fetch_or(SEALED, Ordering::AcqRel);
         if prev & SEALED == 0 && prev & OUTSTANDING == 0 {
             self.fire()
@@ -103,7 +103,7 @@ impl TransferState {
 
     /// Seals a transfer whose posting was stopped by a cancellation: its result is the first
     /// error if one was reported, else [`TransferError::Cancelled`].
-    pub fn seal_cancelled(&self) -> Option<Outcome> {
+    pub(crate) fn seal_cancelled(&self) -> Option<Outcome> {
         self.record(TransferError::Cancelled);
         self.seal()
     }
@@ -116,23 +116,20 @@ impl TransferState {
     }
 
     /// Refuses every further post. The transfer finishes when what was posted completes.
-    pub fn cancel(&self) {
+    pub(crate) fn cancel(&self) {
         self.word.fetch_or(CANCELLED, Ordering::AcqRel);
     }
 
     /// Whether cancellation was requested.
-    pub fn is_cancelled(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_cancelled(&self) -> bool {
         self.word.load(Ordering::Acquire) & CANCELLED != 0
     }
 
     /// Whether the outcome has been handed out.
-    pub fn is_finished(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_finished(&self) -> bool {
         self.word.load(Ordering::Acquire) & FIRED != 0
-    }
-
-    /// Posted requests not yet completed.
-    pub fn outstanding(&self) -> u64 {
-        self.word.load(Ordering::Acquire) & OUTSTANDING
     }
 
     fn fire(&self) -> Option<Outcome> {

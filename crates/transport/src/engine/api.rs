@@ -589,7 +589,7 @@ impl TransferEngine {
     /// Reserves an immediate value for the caller's own use and returns it: drawn at random
     /// among the values not reserved yet, so a peer told one value cannot derive another,
     /// and counted whatever a flood of other values does (each shard of the counter stores at
-    /// most [`crate::imm_counter::MAX_SHARD_SLOTS`] values; arrivals of a value with no slot
+    /// most 256 values (`imm_counter::MAX_SHARD_SLOTS`); arrivals of a value with no slot
     /// beyond that are dropped and counted in [`TransferEngine::dropped_imms`]). Values whose
     /// arrivals may come before their expectation (a notification, pages fetched ahead of the
     /// reply that names them) must be reserved. [`TransferEngine::release_imm`] ends it.

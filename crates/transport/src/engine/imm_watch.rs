@@ -17,7 +17,7 @@ use crate::error::TransportError;
 /// While the watch lives, expectations of its value are refused (they fail with
 /// [`crate::TransferError::ImmWatched`]) and `pending_imm` / `take_imm` of it read 0. Dropping
 /// it hands the value back to the IMM counter; arrivals racing with the drop may be lost with
-/// it. At most [`crate::imm_counter::MAX_WATCHES`] values are watched at once per engine. A
+/// it. At most 16 values (`imm_counter::MAX_WATCHES`) are watched at once per engine. A
 /// watch is read by one thread at a time (`Send`, not `Sync`): it keeps its running total.
 ///
 /// ```
