@@ -77,8 +77,8 @@ pub use cancel::CancellationToken;
 pub use domain::Domain;
 pub use engine::{
     Backpressure, DomainStats, EngineBuilder, EngineConfig, EngineStats, GroupStats, ImmTarget,
-    ImmWatch, PeerGroupHandle, Progress, TRANSFER_BUCKETS, TransferEngine, describe_metrics,
-    export_metrics, time_transfers,
+    ImmWatch, PeerGroupHandle, Progress, TRANSFER_BUCKETS, TransferEngine, UnexpectedImms,
+    describe_metrics, export_metrics, time_transfers,
 };
 pub use error::{Side, TransferError, TransportError};
 pub use fabric::{FabricConfig, FabricDomain, FabricReport, ProviderChoice};

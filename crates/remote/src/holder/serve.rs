@@ -8,10 +8,9 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError};
 use kvroute_kernels::layout::{D_QK, PARTIAL_ROW_BYTES};
 use kvroute_kernels::{Queries, WireOut};
-use kvroute_transport::{MrDesc, OnDone};
+use kvroute_transport::{MrDesc, OnDone, UnexpectedImms};
 
 use super::compute::GroupCall;
 use super::{Session, Shared, Use, lock};
@@ -44,7 +43,7 @@ impl Shared {
     /// The serving loop: take arrived immediates, answer pings, serve every complete request
     /// as one batch; poll for `idle_spin` after a batch, then block (or, under manual
     /// progress, keep progressing the engine).
-    pub(super) fn serve(&self, rx: &Receiver<(u32, u64)>) {
+    pub(super) fn serve(&self, rx: &UnexpectedImms) {
         let manual = self.engine.manual_progress();
         // Arrivals counted per session, until a request's (or ping's) shards are all in.
         let mut arrived = vec![0u64; self.config.max_requesters];
@@ -127,9 +126,9 @@ impl Shared {
                 continue;
             }
             match rx.recv_timeout(Duration::from_millis(20)) {
-                Ok(arrival) => first = Some(arrival),
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => return,
+                Ok(arrival) => first = arrival,
+                // The engine stopped: nothing more will arrive.
+                Err(_) => return,
             }
             idle_since = None;
         }

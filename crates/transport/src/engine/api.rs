@@ -633,13 +633,16 @@ impl TransferEngine {
     /// them as with [`TransferEngine::on_unexpected_imm`], which keeps working beside it.
     /// Every call returns a receiver of the same queue; arrivals before the first call are
     /// not queued (they stay counted). The queue is unbounded: drain it.
-    pub fn unexpected_imms(&self) -> crossbeam_channel::Receiver<(u32, u64)> {
-        self.inner
-            .engine
-            .unexpected_imm_queue
-            .get_or_init(crossbeam_channel::unbounded)
-            .1
-            .clone()
+    pub fn unexpected_imms(&self) -> UnexpectedImms {
+        UnexpectedImms {
+            rx: self
+                .inner
+                .engine
+                .unexpected_imm_queue
+                .get_or_init(crossbeam_channel::unbounded)
+                .1
+                .clone(),
+        }
     }
 
     /// Writes `len` bytes from `src` (handle, offset) to `dst` (descriptor, offset), sharded
@@ -880,4 +883,31 @@ fn remote_target(desc: &MrDesc, entry: &PeerEntry) -> Result<RemoteTarget, Trans
         addr: desc.addr,
         rkeys,
     })
+}
+
+/// The queue of arrivals no expectation was waiting for, as `(imm, count)`
+/// ([`TransferEngine::unexpected_imms`]).
+#[derive(Debug, Clone)]
+pub struct UnexpectedImms {
+    rx: crossbeam_channel::Receiver<(u32, u64)>,
+}
+
+impl UnexpectedImms {
+    /// The arrivals queued now, without waiting.
+    pub fn try_iter(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
+        self.rx.try_iter()
+    }
+
+    /// The next arrival, waiting up to `timeout`: `Ok(None)` if none came, and
+    /// [`TransportError::Shutdown`] once the engine has stopped (nothing more will).
+    pub fn recv_timeout(
+        &self,
+        timeout: std::time::Duration,
+    ) -> Result<Option<(u32, u64)>, TransportError> {
+        match self.rx.recv_timeout(timeout) {
+            Ok(arrival) => Ok(Some(arrival)),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Ok(None),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(TransportError::Shutdown),
+        }
+    }
 }

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use crossbeam_utils::CachePadded;
 
-pub use api::{ImmTarget, PeerGroupHandle};
+pub use api::{ImmTarget, PeerGroupHandle, UnexpectedImms};
 use callbacks::Job;
 pub use imm_watch::ImmWatch;
 pub use observe::{TRANSFER_BUCKETS, describe_metrics, export_metrics, time_transfers};
