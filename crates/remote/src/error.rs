@@ -45,6 +45,13 @@ pub enum RemoteError {
         /// Its reason.
         why: String,
     },
+    /// The holder's welcome named an engine no directory record of its address lists: the
+    /// session was closed unused.
+    #[error("holder {holder} answers for an engine that no record of its address lists")]
+    UnlistedEngine {
+        /// The holder's control address.
+        holder: SocketAddr,
+    },
     /// The holder did not answer on its control connection in time.
     #[error("holder {holder} did not answer within {after:?}")]
     TimedOut {

@@ -1213,11 +1213,13 @@ fn holder_pushes_back_beyond_its_cap() -> Result<()> {
 }
 
 /// A directory with hostile contents beside an honest holder's records: 16 records naming
-/// its control address with another engine (ids that sort first), and 3 whose control address
-/// accepts connections and never answers. The requester routes to the honest holder on one
-/// link (the poisoned records neither hide its record nor spend links: before, the first
-/// poisoned record's session was killed and then taken to serve the honest record), and a
-/// second view costs no timeout for the silent ones (each is left alone for a while).
+/// its control address with another engine (ids that sort first), 3 whose control address
+/// accepts connections and never answers, and one naming another holder's control address
+/// (listed nowhere else) with an engine that is not that holder's. The requester routes to
+/// the honest holder on one link (the poisoned records neither hide its record nor spend
+/// links: before, the first poisoned record's session was killed and then taken to serve the
+/// honest record, and the record of the unlisted holder cost a link of its own), and a second
+/// view costs no timeout for the silent ones (each is left alone for a while).
 #[test]
 fn poisoned_and_silent_directory_records_neither_hide_a_holder_nor_stall_the_requester()
 -> Result<()> {
@@ -1239,6 +1241,17 @@ fn poisoned_and_silent_directory_records_neither_hide_a_holder_nor_stall_the_req
         };
         regs.push(dir.register(poisoned, Vec::new())?);
     }
+    let unlisted = holder(&fabric, &[0], 8)?;
+    regs.push(dir.register(
+        HolderRecord {
+            schema: SCHEMA,
+            id: "2-unlisted".to_owned(),
+            control: unlisted.addr(),
+            engine: elsewhere.main_address(),
+            ..record.clone()
+        },
+        Vec::new(),
+    )?);
     let silent: Vec<TcpListener> = (0..3)
         .map(|_| TcpListener::bind("127.0.0.1:0"))
         .collect::<Result<_, _>>()?;
@@ -1263,10 +1276,16 @@ fn poisoned_and_silent_directory_records_neither_hide_a_holder_nor_stall_the_req
         },
     )?;
     let view = latest(&watch)?;
-    assert_eq!(view.holders.len(), 20);
+    assert_eq!(view.holders.len(), 21);
     let sync = req.sync_with(&view);
     assert_eq!(sync.added, [(0, honest.addr())], "{sync:?}");
-    assert_eq!(sync.failed.len(), 19, "{sync:?}");
+    assert_eq!(sync.failed.len(), 20, "{sync:?}");
+    assert!(
+        sync.failed
+            .iter()
+            .any(|(at, why)| *at == unlisted.addr() && why.contains("no record")),
+        "{sync:?}"
+    );
     assert_eq!(req.holders(), 1, "one link");
     assert_eq!(req.holder_for(ChunkId(1))?, 0);
     let q = queries(16, 900, &spec().rope()?, 5);

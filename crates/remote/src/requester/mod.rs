@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use kvroute_kvstore::directory::HolderRecord;
 use kvroute_kvstore::{ChunkEntry, ChunkId, ChunkRegistry, DirectoryView, PAGE_BYTES, PagedPool};
 use kvroute_transport::{
-    Access, CancellationToken, DoneFlag, MrDesc, OnDone, RegisteredBuffer, TransferEngine,
+    Access, CancellationToken, DoneFlag, MrDesc, NetAddr, OnDone, RegisteredBuffer, TransferEngine,
     TransferShape,
 };
 
@@ -321,7 +321,7 @@ impl Requester {
             codec: CodecTimes::default(),
         };
         for &addr in holders {
-            requester.open_link(addr)?;
+            requester.open_link(addr, &|_| true)?;
         }
         for holder in 0..holders.len() {
             requester.open_data_path(holder)?;
@@ -335,7 +335,18 @@ impl Requester {
     /// link's immediates are never reused), when its session fails, or when a chunk it
     /// serves contradicts the registered copy (the holder is then not used).
     pub fn add_holder(&mut self, addr: SocketAddr) -> Result<usize, RemoteError> {
-        let holder = self.open_link(addr)?;
+        self.add_holder_of(addr, |_| true)
+    }
+
+    /// [`Requester::add_holder`], keeping the session only if `listed` accepts the engine
+    /// address its welcome names: otherwise it is closed before it takes a link
+    /// ([`RemoteError::UnlistedEngine`]).
+    fn add_holder_of(
+        &mut self,
+        addr: SocketAddr,
+        listed: impl Fn(&NetAddr) -> bool,
+    ) -> Result<usize, RemoteError> {
+        let holder = self.open_link(addr, &listed)?;
         if let Err(e) = self.open_data_path(holder) {
             self.kill(holder);
             return Err(e);
@@ -343,8 +354,13 @@ impl Requester {
         Ok(holder)
     }
 
-    /// The session with `addr` as link `links.len()`, its chunks registered.
-    fn open_link(&mut self, addr: SocketAddr) -> Result<usize, RemoteError> {
+    /// The session with `addr` as link `links.len()`, its chunks registered, if `listed`
+    /// accepts the engine its welcome names.
+    fn open_link(
+        &mut self,
+        addr: SocketAddr,
+        listed: &dyn Fn(&NetAddr) -> bool,
+    ) -> Result<usize, RemoteError> {
         let config = &self.config;
         let i = self.links.len();
         if i >= self.capacity {
@@ -383,6 +399,10 @@ impl Requester {
             &hello,
             config.timeout,
         )?;
+        if !listed(&welcome.holder) {
+            // Dropped here: the session closes and no link is spent on it.
+            return Err(RemoteError::UnlistedEngine { holder: addr });
+        }
         // All of its chunks or none: checked on a copy first.
         let mut registry = self.registry.clone();
         for entry in &welcome.chunks {
@@ -709,19 +729,17 @@ impl Requester {
             {
                 continue;
             }
-            match self.add_holder(control) {
+            // Kept where any record of the address names the engine the session proves (a
+            // poisoned record must not hide the honest one of the same address); a session
+            // that no record names is closed before it takes a link.
+            let listed = |engine: &NetAddr| {
+                view.holders
+                    .values()
+                    .any(|x| x.record.control == control && x.record.engine == *engine)
+            };
+            match self.add_holder_of(control, listed) {
                 Ok(h) if self.links[h].welcome.holder != r.record.engine => {
-                    // Kept where another record names what the session proved (a poisoned
-                    // record must not hide the honest one of the same address).
-                    let proven = view
-                        .holders
-                        .values()
-                        .any(|x| self.links[h].serves(&x.record));
-                    if proven {
-                        out.added.push((h, control));
-                    } else {
-                        self.kill(h);
-                    }
+                    out.added.push((h, control));
                     out.failed.push((
                         control,
                         "its welcome names another engine address than its directory record"
