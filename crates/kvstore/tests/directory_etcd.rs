@@ -199,6 +199,48 @@ fn oversized_values_neither_break_a_listing_nor_a_watch() -> Result<()> {
     Ok(())
 }
 
+/// Values past a view's byte budget are left out and named, in a listing and in a watch:
+/// whoever can write under the prefix cannot grow a requester's memory without bound. (Three
+/// 600 kB junk values against a 1 MB budget: the honest holder and one junk value are held.)
+#[test]
+fn a_view_holds_at_most_its_budget_of_values() -> Result<()> {
+    if no_etcd() {
+        return Ok(());
+    }
+    let cluster = EtcdCluster::start(1)?;
+    let config = EtcdConfig {
+        view_bytes: 1_000_000,
+        ..EtcdConfig::with_ttl(Duration::from_secs(5))?
+    };
+    let dir = EtcdDirectory::connect(&cluster.endpoints(), config)?;
+    let a = holder(1);
+    let _ra = dir.register(a.clone(), vec![chunk(0, &a, 0)])?;
+    let raw = EtcdRaw::new(&cluster)?;
+    // `~` sorts after the honest holder's key: the listing reads it first.
+    for i in 0..3 {
+        raw.put(&holder_key(&format!("~junk-{i}")), &vec![b'x'; 600_000])?;
+    }
+    let over = |skipped: &[String]| skipped.iter().filter(|s| s.contains("past its")).count();
+    let view = dir.view()?;
+    assert_eq!(view.holders.len(), 1, "{:?}", view.skipped);
+    assert_eq!(over(&view.skipped), 2, "{:?}", view.skipped);
+    let watch = dir.watch()?;
+    let seen = until(&watch, Duration::from_secs(10), |s| {
+        s.view.holders.len() == 1 && over(&s.view.skipped) == 2
+    });
+    assert!(seen.is_some(), "the watch's listing");
+    // Deleting the junk frees the budget; a value put now is held.
+    for i in 0..3 {
+        raw.delete(&holder_key(&format!("~junk-{i}")))?;
+    }
+    raw.put(&holder_key("~late"), &vec![b'y'; 900_000])?;
+    let seen = until(&watch, Duration::from_secs(10), |s| {
+        over(&s.view.skipped) == 0 && s.view.skipped.len() == 1
+    });
+    assert!(seen.is_some(), "the freed budget holds the late value");
+    Ok(())
+}
+
 /// Raw puts through the client, for contents the directory itself never writes.
 struct EtcdRaw {
     runtime: tokio::runtime::Runtime,
@@ -217,6 +259,12 @@ impl EtcdRaw {
     fn put(&self, key: &str, value: &[u8]) -> Result<()> {
         let mut client = self.client.clone();
         self.runtime.block_on(client.put(key, value, None))?;
+        Ok(())
+    }
+
+    fn delete(&self, key: &str) -> Result<()> {
+        let mut client = self.client.clone();
+        self.runtime.block_on(client.delete(key, None))?;
         Ok(())
     }
 }

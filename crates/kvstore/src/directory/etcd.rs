@@ -43,10 +43,15 @@ pub struct EtcdConfig {
     pub timeout: Duration,
     /// How long a keeper or follower waits before trying again after losing etcd.
     pub retry: Duration,
+    /// Bytes of values a view holds at most: a value that would take it past this is left
+    /// out and named (`DirectoryView::skipped`), so that whoever can write under the prefix
+    /// cannot grow a requester's memory without bound.
+    pub view_bytes: usize,
 }
 
 impl EtcdConfig {
-    /// A TTL of `ttl` (rounded up to whole seconds), 2 s requests, 250 ms retries.
+    /// A TTL of `ttl` (rounded up to whole seconds), 2 s requests, 250 ms retries, views of
+    /// at most 64 MiB of values.
     pub fn with_ttl(ttl: Duration) -> Result<Self, DirectoryError> {
         let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
         if !(2..=3600).contains(&secs) {
@@ -58,6 +63,7 @@ impl EtcdConfig {
             ttl: Duration::from_secs(secs),
             timeout: Duration::from_secs(2),
             retry: Duration::from_millis(250),
+            view_bytes: 64 << 20,
         })
     }
 }
@@ -486,7 +492,7 @@ async fn follow(
 ) {
     loop {
         let why = tokio::select! {
-            why = follow_once(&members, &slot) => why,
+            why = follow_once(&members, &slot, config.view_bytes) => why,
             _ = stop.changed() => return,
         };
         tracing::warn!(%why, "directory watch lost; keeping the last view");
@@ -498,12 +504,12 @@ async fn follow(
 }
 
 /// Lists, publishes, and follows the watch stream until it fails; returns why.
-async fn follow_once(members: &Members, slot: &WatchSlot) -> String {
-    let (revision, mut entries, mut unread) = match list(members).await {
+async fn follow_once(members: &Members, slot: &WatchSlot, view_bytes: usize) -> String {
+    let (revision, mut listing) = match list(members, view_bytes).await {
         Ok(listed) => listed,
         Err(why) => return format!("listing: {why}"),
     };
-    slot.publish(view_of(&entries, &unread));
+    slot.publish(listing.view());
     let options = WatchOptions::new()
         .with_prefix()
         .with_start_revision(revision + 1);
@@ -530,17 +536,11 @@ async fn follow_once(members: &Members, slot: &WatchSlot) -> String {
                 for event in r.events() {
                     let Some(kv) = event.kv() else { continue };
                     match event.event_type() {
-                        EventType::Put => {
-                            unread.remove(kv.key());
-                            entries.insert(kv.key().to_vec(), (kv.value().to_vec(), kv.lease()));
-                        }
-                        EventType::Delete => {
-                            unread.remove(kv.key());
-                            entries.remove(kv.key());
-                        }
+                        EventType::Put => listing.put(kv.key(), kv.value(), kv.lease()),
+                        EventType::Delete => listing.delete(kv.key()),
                     }
                 }
-                slot.publish(view_of(&entries, &unread));
+                slot.publish(listing.view());
             }
             Ok(None) => return "watch stream ended".to_owned(),
             Err(e) => return format!("watch stream: {e}"),
@@ -548,38 +548,75 @@ async fn follow_once(members: &Members, slot: &WatchSlot) -> String {
     }
 }
 
-fn view_of(
-    entries: &BTreeMap<Vec<u8>, (Vec<u8>, i64)>,
-    unread: &BTreeMap<Vec<u8>, String>,
-) -> DirectoryView {
-    let mut view = DirectoryView::from_entries(
-        entries
-            .iter()
-            .map(|(k, (v, lease))| (k.as_slice(), v.as_slice(), *lease)),
-    );
-    view.skipped.extend(
-        unread
-            .iter()
-            .map(|(k, why)| format!("{}: not read: {why}", String::from_utf8_lossy(k))),
-    );
-    view
+/// The entries a follower or a listing holds, within a budget of value bytes.
+#[derive(Debug, Default)]
+struct Listing {
+    /// Key to (value, lease).
+    entries: BTreeMap<Vec<u8>, (Vec<u8>, i64)>,
+    /// Keys left out, and why.
+    unread: BTreeMap<Vec<u8>, String>,
+    /// Bytes of the values held.
+    bytes: usize,
+    /// The most bytes of values held.
+    budget: usize,
+}
+
+impl Listing {
+    fn new(budget: usize) -> Self {
+        Self {
+            budget,
+            ..Self::default()
+        }
+    }
+
+    /// Holds `value` under `key` (in place of what it held), unless that takes the values
+    /// past the budget: then the key is left out and named.
+    fn put(&mut self, key: &[u8], value: &[u8], lease: i64) {
+        self.delete(key);
+        if self.bytes + value.len() > self.budget {
+            self.unread.insert(
+                key.to_vec(),
+                format!(
+                    "{} bytes would take the view past its {} bytes",
+                    value.len(),
+                    self.budget
+                ),
+            );
+            return;
+        }
+        self.bytes += value.len();
+        self.entries.insert(key.to_vec(), (value.to_vec(), lease));
+    }
+
+    fn delete(&mut self, key: &[u8]) {
+        self.unread.remove(key);
+        if let Some((old, _)) = self.entries.remove(key) {
+            self.bytes -= old.len();
+        }
+    }
+
+    fn view(&self) -> DirectoryView {
+        let mut view = DirectoryView::from_entries(
+            self.entries
+                .iter()
+                .map(|(k, (v, lease))| (k.as_slice(), v.as_slice(), *lease)),
+        );
+        view.skipped.extend(
+            self.unread
+                .iter()
+                .map(|(k, why)| format!("{}: not read: {why}", String::from_utf8_lossy(k))),
+        );
+        view
+    }
 }
 
 /// Every entry under [`PREFIX`] at one revision, read key by key: first the keys alone, then
 /// each value on its own, so that no listing is one message of every value (values that
 /// together pass the client's 4 MiB decode limit failed every listing). A value etcd answers
 /// with an error (one too large to decode) is left out and named with why; a member that
-/// does not answer fails the listing. Returns the revision, the entries and those left out.
-async fn list(
-    members: &Members,
-) -> Result<
-    (
-        i64,
-        BTreeMap<Vec<u8>, (Vec<u8>, i64)>,
-        BTreeMap<Vec<u8>, String>,
-    ),
-    Failure,
-> {
+/// does not answer fails the listing; values past `view_bytes` are left out and named.
+/// Returns the revision and the listing.
+async fn list(members: &Members, view_bytes: usize) -> Result<(i64, Listing), Failure> {
     let keys = members
         .call(|mut c| async move {
             c.get(
@@ -590,7 +627,7 @@ async fn list(
         })
         .await?;
     let revision = keys.header().map_or(0, |h| h.revision());
-    let (mut entries, mut unread) = (BTreeMap::new(), BTreeMap::new());
+    let mut listing = Listing::new(view_bytes);
     for kv in keys.kvs() {
         let key = kv.key().to_vec();
         let got = members
@@ -605,16 +642,16 @@ async fn list(
         match got {
             Ok(r) => {
                 if let Some(kv) = r.kvs().first() {
-                    entries.insert(kv.key().to_vec(), (kv.value().to_vec(), kv.lease()));
+                    listing.put(kv.key(), kv.value(), kv.lease());
                 }
             }
             Err(Failure::Answered(e)) => {
-                unread.insert(key, e.to_string());
+                listing.unread.insert(key, e.to_string());
             }
             Err(unreachable) => return Err(unreachable),
         }
     }
-    Ok((revision, entries, unread))
+    Ok((revision, listing))
 }
 
 impl Directory for EtcdDirectory {
@@ -659,11 +696,11 @@ impl Directory for EtcdDirectory {
     }
 
     fn view(&self) -> Result<DirectoryView, DirectoryError> {
-        let members = &self.members;
+        let (members, view_bytes) = (&self.members, self.config.view_bytes);
         self.runtime
             .block_on(async {
-                let (_, entries, unread) = list(members).await?;
-                let mut view = view_of(&entries, &unread);
+                let (_, listing) = list(members, view_bytes).await?;
+                let mut view = listing.view();
                 for holder in view.holders.values_mut() {
                     if let Some(lease) = holder.lease {
                         let left = members
