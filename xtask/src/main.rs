@@ -349,10 +349,15 @@ fn library_alone() -> Result<()> {
     // 300 requester processes one after another against one shm holder, each partial
     // checked, the holder's memory, fds and /dev/shm flat after 100 (shm's table of peers
     // holds 256: a holder that kept its requesters' endpoints refused the 129th, one that
-    // kept their senders' the 256th).
-    cargo_step(
-        "holder_churn",
-        &[
+    // kept their senders' the 256th); then 300 engines of one requester process, one after
+    // another: the holder closes each one's endpoint when its region goes, and keeps at most
+    // 8 for a live process meanwhile (it used to keep every one until the process exited,
+    // and refused the 229th).
+    for (name, extra) in [
+        ("holder_churn", None),
+        ("holder_churn (one process)", Some("--one-process")),
+    ] {
+        let mut args = vec![
             "run",
             "--locked",
             "-p",
@@ -362,28 +367,10 @@ fn library_alone() -> Result<()> {
             "--",
             "shm",
             "300",
-        ],
-        &[],
-    )?;
-    // 300 engines of one requester process, one after another: the holder closes each one's
-    // endpoint when its region goes, and keeps at most 8 for a live process meanwhile (it
-    // used to keep every one until the process exited, and refused the 229th).
-    cargo_step(
-        "holder_churn (one process)",
-        &[
-            "run",
-            "--locked",
-            "-p",
-            "kvroute-remote",
-            "--example",
-            "holder_churn",
-            "--",
-            "shm",
-            "300",
-            "--one-process",
-        ],
-        &[],
-    )?;
+        ];
+        args.extend(extra);
+        cargo_step(name, &args, &[])?;
+    }
     soak(&["--minutes".to_owned(), "1".to_owned()], false)
 }
 

@@ -227,19 +227,24 @@ fn requester(provider: &str, holder: &str, reference: &str) -> Result<(), Error>
 }
 
 /// `--rogue PROVIDER HOLDER`: a real session that writes forgeries into its own inbox.
+/// A hello of `engine`'s own, replies to `reply`, no pool.
+fn hello_of(engine: &TransferEngine, reply: &kvroute_transport::RegisteredBuffer) -> Hello {
+    Hello {
+        addr: engine.main_address(),
+        reply: reply.desc().clone(),
+        pool: None,
+        reply_imm: 0x6100_0fff,
+        fetch_imm: 0x6200_0fff,
+    }
+}
+
 fn rogue(provider: &str, holder: &str) -> Result<(), Error> {
     let mut rng = Rng::seeded();
     let engine = engine(provider)?;
     let reply = engine.alloc_mr(1 << 16)?;
     let mut control = TcpStream::connect(holder)?;
     control.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let hello = Hello {
-        addr: engine.main_address(),
-        reply: reply.desc().clone(),
-        pool: None,
-        reply_imm: 0x6100_0fff,
-        fetch_imm: 0x6200_0fff,
-    };
+    let hello = hello_of(&engine, &reply);
     // A real session of its own (busy or refused: an error, which ends it).
     let mut reader = BufReader::new(control.try_clone()?);
     let welcome = session::open(
@@ -332,13 +337,7 @@ fn unproven(provider: &str, holder: &str) -> Result<(), Error> {
     let mut rng = Rng::seeded();
     let engine = engine(provider)?;
     let reply = engine.alloc_mr(1 << 16)?;
-    let hello = Hello {
-        addr: engine.main_address(),
-        reply: reply.desc().clone(),
-        pool: None,
-        reply_imm: 0x6100_0fff,
-        fetch_imm: 0x6200_0fff,
-    };
+    let hello = hello_of(&engine, &reply);
     let mut control = TcpStream::connect(holder)?;
     control.set_read_timeout(Some(Duration::from_secs(10)))?;
     writeln!(control, "{}", serde_json::to_string(&hello)?)?;

@@ -647,19 +647,7 @@ fn a_holder_cannot_write_into_another_holders_replies() -> Result<()> {
 
     let _serial = serial();
     let fabric = MemFabric::new();
-    let (honest, hostile) = (holder(&fabric)?, holder(&fabric)?);
-    let config = RequesterConfig {
-        timeout: Duration::from_secs(2),
-        link_bytes: 1 << 16,
-        pool_pages: 8,
-        ..RequesterConfig::new(0.1)
-    };
-    let mut req = common::connect(&fabric, &[honest.addr(), hostile.addr()], config)?;
-    route_once(&mut req)?;
-    let given = req
-        .reply_region(1)
-        .expect("the hostile holder's region")
-        .clone();
+    let (_honest, _hostile, mut req, given) = honest_and_hostile(&fabric, Duration::from_secs(2))?;
     let honest_region = req
         .reply_region(0)
         .expect("the honest holder's region")
@@ -750,19 +738,7 @@ fn a_holder_cannot_write_into_another_holders_replies() -> Result<()> {
 fn a_flood_of_stray_immediates_is_dropped_at_bounded_cost() -> Result<()> {
     let _serial = serial();
     let fabric = MemFabric::new();
-    let (honest, hostile) = (holder(&fabric)?, holder(&fabric)?);
-    let config = RequesterConfig {
-        timeout: Duration::from_secs(5),
-        link_bytes: 1 << 16,
-        pool_pages: 8,
-        ..RequesterConfig::new(0.1)
-    };
-    let mut req = common::connect(&fabric, &[honest.addr(), hostile.addr()], config)?;
-    route_once(&mut req)?;
-    let given = req
-        .reply_region(1)
-        .expect("the hostile holder's region")
-        .clone();
+    let (_honest, _hostile, mut req, given) = honest_and_hostile(&fabric, Duration::from_secs(5))?;
     let attacker = TransferEngine::mem(&fabric, 1)?;
     let junk = attacker.alloc_mr(64)?;
     const FLOOD: u32 = 100_000;
@@ -812,6 +788,28 @@ fn a_flood_of_stray_immediates_is_dropped_at_bounded_cost() -> Result<()> {
     );
     eprintln!("{routes} routes answered during the flood; {stats:?}");
     Ok(())
+}
+
+/// Two holders, one to play hostile, and a requester with `timeout` that has routed once
+/// through both; the last is the reply region the requester gave the hostile one.
+fn honest_and_hostile(
+    fabric: &MemFabric,
+    timeout: Duration,
+) -> Result<(Holder, Holder, Requester, kvroute_transport::MrDesc)> {
+    let (honest, hostile) = (holder(fabric)?, holder(fabric)?);
+    let config = RequesterConfig {
+        timeout,
+        link_bytes: 1 << 16,
+        pool_pages: 8,
+        ..RequesterConfig::new(0.1)
+    };
+    let mut req = common::connect(fabric, &[honest.addr(), hostile.addr()], config)?;
+    route_once(&mut req)?;
+    let given = req
+        .reply_region(1)
+        .expect("the hostile holder's region")
+        .clone();
+    Ok((honest, hostile, req, given))
 }
 
 /// Reads what the holder sent within `wait`: the bytes (none if it sent nothing).
