@@ -89,8 +89,36 @@ fn query(prometheus: &str, query: &str) -> serde_json::Value {
     .unwrap();
     let mut text = String::new();
     let _ = s.read_to_string(&mut text);
-    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    serde_json::from_str(body).unwrap_or(serde_json::Value::Null)
+    let Some((head, body)) = text.split_once("\r\n\r\n") else {
+        return serde_json::Value::Null;
+    };
+    // Prometheus (Go's HTTP server) sends answers past a few kilobytes chunked.
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        unchunked(body)
+    } else {
+        body.to_owned()
+    };
+    serde_json::from_str(&body).unwrap_or(serde_json::Value::Null)
+}
+
+/// The payload of a chunked HTTP body: each chunk is a hex length line, then that many bytes
+/// and a line end; a zero length ends it.
+fn unchunked(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16) else {
+            break;
+        };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
+    }
+    out
 }
 
 /// `text` as a URL's query value.
