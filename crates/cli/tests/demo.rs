@@ -561,6 +561,11 @@ fn a_holder_that_dies_mid_request_fails_it_without_waiting_out_the_timeout() {
 
     let pid = Pid::from_raw(holder.child.id() as i32);
     kill(pid, Signal::SIGSTOP).expect("freezing the holder");
+    // The stop lands on each of the holder's threads a moment after `kill` returns (an
+    // interrupt to a thread running elsewhere, later still on a busy host): a request sent
+    // before it lands may be answered.
+    let frozen = until_frozen(holder.child.id(), Duration::from_secs(5));
+    assert!(frozen, "the holder's threads stopped");
     let killer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(300));
         kill(pid, Signal::SIGKILL).expect("killing the holder");
@@ -593,4 +598,27 @@ fn a_holder_that_dies_mid_request_fails_it_without_waiting_out_the_timeout() {
         matches!(again, Err(RouteError::NoHolder(ChunkId(0)))),
         "{again:?}"
     );
+}
+
+/// Whether every thread of process `pid` is stopped within `limit` (state `T` in
+/// `/proc/PID/task/*/stat`).
+fn until_frozen(pid: u32, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        let stopped = std::fs::read_dir(format!("/proc/{pid}/task")).is_ok_and(|tasks| {
+            tasks.flatten().all(|t| {
+                std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
+                    // The state follows the command name, which is in parentheses.
+                    stat.rsplit_once(')')
+                        .and_then(|(_, rest)| rest.trim_start().chars().next())
+                        .is_some_and(|c| c == 'T' || c == 't')
+                })
+            })
+        });
+        if stopped {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    false
 }
