@@ -530,6 +530,19 @@ fn sessions_that_never_route_lose_their_slots() -> Result<()> {
     Ok(())
 }
 
+/// A holder that closes a session idle 400 ms (and none for never routing) when a newcomer
+/// finds every slot taken, and a requester in each of its slots.
+fn every_slot_taken(fabric: &MemFabric) -> Result<(Holder, Vec<Requester>)> {
+    let h = holder_with(fabric, |c| {
+        c.open_timeout = Duration::from_secs(3600);
+        c.idle_evict = Duration::from_millis(400);
+    })?;
+    let sessions = (0..CAP)
+        .map(|_| requester(fabric, &h))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((h, sessions))
+}
+
 /// A session idle for `idle_evict` yields its slot to a requester that finds every slot
 /// taken; sessions in use are not closed for it, and the newcomer is told busy while every
 /// session is in use.
@@ -537,13 +550,7 @@ fn sessions_that_never_route_lose_their_slots() -> Result<()> {
 fn an_idle_session_yields_its_slot_to_a_waiting_requester() -> Result<()> {
     let _serial = serial();
     let fabric = MemFabric::new();
-    let h = holder_with(&fabric, |c| {
-        c.open_timeout = Duration::from_secs(3600);
-        c.idle_evict = Duration::from_millis(400);
-    })?;
-    let mut sessions = (0..CAP)
-        .map(|_| requester(&fabric, &h))
-        .collect::<Result<Vec<_>>>()?;
+    let (h, mut sessions) = every_slot_taken(&fabric)?;
     assert!(
         is_busy(requester(&fabric, &h)),
         "every session was just used"
@@ -577,13 +584,7 @@ fn an_idle_session_yields_its_slot_to_a_waiting_requester() -> Result<()> {
 fn sessions_that_only_ping_yield_their_slots_to_a_waiting_requester() -> Result<()> {
     let _serial = serial();
     let fabric = MemFabric::new();
-    let h = holder_with(&fabric, |c| {
-        c.open_timeout = Duration::from_secs(3600);
-        c.idle_evict = Duration::from_millis(400);
-    })?;
-    let mut squatters = (0..CAP)
-        .map(|_| requester(&fabric, &h))
-        .collect::<Result<Vec<_>>>()?;
+    let (h, mut squatters) = every_slot_taken(&fabric)?;
     fn ping(s: &mut Requester) -> Result<Duration, kvroute_remote::RouteError> {
         s.ping(0, wire::PING_HEADER, 64, wire::Pong::Staged)
     }
