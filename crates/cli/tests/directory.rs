@@ -435,3 +435,129 @@ fn the_generation_finds_its_holders_in_etcd() {
         "{after}"
     );
 }
+
+/// The step times of a `kvroute requester` run over the directory at `url`: 16 steps, a
+/// request each, every chunk routed.
+fn requester_step_ms(url: &str) -> Vec<f64> {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["--json", "requester", "--provider", "shm"])
+        .args(CORPUS)
+        .args(["--directory", url, "--directory-ttl", &TTL.to_string()])
+        .args(["--steps", "16", "--batch", "1", "--pause-ms", "300"])
+        .args(["--force", "route", "--timeout-ms", "2000"])
+        .output()
+        .expect("running the requester");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_str(&text).expect("the report");
+    assert_eq!(json["passed"], true, "{text}");
+    json["step_ms"]
+        .as_array()
+        .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
+        .unwrap_or_default()
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// A requester following a directory that also holds 16 records naming an honest holder's
+/// control address with another engine (ids that sort first), 4 junk values of 1.4 MB
+/// (together past the etcd client's 4 MiB answer limit) and 3 records whose control address
+/// accepts connections and never answers, re-registered every 400 ms so that views keep
+/// coming, routes every step, and no step takes more than twice the slowest step of a run
+/// over the same holders with a clean directory (nor their median more than twice the
+/// clean median). The records whose holders never answer are tried on threads of their
+/// own, never in a step: tried in turn inside steps, each view that came after their
+/// backoff cost a step the welcome's wait of each (2 s here).
+#[test]
+fn hostile_directory_records_cost_no_step_more_than_twice_a_clean_run() {
+    use kvroute_kvstore::directory::{self as directory_api, HolderRecord, SCHEMA};
+    if !etcd_available() {
+        kvroute_testkit::skip!("no etcd binary (cargo xtask deps installs etcd-server)");
+        return;
+    }
+    let etcd = EtcdCluster::start(1).expect("starting etcd");
+    let url = etcd.url();
+    let endpoint = etcd.endpoints()[0].clone();
+    let h: Vec<HolderProc> = (0..3).map(|c| holder(&url, &c.to_string(), 0)).collect();
+    let clean = requester_step_ms(&url);
+
+    let dir = directory_api::open(&url, Duration::from_secs(TTL)).expect("opening etcd");
+    let view = dir
+        .watch()
+        .expect("watching etcd")
+        .wait_newer(0, Duration::from_secs(10))
+        .expect("a first view")
+        .view;
+    let records: Vec<HolderRecord> = view.holders.values().map(|v| v.record.clone()).collect();
+    assert_eq!(records.len(), 3, "{:?}", view.holders.keys());
+    let honest = records[0].clone();
+    let elsewhere = records[1].engine.clone();
+    let mut regs = Vec::new();
+    for i in 0..16 {
+        let poisoned = HolderRecord {
+            schema: SCHEMA,
+            id: format!("0-poisoned-{i:02}"),
+            engine: elsewhere.clone(),
+            ..honest.clone()
+        };
+        regs.push(dir.register(poisoned, Vec::new()).expect("registering"));
+    }
+    let junk = vec![b'x'; 1_400_000];
+    for i in 0..4 {
+        gateway_put(&endpoint, &format!("/kvroute/v1/holders/junk-{i}"), &junk);
+    }
+    let silent: Vec<std::net::TcpListener> = (0..3)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("binding"))
+        .collect();
+    let silent_record = |i: usize| HolderRecord {
+        schema: SCHEMA,
+        id: format!("1-silent-{i}"),
+        control: silent[i].local_addr().expect("an address"),
+        engine: elsewhere.clone(),
+        ..honest.clone()
+    };
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let churn = {
+        let (dir, stop) = (dir.clone(), stop.clone());
+        let records: Vec<HolderRecord> = (0..3).map(silent_record).collect();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                held.clear();
+                for r in &records {
+                    held.push(dir.register(r.clone(), Vec::new()).expect("registering"));
+                }
+                std::thread::sleep(Duration::from_millis(400));
+            }
+        })
+    };
+    let hostile = requester_step_ms(&url);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    churn.join().expect("the churn thread");
+    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    eprintln!(
+        "step ms, clean: median {:.1} max {:.1}; hostile: median {:.1} max {:.1}",
+        median(&clean),
+        max(&clean),
+        median(&hostile),
+        max(&hostile)
+    );
+    assert_eq!(hostile.len(), clean.len());
+    assert!(
+        max(&hostile) <= 2.0 * max(&clean),
+        "hostile {hostile:?}\nclean {clean:?}"
+    );
+    assert!(
+        median(&hostile) <= 2.0 * median(&clean),
+        "hostile {hostile:?}\nclean {clean:?}"
+    );
+    drop((regs, silent, h));
+}

@@ -1218,8 +1218,9 @@ fn holder_pushes_back_beyond_its_cap() -> Result<()> {
 /// (listed nowhere else) with an engine that is not that holder's. The requester routes to
 /// the honest holder on one link (the poisoned records neither hide its record nor spend
 /// links: before, the first poisoned record's session was killed and then taken to serve the
-/// honest record, and the record of the unlisted holder cost a link of its own), and a second
-/// view costs no timeout for the silent ones (each is left alone for a while).
+/// honest record, and the record of the unlisted holder cost a link of its own); the silent
+/// ones cost the first view one wait together, not one each, and a second view none (each
+/// is left alone for a while).
 #[test]
 fn poisoned_and_silent_directory_records_neither_hide_a_holder_nor_stall_the_requester()
 -> Result<()> {
@@ -1277,7 +1278,15 @@ fn poisoned_and_silent_directory_records_neither_hide_a_holder_nor_stall_the_req
     )?;
     let view = latest(&watch)?;
     assert_eq!(view.holders.len(), 21);
+    let started = std::time::Instant::now();
     let sync = req.sync_with(&view);
+    // Each silent record costs a welcome's wait (at least 1 s): side by side, the three
+    // cost one (in turn they took over 3 s).
+    assert!(
+        started.elapsed() < Duration::from_millis(2000),
+        "{:?}",
+        started.elapsed()
+    );
     assert_eq!(sync.added, [(0, honest.addr())], "{sync:?}");
     assert_eq!(sync.failed.len(), 20, "{sync:?}");
     assert!(
@@ -1303,6 +1312,97 @@ fn poisoned_and_silent_directory_records_neither_hide_a_holder_nor_stall_the_req
         started.elapsed()
     );
     assert!(sync.added.is_empty() && req.holders() == 1, "{sync:?}");
+    drop((regs, silent));
+    Ok(())
+}
+
+/// Followed in the background, a view whose records include three holders that accept
+/// connections and never answer costs the caller no wait: applying it and each later poll
+/// return at once while the sessions open on threads of their own, the honest holder joins
+/// at a poll once its session is open, and the silent ones are reported failed at a later
+/// poll, one wait after the view, together. (`sync_with` on the same view waits at least
+/// that wait: the silent holders' welcome, 1 s.)
+#[test]
+fn a_view_followed_in_the_background_never_waits_on_a_silent_holder() -> Result<()> {
+    use kvroute_kvstore::directory::{Directory, HolderRecord, InProcessDirectory, SCHEMA};
+    use std::net::TcpListener;
+    let fabric = MemFabric::new();
+    let dir = InProcessDirectory::new();
+    let watch = dir.watch()?;
+    let honest = holder(&fabric, &[0, 1], 8)?;
+    let (record, chunks) = honest.directory_records(0);
+    let mut regs = vec![dir.register(record.clone(), chunks)?];
+    let elsewhere = TransferEngine::mem(&fabric, 1)?;
+    let silent: Vec<TcpListener> = (0..3)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()?;
+    for (i, l) in silent.iter().enumerate() {
+        regs.push(dir.register(
+            HolderRecord {
+                schema: SCHEMA,
+                id: format!("0-silent-{i}"),
+                control: l.local_addr()?,
+                engine: elsewhere.main_address(),
+                ..record.clone()
+            },
+            Vec::new(),
+        )?);
+    }
+    let mut req = Requester::connect(
+        TransferEngine::mem(&fabric, 1)?,
+        &[],
+        RequesterConfig {
+            max_holders: 4,
+            link_bytes: 1 << 20,
+            timeout: Duration::from_millis(300),
+            ..RequesterConfig::new(SCALE)
+        },
+    )?;
+    let view = latest(&watch)?;
+    assert_eq!(view.holders.len(), 4);
+    let started = std::time::Instant::now();
+    let sync = req.sync_in_background(&view);
+    let mut slowest = started.elapsed();
+    assert_eq!(sync.opening.len(), 4, "{sync:?}");
+    let (mut added, mut failed) = (sync.added, sync.failed);
+    while failed.len() < 3 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{added:?} {failed:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+        let polled = std::time::Instant::now();
+        let sync = req.poll_directory();
+        slowest = slowest.max(polled.elapsed());
+        added.extend(sync.added);
+        failed.extend(sync.failed);
+        if !added.is_empty() {
+            // The honest holder serves while the silent ones are still being waited on.
+            let q = queries(16, 900, &spec().rope()?, 5);
+            assert!(
+                req.route(&dense_calls(&q, 0, 0..2))
+                    .iter()
+                    .all(Result::is_ok)
+            );
+        }
+    }
+    assert!(slowest < Duration::from_millis(200), "{slowest:?}");
+    assert_eq!(added, [(0, honest.addr())]);
+    let silent_addrs: Vec<_> = silent
+        .iter()
+        .map(TcpListener::local_addr)
+        .collect::<Result<_, _>>()?;
+    assert!(
+        failed.iter().all(|(at, _)| silent_addrs.contains(at)),
+        "{failed:?}"
+    );
+    // Together: one welcome's wait (1 s at least), not three.
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(req.poll_directory().opening.is_empty());
     drop((regs, silent));
     Ok(())
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use kvroute_kvstore::directory::{Directory, DirectoryView, Watch, unix_ms};
 use kvroute_kvstore::{ChunkId, directory};
-use kvroute_remote::Requester;
+use kvroute_remote::{DirectorySync, Requester};
 use serde::Serialize;
 
 /// One change the requester saw in the directory, or made because of it.
@@ -123,6 +123,8 @@ pub(super) struct Follower {
     stale: bool,
     opened: Instant,
     wait: Duration,
+    /// When the last view applied was published and when it was applied, Unix ms.
+    seen: (u64, u64),
     pub(super) report: DirectoryReport,
 }
 
@@ -146,6 +148,7 @@ impl Follower {
             stale: false,
             opened: Instant::now(),
             wait,
+            seen: (0, 0),
         })
     }
 
@@ -197,8 +200,26 @@ impl Follower {
             }
             self.report.skipped.clone_from(&view.skipped);
         }
-        let seen = unix_ms();
-        let sync = req.sync_with(view);
+        self.seen = (delivered, unix_ms());
+        let sync = req.sync_in_background(view);
+        self.report_sync(view, &sync, step);
+    }
+
+    /// Takes in the sessions opened in the background since the last look (never waits on
+    /// a holder: a record whose holder does not answer costs no step its wait).
+    pub(super) fn poll(&mut self, req: &mut Requester, step: u32) {
+        let sync = req.poll_directory();
+        if sync.added.is_empty() && sync.failed.is_empty() {
+            return;
+        }
+        if let Some(state) = self.watch.current() {
+            self.report_sync(&state.view, &sync, step);
+        }
+    }
+
+    /// Logs and records what applying a view, or a session it needed, changed.
+    fn report_sync(&mut self, view: &DirectoryView, sync: &DirectorySync, step: u32) {
+        let (delivered, seen) = self.seen;
         let now = unix_ms();
         let mut gone = Vec::new();
         for u in &mut self.report.holders {
@@ -297,6 +318,7 @@ impl Follower {
         let deadline = Instant::now() + d;
         loop {
             self.apply(req, step);
+            self.poll(req, step);
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return;
@@ -317,6 +339,7 @@ impl Follower {
         let mut waited = false;
         loop {
             self.apply(req, step);
+            self.poll(req, step);
             let missing: Vec<u32> = (0..chunks)
                 .filter(|&c| req.live_replicas(ChunkId(c)).is_empty())
                 .collect();

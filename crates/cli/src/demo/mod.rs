@@ -121,6 +121,9 @@ pub struct DemoReport {
     pub served: Vec<Served>,
     /// Whether every check passed.
     pub passed: bool,
+    /// Each decode step's wall time, ms: applying the directory's newest view (with one),
+    /// the step's layer calls and their checks; the pauses between steps are not counted.
+    pub step_ms: Vec<f64>,
     /// With a directory: what it held, what changed, and how each holder was used.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub directory: Option<DirectoryReport>,

@@ -4,7 +4,7 @@
 //! killed holder). Decisions, transfers, local partials, merges and checks are the library's.
 
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use kvroute_costmodel::Primitive;
@@ -124,6 +124,7 @@ pub(super) fn decode_steps(
             seed,
         },
     )?;
+    let mut step_ms = Vec::with_capacity(plan.steps as usize + 1);
     for step in 0..=plan.steps {
         if step > 0 && plan.pause_ms > 0 && step < plan.steps {
             let pause = Duration::from_millis(plan.pause_ms);
@@ -137,6 +138,7 @@ pub(super) fn decode_steps(
         {
             run.note(what);
         }
+        let started = Instant::now();
         if let Some(f) = follower.as_mut() {
             follow(f, stepper.requester(), spec.chunks, step)?;
         }
@@ -147,6 +149,7 @@ pub(super) fn decode_steps(
             run.sparse_step(&mut stepper, step)
         }
         .with_context(|| format!("decode step {step}"))?;
+        step_ms.push(started.elapsed().as_secs_f64() * 1e3);
         if let Some(f) = follower.as_mut() {
             for h in served {
                 f.served(h);
@@ -173,6 +176,7 @@ pub(super) fn decode_steps(
         checked,
         stats,
         served,
+        step_ms,
         directory: follower.map(|f| f.report),
     })
 }

@@ -26,10 +26,12 @@ use crate::error::{RemoteError, RouteError};
 use crate::session::{Control, Hello, HolderStats, Welcome};
 use crate::wire;
 
+mod directory;
 mod exchange;
 mod fetch;
 mod route;
 
+pub use directory::{DirectorySync, UNREACHABLE_FIRST_WAIT, UNREACHABLE_LONGEST_WAIT};
 pub use fetch::{Fetched, GatherPart, Gathered};
 pub use route::{Call, Routed, Sparse, StagedCall, StagedRoute};
 
@@ -111,27 +113,6 @@ pub struct CodecTimes {
     pub decode_us: f64,
 }
 
-/// How long a registered holder whose session could not be opened is left alone before
-/// [`Requester::sync_with`] tries it again; each further failure doubles it, up to
-/// [`UNREACHABLE_LONGEST_WAIT`]. A record whose control address never answers then costs a
-/// timeout now and then, not at every view.
-pub const UNREACHABLE_FIRST_WAIT: Duration = Duration::from_secs(5);
-/// See [`UNREACHABLE_FIRST_WAIT`].
-pub const UNREACHABLE_LONGEST_WAIT: Duration = Duration::from_secs(60);
-
-/// What [`Requester::sync_with`] changed.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct DirectorySync {
-    /// Holders connected: (index, control address).
-    pub added: Vec<(usize, SocketAddr)>,
-    /// Holders no longer registered, now unused: (index, control address).
-    pub dropped: Vec<(usize, SocketAddr)>,
-    /// Holders registered again while their session still works, used again.
-    pub relisted: Vec<(usize, SocketAddr)>,
-    /// Registered holders that could not be used, and why.
-    pub failed: Vec<(SocketAddr, String)>,
-}
-
 /// The requester side of route and fetch.
 pub struct Requester {
     engine: TransferEngine,
@@ -149,6 +130,10 @@ pub struct Requester {
     /// Control addresses of registered holders whose session could not be opened: not tried
     /// again before the instant, the wait doubling at each failure (see `sync_with`).
     unreachable: BTreeMap<SocketAddr, (std::time::Instant, Duration)>,
+    /// Sessions being opened for the directory's records ([`Requester::sync_in_background`]).
+    opening: Vec<directory::Opening>,
+    /// The last directory view followed.
+    view: Option<Arc<DirectoryView>>,
     codec: CodecTimes,
 }
 
@@ -246,27 +231,94 @@ fn closed(stream: &TcpStream) -> Option<String> {
 
 /// A link's two immediate values, reserved in the engine while the link is being opened and
 /// released if it fails to open.
-struct LinkImms<'a> {
-    engine: &'a TransferEngine,
+struct LinkImms {
+    engine: TransferEngine,
     reply: u32,
     fetch: u32,
 }
 
-impl<'a> LinkImms<'a> {
-    fn reserve(engine: &'a TransferEngine) -> Self {
+impl LinkImms {
+    fn reserve(engine: &TransferEngine) -> Self {
         Self {
-            engine,
+            engine: engine.clone(),
             reply: engine.reserve_imm(),
             fetch: engine.reserve_imm(),
         }
     }
+
+    /// The values, now the link's to release (see `Requester`'s drop).
+    fn keep(self) -> (u32, u32) {
+        let kept = (self.reply, self.fetch);
+        std::mem::forget(self);
+        kept
+    }
 }
 
-impl Drop for LinkImms<'_> {
+impl Drop for LinkImms {
     fn drop(&mut self) {
         self.engine.release_imm(self.reply);
         self.engine.release_imm(self.fetch);
     }
+}
+
+/// A session opened and proven with a holder whose welcome the caller's check accepted, not
+/// yet a link: no index, nothing registered.
+struct Opened {
+    control: TcpStream,
+    reader: BufReader<TcpStream>,
+    addr: SocketAddr,
+    welcome: Welcome,
+    reply: RegisteredBuffer,
+    imms: LinkImms,
+}
+
+/// Opens and proves a session with the holder at `addr` for a requester of `engine` whose
+/// fetches land in `pool`, keeping it only if `listed` accepts the engine address its welcome
+/// names (otherwise it is closed here: [`RemoteError::UnlistedEngine`]). Touches nothing of
+/// the requester's but the engine, so several can run at once ([`Requester::sync_with`]).
+fn open_session(
+    engine: &TransferEngine,
+    (config, pool): (&RequesterConfig, &MrDesc),
+    addr: SocketAddr,
+    listed: &(dyn Fn(&NetAddr) -> bool + Sync),
+) -> Result<Opened, RemoteError> {
+    let unreachable = |source| RemoteError::Unreachable {
+        holder: addr,
+        source,
+    };
+    let control = TcpStream::connect_timeout(&addr, config.timeout).map_err(unreachable)?;
+    let io = |source| RemoteError::Control { peer: addr, source };
+    control.set_nodelay(true).map_err(io)?;
+    control
+        .set_read_timeout(Some(config.timeout.max(Duration::from_secs(1))))
+        .map_err(io)?;
+    let mut reader = BufReader::new(control.try_clone().map_err(io)?);
+    let mut writer = control.try_clone().map_err(io)?;
+    // Reserved in the engine, so never another link's or requester's (requesters may share
+    // an engine), drawn at random, so a holder told its own cannot aim at another link's,
+    // and counted even while a flood of stray values fills the engine's counter.
+    let imms = LinkImms::reserve(engine);
+    let reply = engine.alloc_mr(config.link_bytes)?;
+    let hello = Hello {
+        addr: engine.main_address(),
+        reply: reply.desc().clone(),
+        pool: Some(pool.clone()),
+        reply_imm: imms.reply,
+        fetch_imm: imms.fetch,
+    };
+    let welcome = crate::session::open(engine, (&mut writer, &mut reader), &hello, config.timeout)?;
+    if !listed(&welcome.holder) {
+        // Dropped here: the session closes and no link is spent on it.
+        return Err(RemoteError::UnlistedEngine { holder: addr });
+    }
+    Ok(Opened {
+        control,
+        reader,
+        addr,
+        welcome,
+        reply,
+        imms,
+    })
 }
 
 impl Drop for Requester {
@@ -318,6 +370,8 @@ impl Requester {
             registry: ChunkRegistry::new(),
             preferred: BTreeMap::new(),
             unreachable: BTreeMap::new(),
+            opening: Vec::new(),
+            view: None,
             codec: CodecTimes::default(),
         };
         for &addr in holders {
@@ -335,7 +389,7 @@ impl Requester {
     /// link's immediates are never reused), when its session fails, or when a chunk it
     /// serves contradicts the registered copy (the holder is then not used).
     pub fn add_holder(&mut self, addr: SocketAddr) -> Result<usize, RemoteError> {
-        self.add_holder_of(addr, |_| true)
+        self.add_holder_of(addr, &|_| true)
     }
 
     /// [`Requester::add_holder`], keeping the session only if `listed` accepts the engine
@@ -344,9 +398,9 @@ impl Requester {
     fn add_holder_of(
         &mut self,
         addr: SocketAddr,
-        listed: impl Fn(&NetAddr) -> bool,
+        listed: &(dyn Fn(&NetAddr) -> bool + Sync),
     ) -> Result<usize, RemoteError> {
-        let holder = self.open_link(addr, &listed)?;
+        let holder = self.open_link(addr, listed)?;
         if let Err(e) = self.open_data_path(holder) {
             self.kill(holder);
             return Err(e);
@@ -359,58 +413,49 @@ impl Requester {
     fn open_link(
         &mut self,
         addr: SocketAddr,
-        listed: &dyn Fn(&NetAddr) -> bool,
+        listed: &(dyn Fn(&NetAddr) -> bool + Sync),
     ) -> Result<usize, RemoteError> {
-        let config = &self.config;
-        let i = self.links.len();
-        if i >= self.capacity {
+        self.room_for(addr)?;
+        let opened = open_session(
+            &self.engine,
+            (&self.config, self.pool_mem.desc()),
+            addr,
+            listed,
+        )?;
+        self.adopt(opened)
+    }
+
+    /// An error unless another link fits.
+    fn room_for(&self, addr: SocketAddr) -> Result<(), RemoteError> {
+        let open = self.links.len();
+        if open >= self.capacity {
             return Err(RemoteError::Config(format!(
-                "no room for holder {addr}: {i} links open, the most this requester opens"
+                "no room for holder {addr}: {open} links open, the most this requester opens"
             )));
         }
-        let unreachable = |source| RemoteError::Unreachable {
-            holder: addr,
-            source,
-        };
-        let control = TcpStream::connect_timeout(&addr, config.timeout).map_err(unreachable)?;
-        let io = |source| RemoteError::Control { peer: addr, source };
-        control.set_nodelay(true).map_err(io)?;
-        control
-            .set_read_timeout(Some(config.timeout.max(Duration::from_secs(1))))
-            .map_err(io)?;
-        let mut reader = BufReader::new(control.try_clone().map_err(io)?);
-        let mut writer = control.try_clone().map_err(io)?;
-        // Reserved in the engine, so never another link's or requester's (requesters may
-        // share an engine), drawn at random, so a holder told its own cannot aim at another
-        // link's, and counted even while a flood of stray values fills the engine's counter.
-        let imms = LinkImms::reserve(&self.engine);
-        let (reply_imm, fetch_imm) = (imms.reply, imms.fetch);
-        let reply = self.engine.alloc_mr(config.link_bytes)?;
-        let hello = Hello {
-            addr: self.engine.main_address(),
-            reply: reply.desc().clone(),
-            pool: Some(self.pool_mem.desc().clone()),
-            reply_imm,
-            fetch_imm,
-        };
-        let welcome = crate::session::open(
-            &self.engine,
-            (&mut writer, &mut reader),
-            &hello,
-            config.timeout,
-        )?;
-        if !listed(&welcome.holder) {
-            // Dropped here: the session closes and no link is spent on it.
-            return Err(RemoteError::UnlistedEngine { holder: addr });
-        }
-        // All of its chunks or none: checked on a copy first.
+        Ok(())
+    }
+
+    /// Makes `opened` link `links.len()` and registers its chunks: all of them or none (a
+    /// chunk that contradicts the registered copy refuses the holder, and its session
+    /// closes).
+    fn adopt(&mut self, opened: Opened) -> Result<usize, RemoteError> {
+        self.room_for(opened.addr)?;
         let mut registry = self.registry.clone();
-        for entry in &welcome.chunks {
+        for entry in &opened.welcome.chunks {
             registry.register(entry.clone())?;
         }
         self.registry = registry;
+        let Opened {
+            control,
+            reader,
+            addr,
+            welcome,
+            reply,
+            imms,
+        } = opened;
         // The link owns them from here; `Requester`'s drop releases them.
-        std::mem::forget(imms);
+        let (reply_imm, fetch_imm) = imms.keep();
         self.links.push(Link {
             control,
             reader,
@@ -423,7 +468,7 @@ impl Requester {
             alive: true,
             listed: true,
         });
-        Ok(i)
+        Ok(self.links.len() - 1)
     }
 
     /// One small ping opens the data path both ways now, not on the first route or fetch:
@@ -674,108 +719,6 @@ impl Requester {
     /// registered.
     pub fn is_alive(&self, holder: usize) -> bool {
         self.links.get(holder).is_some_and(Link::usable)
-    }
-
-    /// Brings the holders in use in line with a directory's view: opens a session with
-    /// every registered holder not yet connected ([`Requester::add_holder`]), stops choosing
-    /// every one no longer registered (its lease expired or it left), and chooses again one
-    /// that registers again while its session still works (the directory lost its data and
-    /// the holder wrote its registration anew). A holder is the pair (control address, engine
-    /// address), so a holder restarted on the same port is a new one. A registered holder
-    /// whose session fails, or whose welcome names another engine address than its record,
-    /// is reported and not used; one whose session cannot be opened is not tried again for
-    /// [`UNREACHABLE_FIRST_WAIT`], doubling at each failure. A record naming the control
-    /// address of a live session that proved another engine is reported without opening a
-    /// session, and a session opened for a record whose engine it contradicts is kept when
-    /// another record of the view names what it proved, so that no record can hide another
-    /// of the same address or spend the requester's links. Each chunk's replicas are then preferred in the view's
-    /// order (ascending replica number).
-    pub fn sync_with(&mut self, view: &DirectoryView) -> DirectorySync {
-        let mut out = DirectorySync::default();
-        for (h, l) in self.links.iter_mut().enumerate() {
-            let registered = view.holders.values().any(|r| l.serves(&r.record));
-            if l.listed && !registered {
-                l.listed = false;
-                if l.alive {
-                    out.dropped.push((h, l.addr));
-                }
-            } else if !l.listed && registered {
-                l.listed = true;
-                if l.alive {
-                    out.relisted.push((h, l.addr));
-                }
-            }
-        }
-        let now = std::time::Instant::now();
-        for r in view.holders.values() {
-            let control = r.record.control;
-            if self.links.iter().any(|l| l.serves(&r.record)) {
-                continue;
-            }
-            // A live session at that address proved another engine: the record is wrong,
-            // and opening another session would only spend a link on it.
-            if self.links.iter().any(|l| l.alive && l.addr == control) {
-                out.failed.push((
-                    control,
-                    "the session at its control address is another engine's than its record's"
-                        .to_owned(),
-                ));
-                continue;
-            }
-            if self
-                .unreachable
-                .get(&control)
-                .is_some_and(|&(until, _)| now < until)
-            {
-                continue;
-            }
-            // Kept where any record of the address names the engine the session proves (a
-            // poisoned record must not hide the honest one of the same address); a session
-            // that no record names is closed before it takes a link.
-            let listed = |engine: &NetAddr| {
-                view.holders
-                    .values()
-                    .any(|x| x.record.control == control && x.record.engine == *engine)
-            };
-            match self.add_holder_of(control, listed) {
-                Ok(h) if self.links[h].welcome.holder != r.record.engine => {
-                    out.added.push((h, control));
-                    out.failed.push((
-                        control,
-                        "its welcome names another engine address than its directory record"
-                            .to_owned(),
-                    ));
-                }
-                Ok(h) => {
-                    self.unreachable.remove(&control);
-                    out.added.push((h, control));
-                }
-                Err(e) => {
-                    let wait = self
-                        .unreachable
-                        .get(&control)
-                        .map_or(UNREACHABLE_FIRST_WAIT, |&(_, w)| {
-                            (w * 2).min(UNREACHABLE_LONGEST_WAIT)
-                        });
-                    let failed_at = std::time::Instant::now();
-                    self.unreachable.insert(control, (failed_at + wait, wait));
-                    out.failed.push((control, e.to_string()));
-                }
-            }
-        }
-        // Replicas in the directory's order (ascending replica number), copies it does not
-        // offer last.
-        let ids: Vec<ChunkId> = self.registry.ids().collect();
-        for id in ids {
-            let offered = view.registry.holders(id).unwrap_or_default();
-            self.registry.reorder(id, |e| {
-                offered
-                    .iter()
-                    .position(|o| o.holder == e.holder)
-                    .unwrap_or(usize::MAX)
-            });
-        }
-        out
     }
 
     /// The first live link holding `chunk`.
