@@ -611,10 +611,12 @@ fn a_lost_holder_costs_a_fallback_to_a_replica_or_a_typed_error() -> Result<()> 
     }
     // Either the calls to `a` failed mid-step and fell back to `b`, or `a`'s closed control
     // connection was seen first and every call went to `b` at once; which one depends on
-    // when the close arrives.
+    // when the close arrives. (On a loaded machine the selector may also have chosen `b` for
+    // every chunk on its own, its measured rates then favouring it: `a` was not asked, and
+    // is found dead by the next step's calls to it.)
     let to_b = out.report.decisions.iter().all(|d| d.holder == Some(1));
     assert!(!out.report.fallbacks.is_empty() || to_b, "{:?}", out.report);
-    assert!(!st.requester().is_alive(0));
+    assert!(to_b || !st.requester().is_alive(0), "{:?}", out.report);
     let fallbacks = st.stats().fallbacks;
     assert!(fallbacks > 0 || to_b);
     // Chunk 3 has no copy left: the step fails naming it.
