@@ -59,6 +59,14 @@ pub(crate) const SYSTEM_PACKAGES: &[SystemPackage] = &[
         needed_for: "the Prometheus that `crates/cli/tests/prometheus.rs` starts to scrape holders' /metrics pages",
     },
     SystemPackage {
+        apt: "python3",
+        needed_for: "the Python package's build (maturin) and its pytest suite (`cargo xtask wheel`, `cargo xtask test`)",
+    },
+    SystemPackage {
+        apt: "python3-venv",
+        needed_for: "the virtualenvs under target/py that maturin and the Python package's tests run in",
+    },
+    SystemPackage {
         apt: "fonts-dejavu-core",
         needed_for: "the text of `kvroute sweep`'s PNG plots (plotters draws with a TrueType font)",
     },

@@ -15,6 +15,9 @@
 //!   untrusted bytes), N seconds each; `test` runs each for 10 s.
 //! - `soak [--minutes N]`: holders over shm and tcp under requesters that come and go,
 //!   misbehave, are killed or stopped (`crates/remote/examples/soak.rs`); `test` runs 1 minute.
+//! - `wheel`: build the Python package's abi3 wheel (`crates/python`, maturin) into
+//!   `target/py/wheels`; `test` also installs it into a fresh virtualenv and runs its pytest
+//!   suite.
 //! - `bindgen`: regenerate the checked-in libfabric bindings from the installed headers.
 
 mod bindgen;
@@ -22,6 +25,7 @@ mod deps;
 mod fuzz;
 mod gpu_test;
 mod nvrtc;
+mod python;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -52,6 +56,8 @@ commands:
                   a throwaway etcd cluster of N members (default 1) on free loopback ports: runs
                   COMMAND with KVROUTE_ETCD=etcd://... set and stops etcd after; without a
                   command, prints the address and serves until stdin closes
+  wheel           build the Python package's abi3 wheel (crates/python, maturin from PyPI in
+                  target/py) into target/py/wheels
   bindgen         regenerate the libfabric bindings (installs libfabric-dev, libclang-dev as root)";
 
 fn main() -> ExitCode {
@@ -111,6 +117,10 @@ fn run(args: &[String]) -> Result<()> {
         "etcd" => {
             deps::run(false)?;
             etcd(rest)
+        }
+        "wheel" => {
+            deps::run(false)?;
+            python::wheel(&workspace_root()).map(drop)
         }
         "bindgen" => bindgen::run(&workspace_root()),
         "bindgen-generate" => bindgen::generate(&workspace_root()),
@@ -211,6 +221,7 @@ fn test() -> Result<()> {
     )?;
     shm_left_behind(&shm_before)?;
     library_alone()?;
+    python::test(&root)?;
     loom()?;
     fuzz::run(&root, &["--seconds".to_owned(), "10".to_owned()])?;
     cargo_step(
