@@ -156,6 +156,7 @@ pub(crate) fn test(root: &Path) -> Result<()> {
     let python = venv(&py_dir(root).join("test-venv"), &packages, true)?;
     // The tests import the installed wheel, never the source tree.
     let tests = crate_dir(root).join("tests");
+    let shm_before = crate::shm_regions();
     run(
         "python-test",
         &python,
@@ -163,6 +164,8 @@ pub(crate) fn test(root: &Path) -> Result<()> {
         &tests,
         &[("KVROUTE_REQUIRE_SHM", "1")],
     )?;
+    // Holder and requester processes over shm leave no region behind.
+    crate::shm_left_behind(&shm_before)?;
     // The package documents every public name (what `help(kvroute)` shows).
     run(
         "python-help",

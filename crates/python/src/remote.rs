@@ -228,6 +228,7 @@ fn parse_addr(addr: &str) -> PyResult<SocketAddr> {
 #[derive(Debug)]
 pub(crate) struct Holder {
     inner: Option<kvroute_remote::Holder>,
+    engine: Option<TransferEngine>,
     addr: String,
 }
 
@@ -275,12 +276,14 @@ impl Holder {
             max_connections: 32.max(max_requesters),
             ..Default::default()
         };
+        let handle = engine.clone();
         let holder = py
             .detach(|| kvroute_remote::Holder::start(engine, listener, held, config))
             .map_err(py_err)?;
         Ok(Self {
             addr: holder.addr().to_string(),
             inner: Some(holder),
+            engine: Some(handle),
         })
     }
 
@@ -317,9 +320,8 @@ impl Holder {
 
     /// Stops serving and releases the registered memory and the fabric's resources.
     fn close(&mut self, py: Python<'_>) {
-        if let Some(h) = self.inner.take() {
-            py.detach(|| drop(h));
-        }
+        let (holder, engine) = (self.inner.take(), self.engine.take());
+        py.detach(|| shut_down(holder, engine));
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -344,6 +346,12 @@ impl Holder {
             "closed"
         };
         format!("Holder({}, {state})", self.addr)
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        shut_down(self.inner.take(), self.engine.take());
     }
 }
 
@@ -412,6 +420,16 @@ impl PartialAttention {
 #[derive(Debug)]
 pub(crate) struct Requester {
     pub(crate) inner: Option<kvroute_remote::Requester>,
+}
+
+/// Drops `owner` (a holder, a requester, a stepper), then stops its engine: a handle the
+/// engine's own callbacks keep would otherwise keep it, and over `shm` its regions in
+/// `/dev/shm`, alive until the process exits and past it.
+pub(crate) fn shut_down<T>(owner: Option<T>, engine: Option<TransferEngine>) {
+    drop(owner);
+    if let Some(e) = engine {
+        e.shutdown();
+    }
 }
 
 #[pymethods]
@@ -517,9 +535,9 @@ impl Requester {
 
     /// Closes every session and releases the fabric's resources.
     fn close(&mut self, py: Python<'_>) {
-        if let Some(r) = self.inner.take() {
-            py.detach(|| drop(r));
-        }
+        let req = self.inner.take();
+        let engine = req.as_ref().map(|r| r.engine().clone());
+        py.detach(|| shut_down(req, engine));
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -535,6 +553,14 @@ impl Requester {
     ) -> bool {
         self.close(py);
         false
+    }
+}
+
+impl Drop for Requester {
+    fn drop(&mut self) {
+        let req = self.inner.take();
+        let engine = req.as_ref().map(|r| r.engine().clone());
+        shut_down(req, engine);
     }
 }
 

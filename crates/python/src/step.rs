@@ -20,8 +20,9 @@ use pyo3::types::PyList;
 use crate::arrays::{i32_indices, owned_u16, slice, u16_rows};
 use crate::errors::{invalid, py_err};
 use crate::record::to_record;
-use crate::remote::{D_QK, PartialAttention, Requester, rope_layout_of};
+use crate::remote::{D_QK, PartialAttention, Requester, rope_layout_of, shut_down};
 use crate::wait::interruptible;
+use kvroute_transport::TransferEngine;
 
 /// A remote chunk a request attends: its id, the position its first token has in the
 /// request's context, and for sparse attention the chunk-local tokens selected.
@@ -172,6 +173,7 @@ impl StepOutput {
 #[derive(Debug)]
 pub(crate) struct Stepper {
     inner: Option<kvroute_remote::step::Stepper>,
+    engine: Option<TransferEngine>,
 }
 
 /// The arrays of one request, borrowed for a step.
@@ -261,6 +263,7 @@ impl Stepper {
             requester.inner = Some(req);
             return Err(invalid("the requester's holders serve no chunk"));
         };
+        let engine = req.engine().clone();
         let mut config = StepConfig::new(dims, rope);
         config.force = force;
         config.fetch_budget = fetch_budget_bytes;
@@ -287,6 +290,7 @@ impl Stepper {
         .map_err(py_err)?;
         Ok(Self {
             inner: Some(stepper),
+            engine: Some(engine),
         })
     }
 
@@ -321,9 +325,8 @@ impl Stepper {
 
     /// Releases the fetch cache and closes the requester's sessions.
     fn close(&mut self, py: Python<'_>) {
-        if let Some(s) = self.inner.take() {
-            py.detach(|| drop(s));
-        }
+        let (stepper, engine) = (self.inner.take(), self.engine.take());
+        py.detach(|| shut_down(stepper, engine));
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -339,6 +342,12 @@ impl Stepper {
     ) -> bool {
         self.close(py);
         false
+    }
+}
+
+impl Drop for Stepper {
+    fn drop(&mut self) {
+        shut_down(self.inner.take(), self.engine.take());
     }
 }
 

@@ -227,3 +227,21 @@ def test_holder_and_requester_in_two_processes_over_shm() -> None:
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C: serve() raises KeyboardInterrupt
         assert proc.wait(timeout=20) == 0, "the holder did not stop cleanly on Ctrl-C"
+
+
+def test_closed_engines_leave_no_shm_region() -> None:
+    """Closing a holder, requester or stepper stops its engine: over shm, its regions go."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    mine = lambda: sorted(n for n in os.listdir("/dev/shm") if n.split(":")[0] == str(os.getpid()))
+    before = mine()
+    c = corpus()
+    fabric = kvroute.Fabric("shm")
+    try:
+        holder = start_holder(fabric, c)
+    except kvroute.TransportError:
+        pytest.skip("libfabric's shm provider is not available")
+    with holder:
+        kvroute.Requester(fabric, [holder.addr], SCALE).close()
+        stepper_over(fabric, [holder.addr], "route").close()
+    assert mine() == before
