@@ -7,7 +7,8 @@
 //! (lying counts, offsets and lengths inside a request the parser trusts the header of).
 #![no_main]
 
-use kvroute_remote::wire::{self, QueryRows, SegmentKind, SegmentSpec};
+use kvroute_remote::wire::{self, PoolWindow, QueryRows, SegmentKind, SegmentSpec};
+use kvroute_transport::{DomainAddr, MrDesc, RemoteKey};
 
 const ROW: usize = 576;
 
@@ -23,6 +24,9 @@ fn parse_all(data: &[u8]) {
         for seg in req.segments.iter().flatten() {
             let _ = (seg.queries(), seg.query_words(), seg.indices(), seg.pages());
             let _ = seg.reply_rows();
+            for w in seg.windows() {
+                let _ = (w.keys().count(), w.covers(w.offset, w.len), w.covers(u64::MAX, 1));
+            }
         }
     }
 }
@@ -40,6 +44,31 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let queries = vec![0x3f80u16; 4 * ROW];
     let indices: Vec<i32> = (-1..15).collect();
     let pages: Vec<u32> = (0..8).collect();
+    // Windows of one and of two NIC keys, as a one- and a two-NIC requester grants them.
+    let desc = |keys: u64| MrDesc {
+        addr: 0x7000_0000,
+        len: 8 * 73_728,
+        rkeys: (0..keys)
+            .map(|k| RemoteKey {
+                nic: DomainAddr {
+                    provider: "mem".into(),
+                    bytes: vec![k as u8],
+                },
+                rkey: 0x1234 + k,
+            })
+            .collect(),
+    };
+    let (one, two) = (desc(1), desc(2));
+    let windows = [
+        [
+            PoolWindow { offset: 0, desc: &one },
+            PoolWindow { offset: 73_728, desc: &one },
+        ],
+        [
+            PoolWindow { offset: 0, desc: &two },
+            PoolWindow { offset: 147_456, desc: &two },
+        ],
+    ];
     let segments: Vec<SegmentSpec<'_>> = (0..next() % 5)
         .map(|_| {
             let rows = 1 + usize::from(next() % 4);
@@ -78,6 +107,12 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
                 }),
                 indices: &indices[..sparse_k.min(indices.len())],
                 pages: &pages[..pg],
+                windows: if with_rows {
+                    &[]
+                } else {
+                    let set = &windows[usize::from(next() % 2)];
+                    &set[..usize::from(next() % 3)]
+                },
             }
         })
         .collect();

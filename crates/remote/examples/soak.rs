@@ -263,6 +263,7 @@ fn rogue(provider: &str, holder: &str) -> Result<(), Error> {
         queries: wire::QueryRows::Copied(&q),
         indices: &[],
         pages: &[],
+        windows: &[],
     };
     let mut seq = 1;
     for _ in 0..rng.range(4, 24) {

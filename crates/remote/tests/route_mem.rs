@@ -954,6 +954,7 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
         queries: wire::QueryRows::Copied(&q[..D_QK]),
         indices: &[],
         pages: &[],
+        windows: &[],
     };
     wire::encode_request(&mut lying, 5, welcome.token, 0, SCALE, &[seg]);
     let rows_at = wire::REQUEST_HEADER + 8;

@@ -39,9 +39,9 @@ fn holder_with(fabric: &MemFabric, tune: impl FnOnce(&mut HolderConfig)) -> Resu
     holder_on(TransferEngine::mem(fabric, 1)?, tune)
 }
 
-/// [`holder_with`] on `engine`.
-fn holder_on(engine: TransferEngine, tune: impl FnOnce(&mut HolderConfig)) -> Result<Holder> {
-    let spec = CorpusSpec {
+/// The corpus every holder here serves chunk 0 of: one chunk of two layers of 64 tokens.
+fn spec() -> CorpusSpec {
+    CorpusSpec {
         layers: 2,
         chunk_tokens: 64,
         chunks: 1,
@@ -49,7 +49,12 @@ fn holder_on(engine: TransferEngine, tune: impl FnOnce(&mut HolderConfig)) -> Re
         rope_theta: 10_000.0,
         yarn: None,
         rope_layout: RopeLayout::Interleaved,
-    };
+    }
+}
+
+/// [`holder_with`] on `engine`.
+fn holder_on(engine: TransferEngine, tune: impl FnOnce(&mut HolderConfig)) -> Result<Holder> {
+    let spec = spec();
     let mut config = HolderConfig {
         max_requesters: CAP,
         slot_bytes: 1 << 16,
@@ -285,6 +290,7 @@ fn a_request_without_the_sessions_token_is_not_answered() -> Result<()> {
         queries: wire::QueryRows::Copied(&q),
         indices: &[],
         pages: &[],
+        windows: &[],
     };
     let buf = rogue.engine.alloc_mr(1 << 16)?;
     let imm = wire::request_imm(rogue.welcome.session, 1);
@@ -727,6 +733,121 @@ fn a_holder_cannot_write_into_another_holders_replies() -> Result<()> {
     );
     // The honest holder still answers, and the requester is undisturbed.
     route_once(&mut req)?;
+    drop(attacker);
+    Ok(())
+}
+
+/// A holder aims writes at the requester's fetch pool while another holder's fetches land in
+/// it: the pool's own descriptor (which every holder's hello names), and keys derived from it
+/// (neighbouring slots and tags, single-bit changes), at every address within 8 pages of
+/// the pool either side: 10,000 forged writes in bursts between 20 honest fetches, and none
+/// lands, and every fetch reads exactly what the first did. Holders write into the pool only
+/// through the windows a fetch or gather grants them, for its bytes and its duration. (With
+/// the pool writable by every holder, the first forged write landed.)
+#[test]
+fn no_holder_can_write_into_the_fetch_pool_but_through_its_own_grant() -> Result<()> {
+    use kvroute_kernels::{Backend, Queries, partial_dense};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let _serial = serial();
+    let fabric = MemFabric::new();
+    let (_honest, _hostile, mut req, _) = honest_and_hostile(&fabric, Duration::from_secs(2))?;
+    let pool = req.pool_desc().clone();
+    let positions = req.registry().holders(ChunkId(0))?[0].positions.clone();
+    let rope = spec().rope()?;
+    let q = vec![0x3f80u16; 4 * D_QK];
+    let fetch_partials = |req: &mut Requester| -> Result<Vec<kvroute_kernels::Partial>> {
+        let fetched = req.fetch(ChunkId(0), &positions, rope, Backend::Cpu)?;
+        let parts = (0..2)
+            .map(|layer| {
+                Ok(partial_dense(
+                    Backend::Reference,
+                    &Queries::new(&q)?,
+                    &req.fetched_cache(&fetched, layer)?,
+                    0.1,
+                )?)
+            })
+            .collect::<Result<Vec<_>>>();
+        req.release(fetched)?;
+        parts
+    };
+    let reference = fetch_partials(&mut req)?;
+
+    let attacker = TransferEngine::mem(&fabric, 1)?;
+    let forged = attacker.alloc_mr(4096)?;
+    forged.write_at(0, &[0x7f; 4096])?;
+    let key = pool.rkeys[0].rkey;
+    let (slot, tag) = (key & 0xFFFF_FFFF, key >> 32);
+    let mut keys = vec![key];
+    for ds in 0..=16u64 {
+        for dt in 0..=8u64 {
+            for (s, t) in [
+                (slot.wrapping_add(ds), tag.wrapping_add(dt)),
+                (slot.wrapping_sub(ds), tag.wrapping_sub(dt)),
+            ] {
+                keys.push((t & 0xFFFF_FFFF) << 32 | (s & 0xFFFF_FFFF));
+            }
+        }
+    }
+    keys.extend((0..64).map(|bit| key ^ (1 << bit)));
+    keys.sort_unstable();
+    keys.dedup();
+    let page = kvroute_kvstore::PAGE_BYTES as u64;
+    let targets: Vec<(u64, u64)> = keys
+        .iter()
+        .flat_map(|&k| {
+            (-8i64..24).map(move |p| (k, pool.addr.wrapping_add_signed(p * page as i64)))
+        })
+        .take(10_000)
+        .collect();
+    assert_eq!(targets.len(), 10_000);
+    let landed = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicUsize::new(0));
+    for burst in targets.chunks(500) {
+        for &(k, addr) in burst {
+            let mut desc = pool.clone();
+            desc.addr = addr;
+            desc.len = page;
+            desc.rkeys[0].rkey = k;
+            let (landed_by, done_by) = (landed.clone(), done.clone());
+            let submitted = attacker.submit_single_write(
+                256,
+                Some(0x6200_0000),
+                (forged.handle(), 0),
+                (&desc, 0),
+                OnDone::callback(move |outcome| {
+                    if outcome.is_ok() {
+                        landed_by.fetch_add(1, Ordering::Relaxed);
+                    }
+                    done_by.fetch_add(1, Ordering::Relaxed);
+                }),
+            );
+            if submitted.is_err() {
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        assert_eq!(
+            fetch_partials(&mut req)?,
+            reference,
+            "a fetch read forged rows"
+        );
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while done.load(Ordering::Relaxed) < targets.len() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        done.load(Ordering::Relaxed),
+        targets.len(),
+        "every forged write finished"
+    );
+    assert_eq!(
+        landed.load(Ordering::Relaxed),
+        0,
+        "forged writes that landed"
+    );
+    assert_eq!(fetch_partials(&mut req)?, reference);
     drop(attacker);
     Ok(())
 }

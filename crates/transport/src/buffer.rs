@@ -1,8 +1,10 @@
 //! [`RegisteredBuffer`]: host memory the engine allocates, registers, and frees, so a caller
-//! needs no `unsafe` to have a region to write from or into.
+//! needs no `unsafe` to have a region to write from or into; and [`Grant`]: a window onto part
+//! of one that a peer may write through for as long as the grant lives.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use crate::engine::TransferEngine;
 use crate::error::Side;
@@ -14,6 +16,45 @@ use crate::mr::{Access, Device, MrDesc, MrHandle, check_range};
 /// land in these).
 const ALIGN: usize = 4096;
 
+/// Zeroed, page-aligned host memory, freed when the last of its owners goes: the buffer and
+/// every [`Grant`] onto it, each of which deregisters before it lets go.
+struct Allocation {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: plain memory owned by this value; who reads and writes it when is the owners'
+// protocol (see `RegisteredBuffer`).
+unsafe impl Send for Allocation {}
+// SAFETY: as above.
+unsafe impl Sync for Allocation {}
+
+impl Allocation {
+    fn new(len: usize) -> Result<Self, TransportError> {
+        let layout = Layout::from_size_align(len, ALIGN)
+            .map_err(|_| TransportError::InvalidArgument("buffer length too large"))?;
+        if len == 0 {
+            return Err(TransportError::InvalidArgument("a buffer needs a length"));
+        }
+        // SAFETY: the layout has a non-zero size.
+        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })
+            .ok_or(TransportError::Domain("out of memory".to_owned()))?;
+        Ok(Self { ptr, len })
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout (which was valid then), freed once.
+        unsafe {
+            dealloc(
+                self.ptr.as_ptr(),
+                Layout::from_size_align_unchecked(self.len, ALIGN),
+            )
+        };
+    }
+}
+
 /// Registered host memory owned by the engine. Peers write into it through [`Self::desc`];
 /// it is the source of local writes through [`Self::handle`].
 ///
@@ -22,6 +63,7 @@ const ALIGN: usize = 4096;
 /// been counted.
 pub struct RegisteredBuffer {
     engine: TransferEngine,
+    mem: Arc<Allocation>,
     ptr: NonNull<u8>,
     len: usize,
     handle: MrHandle,
@@ -51,30 +93,57 @@ impl RegisteredBuffer {
         len: usize,
         access: Access,
     ) -> Result<Self, TransportError> {
-        let layout = Layout::from_size_align(len, ALIGN)
-            .map_err(|_| TransportError::InvalidArgument("buffer length too large"))?;
+        let mem = Arc::new(Allocation::new(len)?);
+        let ptr = mem.ptr;
+        // SAFETY: the allocation lives until the last of the buffer and its grants is
+        // dropped, each of which deregisters first.
+        let (handle, desc) =
+            unsafe { engine.reg_mr_with(ptr.as_ptr(), len, Device::Host, access)? };
+        Ok(Self {
+            engine,
+            mem,
+            ptr,
+            len,
+            handle,
+            desc,
+            access,
+        })
+    }
+
+    /// A window onto bytes `offset..offset + len` that peers may write through, whatever the
+    /// buffer's own [`Access`]: registered apart, with a key of its own (drawn at random
+    /// where the provider lets the domain choose it), and deregistered when the grant is
+    /// dropped, after which no write through it lands. A requester hands one to each peer
+    /// for just the bytes it is to write, so that no peer can write where another's data
+    /// lands, nor anywhere once its transfer is over. The memory stays allocated until every
+    /// grant onto it is dropped, even if the buffer goes first.
+    pub fn grant(&self, offset: usize, len: usize) -> Result<Grant, TransportError> {
+        check_range(
+            Side::Destination,
+            self.len as u64,
+            offset as u64,
+            len as u64,
+        )?;
         if len == 0 {
-            return Err(TransportError::InvalidArgument("a buffer needs a length"));
+            return Err(TransportError::InvalidArgument("a grant needs a length"));
         }
-        // SAFETY: the layout has a non-zero size.
-        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })
-            .ok_or(TransportError::Domain("out of memory".to_owned()))?;
-        // SAFETY: the allocation lives until Drop, which deregisters before freeing.
-        match unsafe { engine.reg_mr_with(ptr.as_ptr(), len, Device::Host, access) } {
-            Ok((handle, desc)) => Ok(Self {
-                engine,
-                ptr,
+        // SAFETY: the range is inside the allocation (checked), which the grant keeps alive
+        // until its registration is gone (its drop deregisters before releasing it).
+        let (handle, desc) = unsafe {
+            self.engine.reg_mr_with(
+                self.ptr.as_ptr().add(offset),
                 len,
-                handle,
-                desc,
-                access,
-            }),
-            Err(e) => {
-                // SAFETY: allocated above with this layout and not registered.
-                unsafe { dealloc(ptr.as_ptr(), layout) };
-                Err(e)
-            }
-        }
+                Device::Host,
+                Access::RemoteWrite,
+            )?
+        };
+        Ok(Grant {
+            engine: self.engine.clone(),
+            _mem: Arc::clone(&self.mem),
+            handle,
+            desc,
+            offset,
+        })
     }
 
     /// The local handle (source of writes).
@@ -232,19 +301,65 @@ impl RegisteredBuffer {
 
 impl Drop for RegisteredBuffer {
     fn drop(&mut self) {
-        // After this returns no peer write can land; after an engine shutdown the NICs are
-        // gone already, which is as safe.
+        // After this returns no peer write can land through the buffer's own registration;
+        // after an engine shutdown the NICs are gone already, which is as safe. The memory
+        // goes with the last grant onto it.
         if let Err(e) = self.engine.dereg_mr(&self.handle)
             && e != TransportError::Shutdown
         {
             tracing::warn!(%e, "deregistering a buffer failed; freeing it anyway");
         }
-        // SAFETY: allocated in `new` with this layout (which was valid then), freed once.
-        unsafe {
-            dealloc(
-                self.ptr.as_ptr(),
-                Layout::from_size_align_unchecked(self.len, ALIGN),
-            )
-        };
+    }
+}
+
+/// A window onto part of a [`RegisteredBuffer`] that peers may write through
+/// ([`RegisteredBuffer::grant`]); dropping it deregisters the window.
+pub struct Grant {
+    engine: TransferEngine,
+    _mem: Arc<Allocation>,
+    handle: MrHandle,
+    desc: MrDesc,
+    offset: usize,
+}
+
+impl std::fmt::Debug for Grant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grant")
+            .field("offset", &self.offset)
+            .field("desc", &self.desc)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Grant {
+    /// The descriptor a peer writes through: the window's bytes only.
+    pub fn desc(&self) -> &MrDesc {
+        &self.desc
+    }
+
+    /// Where the window starts in its buffer.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Bytes in the window.
+    pub fn len(&self) -> usize {
+        self.desc.len as usize
+    }
+
+    /// Whether the window is empty (never: grants have a length).
+    pub fn is_empty(&self) -> bool {
+        self.desc.len == 0
+    }
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        // Once this returns no write through the window lands (see `RegisteredBuffer`'s drop).
+        if let Err(e) = self.engine.dereg_mr(&self.handle)
+            && e != TransportError::Shutdown
+        {
+            tracing::warn!(%e, "deregistering a grant failed");
+        }
     }
 }

@@ -72,7 +72,7 @@ mod watcher;
 pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 pub use addr::{DomainAddr, MAX_NICS, NetAddr};
-pub use buffer::RegisteredBuffer;
+pub use buffer::{Grant, RegisteredBuffer};
 pub use cancel::CancellationToken;
 pub use domain::Domain;
 pub use engine::{

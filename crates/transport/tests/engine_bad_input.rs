@@ -431,3 +431,65 @@ fn buffer_views_are_bounds_checked() {
     p.dst.read_at(8, &mut back).unwrap();
     assert_eq!(back, [1, 2, 3, 4]);
 }
+
+/// A grant opens just its bytes of a buffer peers may not write, and only while it lives: a
+/// write through it lands, one past its end or through the buffer's own descriptor is
+/// refused by the target, and once it is dropped a write through its descriptor is refused
+/// too. The memory outlives the buffer while a grant onto it does.
+#[test]
+fn a_grant_opens_its_bytes_of_a_local_buffer_and_closes_when_dropped() {
+    use kvroute_transport::Access;
+    let fabric = MemFabric::new();
+    let (a, b) = (engine(&fabric, 2), engine(&fabric, 2));
+    let src = a.alloc_mr(1024).unwrap();
+    src.fill(0xAA);
+    let dst = b.alloc_mr_with(4096, Access::Local).unwrap();
+    let write = |to: &MrDesc, offset: u64, len: u64| {
+        let (done, fut) = OnDone::future();
+        a.submit_single_write(len, None, (src.handle(), 0), (to, offset), done)
+            .unwrap();
+        block_on(fut)
+    };
+    // The buffer's own descriptor is no way in.
+    assert!(matches!(
+        write(dst.desc(), 0, 64),
+        Err(TransferError::RemoteAccess(_))
+    ));
+    let grant = dst.grant(1024, 512).unwrap();
+    assert_eq!((grant.offset(), grant.len()), (1024, 512));
+    assert_ne!(grant.desc().rkeys[0].rkey, dst.desc().rkeys[0].rkey);
+    assert_eq!(write(grant.desc(), 0, 512), Ok(()));
+    // Past its end, as a forged descriptor claiming more would have it.
+    let mut longer = grant.desc().clone();
+    longer.len = 4096;
+    assert!(matches!(
+        write(&longer, 256, 512),
+        Err(TransferError::RemoteAccess(_))
+    ));
+    let mut expected = vec![0u8; 4096];
+    expected[1024..1536].fill(0xAA);
+    assert_eq!(dst.to_vec(), expected);
+    let given = grant.desc().clone();
+    drop(grant);
+    assert!(matches!(
+        write(&given, 0, 64),
+        Err(TransferError::RemoteAccess(_))
+    ));
+    assert_eq!(
+        dst.to_vec(),
+        expected,
+        "nothing lands once the grant is gone"
+    );
+    // Out of the buffer's range: refused before anything is registered.
+    assert!(matches!(
+        dst.grant(4000, 512),
+        Err(TransportError::OutOfBounds {
+            side: Side::Destination,
+            ..
+        })
+    ));
+    // The memory stays while a grant onto it lives, and its window still works.
+    let grant = dst.grant(0, 64).unwrap();
+    drop(dst);
+    assert_eq!(write(grant.desc(), 0, 64), Ok(()));
+}

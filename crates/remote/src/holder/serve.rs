@@ -346,13 +346,15 @@ impl Shared {
                         .ok()
                         .and_then(|req| req.segments[s].as_ref().ok());
                     let status = match ok.map(|seg| (seg, seg.kind)) {
-                        Some((seg, SegmentKind::Fetch)) => self.fetch(session, chunk, &seg.pages()),
+                        Some((seg, SegmentKind::Fetch)) => {
+                            self.fetch(session, chunk, &seg.pages(), seg)
+                        }
                         Some((seg, SegmentKind::Gather { first })) => self.gather(
                             (*slot, session, &mut gathered[r]),
                             (chunk, layer),
                             first,
                             &seg.indices(),
-                            &seg.pages(),
+                            (&seg.pages(), seg),
                         ),
                         _ => Status::BadSegment,
                     };

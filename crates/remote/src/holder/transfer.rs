@@ -1,14 +1,65 @@
 //! What a holder sends that is not a reply: a fetch (a chunk's pages into the requester's
 //! pool, one write per run of consecutive pages) and a gather (selected rows packed per
 //! destination page). Both are all or nothing: every write is checked before the first is
-//! sent, which the requester's exact count of arrivals relies on.
+//! sent, which the requester's exact count of arrivals relies on. Every write goes through a
+//! window the segment grants ([`wire::PoolWindow`]), never through the pool's own
+//! descriptor, which takes no write.
 
 use kvroute_kvstore::{ChunkId, PAGE_BYTES, ROW_BYTES};
-use kvroute_transport::{MrDesc, MrHandle, OnDone};
+use kvroute_transport::{MrDesc, MrHandle, OnDone, RemoteKey};
 
 use super::{Session, Shared};
 use crate::chunks::Placement;
-use crate::wire::{self, Status};
+use crate::wire::{self, Segment, Status};
+
+/// A write of a fetch or gather: source offset, destination offset in the pool, length.
+type PoolWrite = (u64, u64, u64);
+
+/// The descriptors a segment's windows name, with where each starts in the pool, if each
+/// lies inside `pool` and carries one key per NIC of it: the NICs are the pool's (the
+/// requester's own, proven at the hello), so a window can only ever name the requester's
+/// memory.
+fn window_descs(pool: &MrDesc, seg: &Segment<'_>) -> Option<Vec<(u64, MrDesc)>> {
+    seg.windows()
+        .map(|w| {
+            let inside = w.offset.checked_add(w.len)? <= pool.len;
+            (inside && seg.window_keys == pool.rkeys.len()).then(|| {
+                let rkeys = pool
+                    .rkeys
+                    .iter()
+                    .zip(w.keys())
+                    .map(|(k, rkey)| RemoteKey {
+                        nic: k.nic.clone(),
+                        rkey,
+                    })
+                    .collect();
+                let desc = MrDesc {
+                    addr: w.addr,
+                    len: w.len,
+                    rkeys,
+                };
+                (w.offset, desc)
+            })
+        })
+        .collect()
+}
+
+/// `writes` (destinations in pool offsets) as writes through `windows`: each through the
+/// window that holds all of it, at its offset there; `None` if one lies in none.
+fn through_windows(
+    writes: Option<Vec<PoolWrite>>,
+    windows: &[(u64, MrDesc)],
+) -> Option<Vec<(u64, &MrDesc, u64, u64)>> {
+    writes?
+        .into_iter()
+        .map(|(from, to, len)| {
+            let (start, desc) = windows.iter().find(|(start, d)| {
+                to >= *start && to.checked_add(len).is_some_and(|end| end - start <= d.len)
+            })?;
+            Some((from, desc, to - start, len))
+        })
+        .collect()
+}
 
 impl Shared {
     /// Fetch: writes the chunk's pages into the requester's pool `pages`, each write carrying
@@ -16,7 +67,13 @@ impl Shared {
     /// pool pages ([`wire::fetch_runs`]); from a paged cache, one per piece of a block within
     /// a pool page ([`wire::fetch_pieces`]). All or nothing ([`Shared::send_all`]): every
     /// run's destination is checked against the pool before the first write is sent.
-    pub(super) fn fetch(&self, session: &Session, chunk: u32, pages: &[u32]) -> Status {
+    pub(super) fn fetch(
+        &self,
+        session: &Session,
+        chunk: u32,
+        pages: &[u32],
+        seg: &Segment<'_>,
+    ) -> Status {
         let Some(held) = self.chunks.get(ChunkId(chunk)) else {
             return Status::UnknownChunk;
         };
@@ -27,8 +84,11 @@ impl Shared {
         if pages.len() != layout.pages() {
             return Status::FetchRefused;
         }
+        let Some(windows) = window_descs(pool, seg) else {
+            return Status::FetchRefused;
+        };
         let page = PAGE_BYTES as u64;
-        let writes: Option<Vec<(u64, u64, u64)>> = match held.placement {
+        let writes: Option<Vec<PoolWrite>> = match held.placement {
             Placement::Full { offset } => wire::fetch_runs(pages)
                 .map(|(first, count)| {
                     let len = count as u64 * page;
@@ -56,24 +116,24 @@ impl Shared {
                 .collect(),
         };
         self.send_all(
-            writes,
+            through_windows(writes, &windows),
             self.chunks.store().handle(),
-            (session, pool, session.hello.fetch_imm),
+            (session, session.hello.fetch_imm),
         )
     }
 
-    /// Sends a fetch or gather segment's `writes` (source offset in `src`, destination offset
-    /// in `pool`, length), each with the fetch immediate `imm`, or none of them: `None` (a
-    /// write that would not fit the pool, found by the caller before anything was sent) is
-    /// `FetchRefused`. The writes' checks have passed, so a submission fails only as every
+    /// Sends a fetch or gather segment's `writes` (source offset in `src`, the window written
+    /// through, the offset in it, length), each with the fetch immediate `imm`, or none of
+    /// them: `None` (a write that would not fit the pool or any window the segment granted,
+    /// found by the caller before anything was sent) is `FetchRefused`. The writes' checks have passed, so a submission fails only as every
     /// other would (an engine shutting down): a failure at the first sent nothing
     /// (`FetchRefused`), a later one left some sent (`TransferFailed`: the requester's count
     /// is lost and it gives the link up).
     fn send_all(
         &self,
-        writes: Option<Vec<(u64, u64, u64)>>,
+        writes: Option<Vec<(u64, &MrDesc, u64, u64)>>,
         src: &MrHandle,
-        (session, pool, imm): (&Session, &MrDesc, u32),
+        (session, imm): (&Session, u32),
     ) -> Status {
         let Some(writes) = writes else {
             return Status::FetchRefused;
@@ -82,12 +142,12 @@ impl Shared {
         let Some(_posting) = session.posting() else {
             return Status::FetchRefused;
         };
-        for (n, &(from, to, len)) in writes.iter().enumerate() {
+        for (n, &(from, window, to, len)) in writes.iter().enumerate() {
             let sent = self.engine.submit_single_write(
                 len,
                 Some(imm),
                 (src, from),
-                (pool, to),
+                (window, to),
                 OnDone::nothing(),
             );
             if let Err(e) = sent {
@@ -113,7 +173,7 @@ impl Shared {
         (chunk, layer): (u32, u16),
         first: u32,
         tokens: &[i32],
-        pages: &[u32],
+        (pages, seg): (&[u32], &Segment<'_>),
     ) -> Status {
         let Some(held) = self.chunks.get(ChunkId(chunk)) else {
             return Status::UnknownChunk;
@@ -131,6 +191,9 @@ impl Shared {
         if layout.layer_offset(u32::from(layer)).is_err() {
             return Status::BadLayer;
         }
+        let Some(windows) = window_descs(pool, seg) else {
+            return Status::FetchRefused;
+        };
         let bytes = tokens.len() * ROW_BYTES;
         if *used + bytes > self.config.gather_bytes {
             return Status::FetchRefused;
@@ -156,7 +219,7 @@ impl Shared {
         *used += bytes;
         // All or nothing: every write's destination is checked before the first is sent, so
         // a refused segment sent none and the requester expects no rows from it.
-        let writes: Option<Vec<(u64, u64, u64)>> = wire::gather_writes(first, tokens.len())
+        let writes: Option<Vec<PoolWrite>> = wire::gather_writes(first, tokens.len())
             .map(|w| {
                 let len = (w.rows * ROW_BYTES) as u64;
                 let dst = u64::from(*pages.get(w.page)?)
@@ -170,9 +233,9 @@ impl Shared {
             })
             .collect();
         self.send_all(
-            writes,
+            through_windows(writes, &windows),
             self.gather_staging.handle(),
-            (session, pool, session.hello.fetch_imm),
+            (session, session.hello.fetch_imm),
         )
     }
 }

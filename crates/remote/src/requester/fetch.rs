@@ -6,12 +6,12 @@ use std::time::Instant;
 use kvroute_kernels::layout::PAGE_TOKENS;
 use kvroute_kernels::{Backend, Cache, Rope, SpliceJob, splice};
 use kvroute_kvstore::{ChunkId, PAGE_BYTES, ROW_BYTES};
-use kvroute_transport::{MrDesc, TransferShape};
+use kvroute_transport::{Grant, MrDesc, TransferShape, TransportError};
 
 use super::Requester;
 use super::exchange::decode_reply;
 use crate::error::{RemoteError, RouteError};
-use crate::wire::{self, QueryRows, SegmentKind, SegmentSpec, Status};
+use crate::wire::{self, PoolWindow, QueryRows, SegmentKind, SegmentSpec, Status};
 
 /// A chunk fetched into the pool and spliced to the requester's positions.
 #[derive(Debug)]
@@ -77,6 +77,18 @@ impl Requester {
                 why: format!("pool: {e}"),
             })?;
         let started = Instant::now();
+        // The holder may write these pages and nothing else of the pool, until the grants go.
+        let grants = match self.grant_rows(&pages, 0, pages.len() * PAGE_TOKENS) {
+            Ok(g) => g,
+            Err(e) => {
+                let _ = self.pool.release(&pages);
+                return Err(RouteError::HolderFailed {
+                    holder,
+                    why: format!("pool grant: {e}"),
+                });
+            }
+        };
+        let windows = windows(&grants);
         let seg = SegmentSpec {
             kind: SegmentKind::Fetch,
             chunk: chunk.0,
@@ -84,6 +96,7 @@ impl Requester {
             queries: QueryRows::Copied(&[]),
             indices: &[],
             pages: &pages,
+            windows: &windows,
         };
         let write = |len: u64| {
             self.engine
@@ -98,6 +111,10 @@ impl Requester {
                 .sum(),
         };
         let reply = self.exchange(vec![(link, vec![seg], vec![arrivals])]).pop();
+        // Every write of the fetch was counted, or its link given up: from here no write of
+        // the holder's lands in the pool.
+        drop(windows);
+        drop(grants);
         let reply = reply.unwrap_or(Err(RouteError::NoHolder(chunk)));
         let seq = self.links[link].seq;
         let status = reply
@@ -113,20 +130,17 @@ impl Requester {
                 });
             }
             Err(e) => {
-                // Once the exchange returned, every write the holder sent has been counted
-                // (`await_fetch_writes`); only a link given up may still have writes in
-                // flight, and pages they may land in are quarantined, not reused.
-                if !matches!(e, RouteError::HolderFailed { .. }) {
-                    let _ = self.pool.release(&pages);
-                }
+                // Even a link given up with writes in flight cannot land them: its grants are
+                // gone.
+                let _ = self.pool.release(&pages);
                 return Err(e);
             }
         }
         let transfer_us = started.elapsed().as_secs_f64() * 1e6;
         let started = Instant::now();
-        // SAFETY: every page write of this fetch has been counted; no other fetch is in flight
-        // (the requester is used from one thread) and a timed-out fetch's pages are never
-        // released, so no peer writes into the pool now; no other view of the pool exists.
+        // SAFETY: no peer can write into the pool now: peers write only through grants, and
+        // every grant of this fetch (the only transfer in flight: the requester is used from
+        // one thread) was dropped, which deregistered it; no other view of the pool exists.
         let pool = unsafe { self.pool_mem.u16s_mut(0, self.pool.bytes() / 2) }.map_err(|e| {
             RouteError::HolderFailed {
                 holder,
@@ -193,9 +207,32 @@ impl Requester {
             }
         }
         let started = Instant::now();
+        // Each segment's holder may write its rows' bytes and nothing else of the pool, until
+        // the grants go: per (part, layer), the grants of the rows it lands.
+        let mut grants = Vec::with_capacity(parts.len() * layers.len());
+        let mut at = 0;
+        for p in parts {
+            let n = p.tokens.len();
+            for l in 0..layers.len() {
+                if n == 0 {
+                    continue;
+                }
+                match self.grant_rows(&pages[l * ppl..(l + 1) * ppl], at, n) {
+                    Ok(g) => grants.push(g),
+                    Err(e) => {
+                        drop(grants);
+                        let _ = self.pool.release(&pages);
+                        return Err(no_pool(&format!("grant: {e}")));
+                    }
+                }
+            }
+            at += n;
+        }
+        let windows: Vec<Vec<PoolWindow<'_>>> = grants.iter().map(|g| windows(g)).collect();
         // link -> (segments, per segment the arrivals of its fetch immediate: one write per
         // page it touches, as the holder packs them, each maybe sharded over NICs)
         let mut batches: Vec<(usize, Vec<SegmentSpec<'_>>, Vec<u64>)> = Vec::new();
+        let mut segment_windows = windows.iter();
         let mut at = 0;
         for (p, &link) in parts.iter().zip(&links) {
             let n = p.tokens.len();
@@ -218,6 +255,7 @@ impl Requester {
                         queries: QueryRows::Copied(&[]),
                         indices: p.tokens,
                         pages: &table[first_page..end_page],
+                        windows: segment_windows.next().map_or(&[][..], Vec::as_slice),
                     };
                     match batches.iter_mut().find(|(b, _, _)| *b == link) {
                         Some((_, segs, counts)) => {
@@ -240,8 +278,10 @@ impl Requester {
         }
         let asked: Vec<(usize, usize)> = batches.iter().map(|(l, s, _)| (*l, s.len())).collect();
         let replies = self.exchange(batches);
+        // Every write was counted, or its link given up: from here none lands in the pool.
+        drop(windows);
+        drop(grants);
         let mut failure = None;
-        let mut late_writes_possible = false;
         for ((link, segments), reply) in asked.into_iter().zip(replies) {
             let holder = self.links[link].addr;
             let seq = self.links[link].seq;
@@ -255,17 +295,13 @@ impl Requester {
                     }
                 }
                 Err(e) => {
-                    // As in `fetch`: only a link given up may still have writes in flight.
-                    late_writes_possible |= matches!(e, RouteError::HolderFailed { .. });
                     failure.get_or_insert(e);
                 }
             }
         }
         if let Some(e) = failure {
-            // Pages a late write may still land in are quarantined, not reused.
-            if !late_writes_possible {
-                let _ = self.pool.release(&pages);
-            }
+            // As in `fetch`: a late write cannot land, its grant is gone.
+            let _ = self.pool.release(&pages);
             return Err(e);
         }
         Ok(Gathered {
@@ -327,8 +363,52 @@ impl Requester {
         Ok(self.pool.release(&fetched.pages)?)
     }
 
-    /// The descriptor of the pool (for tests that play a forged holder).
+    /// The descriptor of the pool, as every holder's hello names it (for tests that play a
+    /// forged holder): no peer may write through it; fetches and gathers grant windows.
     pub fn pool_desc(&self) -> &MrDesc {
         self.pool_mem.desc()
     }
+
+    /// Grants of the pool bytes that rows `first..first + rows` of `pages` fill (row `r` at
+    /// row `r % 64` of page `pages[r / 64]`): one per stretch of them contiguous in the pool,
+    /// so a fetch into pages the pool handed out in order is one grant.
+    fn grant_rows(
+        &self,
+        pages: &[u32],
+        first: usize,
+        rows: usize,
+    ) -> Result<Vec<Grant>, TransportError> {
+        let mut stretches: Vec<(usize, usize)> = Vec::new();
+        let end = first + rows;
+        let mut row = first;
+        while row < end {
+            let page = row / PAGE_TOKENS;
+            let page_end = ((page + 1) * PAGE_TOKENS).min(end);
+            let &number = pages
+                .get(page)
+                .ok_or(TransportError::InvalidArgument("rows past the pages given"))?;
+            let start = number as usize * PAGE_BYTES + (row % PAGE_TOKENS) * ROW_BYTES;
+            let len = (page_end - row) * ROW_BYTES;
+            match stretches.last_mut() {
+                Some((at, n)) if *at + *n == start => *n += len,
+                _ => stretches.push((start, len)),
+            }
+            row = page_end;
+        }
+        stretches
+            .into_iter()
+            .map(|(at, len)| self.pool_mem.grant(at, len))
+            .collect()
+    }
+}
+
+/// What a segment tells its holder of `grants`.
+fn windows(grants: &[Grant]) -> Vec<PoolWindow<'_>> {
+    grants
+        .iter()
+        .map(|g| PoolWindow {
+            offset: g.offset() as u64,
+            desc: g.desc(),
+        })
+        .collect()
 }

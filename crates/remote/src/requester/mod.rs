@@ -358,7 +358,9 @@ impl Requester {
             .ok_or_else(|| RemoteError::Config("link buffers larger than memory".into()))?;
         let send = engine.alloc_mr_with(link_total, Access::Local)?;
         let pool = PagedPool::new(config.pool_pages.max(1), PAGE_BYTES)?;
-        let pool_mem = engine.alloc_mr(pool.bytes())?;
+        // No peer writes through the pool's own registration: each fetch and gather grants
+        // its holder just the bytes it fills, for as long as it runs.
+        let pool_mem = engine.alloc_mr_with(pool.bytes(), Access::Local)?;
         let mut requester = Self {
             engine,
             config,

@@ -374,6 +374,7 @@ impl Requester {
                             queries: QueryRows::InPlace(call.rows),
                             indices,
                             pages: &[],
+                            windows: &[],
                         }
                     })
                     .collect::<Vec<_>>();

@@ -32,8 +32,10 @@ pub const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"KVRP");
 /// ([`ReplyHeader::kernel_us`]), so a requester can take compute out of a round trip without
 /// asking for the holder's shared counters. 6: a session is served only after its requester
 /// proved, with a [`encode_proof`] message the transport attributes to the hello's address,
-/// that the address is its own. An older peer is refused.
-pub const VERSION: u16 = 6;
+/// that the address is its own. 7: a fetch or gather segment carries the [`PoolWindow`]s its
+/// writes land through (grants of just their bytes, each with a key of its own), and the pool
+/// itself takes no peer write. An older peer is refused.
+pub const VERSION: u16 = 7;
 /// Bytes of a request header.
 pub const REQUEST_HEADER: usize = 48;
 /// Bytes of one segment descriptor.
@@ -329,6 +331,29 @@ pub struct GatherWrite {
     pub from: usize,
 }
 
+/// A window of the requester's pool that a fetch or gather segment's writes land through: a
+/// [`kvroute_transport::Grant`] of just the bytes that segment fills, as the holder is told
+/// it. The pool's own descriptor (in the hello) takes no write, so a holder can write only
+/// where the segments sent to it land, and only until the requester drops the grants.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolWindow<'a> {
+    /// Where the window starts in the pool, bytes.
+    pub offset: u64,
+    /// What a write through it presents (its address, length and one key per NIC).
+    pub desc: &'a kvroute_transport::MrDesc,
+}
+
+/// Bytes of one window on the wire with `keys` keys (offset, length, address, keys).
+pub const fn window_bytes(keys: usize) -> usize {
+    24 + 8 * keys
+}
+
+/// The most NIC keys one window carries.
+pub const MAX_WINDOW_KEYS: usize = 16;
+
+/// The most windows one segment carries.
+pub const MAX_WINDOWS: usize = 4096;
+
 /// One segment of a request, as the requester builds it.
 #[derive(Debug, Clone, Copy)]
 pub struct SegmentSpec<'a> {
@@ -345,6 +370,9 @@ pub struct SegmentSpec<'a> {
     /// Fetch: the requester's pool pages, layer-major (`layers * ceil(tokens / 64)`);
     /// gather: [`gather_pages`] pages.
     pub pages: &'a [u32],
+    /// Fetch and gather: the windows of the pool the writes land through, each with as many
+    /// keys as the others (none for other kinds).
+    pub windows: &'a [PoolWindow<'a>],
 }
 
 /// A segment's query rows as the requester builds it.

@@ -10,10 +10,20 @@ use super::*;
 pub fn request_len(segments: &[SegmentSpec<'_>]) -> usize {
     REQUEST_HEADER
         + segments.len() * SEGMENT_BYTES
-        + segments
-            .iter()
-            .map(|s| s.queries.bytes() + s.indices.len() * 4 + s.pages.len() * 4)
-            .sum::<usize>()
+        + segments.iter().map(payload_len).sum::<usize>()
+}
+
+/// Keys per window of `s` (every window carries as many: the first's).
+fn keys_per_window(s: &SegmentSpec<'_>) -> usize {
+    s.windows.first().map_or(0, |w| w.desc.rkeys.len())
+}
+
+/// Payload bytes of `s`: query rows, indices, pages, windows.
+fn payload_len(s: &SegmentSpec<'_>) -> usize {
+    s.queries.bytes()
+        + s.indices.len() * 4
+        + s.pages.len() * 4
+        + s.windows.len() * window_bytes(keys_per_window(s))
 }
 
 /// Partial rows a reply to `segments` carries.
@@ -42,7 +52,9 @@ pub fn encode_request(
 /// they were.
 ///
 /// # Panics
-/// If `out` is not [`request_len`] bytes (a caller's bug, not a peer's input).
+/// If `out` is not [`request_len`] bytes, or a segment's windows carry different numbers of
+/// keys, more than [`MAX_WINDOW_KEYS`] or more than [`MAX_WINDOWS`] windows (a caller's bug,
+/// not a peer's input).
 pub fn encode_request_into(
     out: &mut [u8],
     seq: u64,
@@ -70,7 +82,14 @@ pub fn encode_request_into(
             SegmentKind::Fetch => (3, 0, 0),
             SegmentKind::Gather { first } => (4, first, 0),
         };
-        let len = s.queries.bytes() + s.indices.len() * 4 + s.pages.len() * 4;
+        let len = payload_len(s);
+        let keys = keys_per_window(s);
+        assert!(
+            s.windows.len() <= MAX_WINDOWS
+                && keys <= MAX_WINDOW_KEYS
+                && s.windows.iter().all(|w| w.desc.rkeys.len() == keys),
+            "a segment's windows carry at most {MAX_WINDOW_KEYS} keys each, as many each"
+        );
         let rows = match s.kind {
             SegmentKind::Fetch => s.pages.len(),
             SegmentKind::Gather { .. } => s.indices.len(),
@@ -85,7 +104,9 @@ pub fn encode_request_into(
         d[16..20].copy_from_slice(&rpt.to_le_bytes());
         d[20..24].copy_from_slice(&(payload as u32).to_le_bytes());
         d[24..28].copy_from_slice(&(len as u32).to_le_bytes());
-        d[28..32].fill(0);
+        d[28..30].copy_from_slice(&(s.windows.len() as u16).to_le_bytes());
+        d[30] = keys as u8;
+        d[31] = 0;
         payload += len;
     }
     let mut at = REQUEST_HEADER + segments.len() * SEGMENT_BYTES;
@@ -100,6 +121,16 @@ pub fn encode_request_into(
         }
         at += put_le(&mut out[at..], s.indices, i32::to_le_bytes);
         at += put_le(&mut out[at..], s.pages, u32::to_le_bytes);
+        for w in s.windows {
+            let d = &mut out[at..][..window_bytes(keys_per_window(s))];
+            d[0..8].copy_from_slice(&w.offset.to_le_bytes());
+            d[8..16].copy_from_slice(&w.desc.len.to_le_bytes());
+            d[16..24].copy_from_slice(&w.desc.addr.to_le_bytes());
+            for (k, key) in d[24..].chunks_exact_mut(8).zip(&w.desc.rkeys) {
+                k.copy_from_slice(&key.rkey.to_le_bytes());
+            }
+            at += d.len();
+        }
     }
     debug_assert_eq!(at, total);
     in_place
@@ -141,8 +172,41 @@ pub struct Segment<'a> {
     pub layer: u16,
     /// Query rows (dense, sparse), pages (fetch) or tokens (gather).
     pub rows: usize,
-    /// The payload bytes: query rows then indices, pages, or indices then pages.
+    /// The payload bytes: query rows then indices, pages, or indices then pages (without
+    /// the windows).
     pub payload: &'a [u8],
+    /// Fetch and gather: the windows' bytes ([`Segment::windows`]).
+    pub windows: &'a [u8],
+    /// Keys each window carries.
+    pub window_keys: usize,
+}
+
+/// A window of the requester's pool as a segment names it ([`PoolWindow`] on the wire).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window<'a> {
+    /// Where it starts in the pool, bytes.
+    pub offset: u64,
+    /// Its length, bytes.
+    pub len: u64,
+    /// The address a write through it names.
+    pub addr: u64,
+    keys: &'a [u8],
+}
+
+impl Window<'_> {
+    /// Its keys, one per NIC, NIC 0 first.
+    pub fn keys(&self) -> impl Iterator<Item = u64> + '_ {
+        self.keys.chunks_exact(8).map(|k| u64_at(k, 0))
+    }
+
+    /// Whether pool bytes `at..at + len` lie inside it.
+    pub fn covers(&self, at: u64, len: u64) -> bool {
+        at >= self.offset
+            && at
+                .checked_add(len)
+                .zip(self.offset.checked_add(self.len))
+                .is_some_and(|(end, window_end)| end <= window_end)
+    }
 }
 
 impl Segment<'_> {
@@ -199,6 +263,18 @@ impl Segment<'_> {
             .chunks_exact(4)
             .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect()
+    }
+
+    /// The windows of the pool its writes land through (fetch and gather; none otherwise).
+    pub fn windows(&self) -> impl Iterator<Item = Window<'_>> + '_ {
+        self.windows
+            .chunks_exact(window_bytes(self.window_keys))
+            .map(|w| Window {
+                offset: u64_at(w, 0),
+                len: u64_at(w, 8),
+                addr: u64_at(w, 16),
+                keys: &w[24..],
+            })
     }
 
     /// Partial rows this segment contributes to the reply.
@@ -319,14 +395,34 @@ pub(crate) fn parse_segment(
                 .and_then(|n| n.checked_mul(4))
         }
     };
-    if rows == 0 || expected != Some(len) {
+    let (windows, window_keys) = (usize::from(u16_at(d, 28)), usize::from(d[30]));
+    let window_len = match kind {
+        SegmentKind::Fetch | SegmentKind::Gather { .. }
+            if windows <= MAX_WINDOWS
+                && window_keys <= MAX_WINDOW_KEYS
+                && (windows == 0) == (window_keys == 0)
+                && d[31] == 0 =>
+        {
+            windows * window_bytes(window_keys)
+        }
+        SegmentKind::Dense | SegmentKind::Sparse { .. }
+            if windows == 0 && d[30] == 0 && d[31] == 0 =>
+        {
+            0
+        }
+        _ => return Err(Status::BadSegment),
+    };
+    if rows == 0 || expected.and_then(|n| n.checked_add(window_len)) != Some(len) {
         return Err(Status::BadSegment);
     }
+    let (payload, windows) = body[offset..end].split_at(len - window_len);
     Ok(Segment {
         kind,
         chunk,
         layer,
         rows,
-        payload: &body[offset..end],
+        payload,
+        windows,
+        window_keys,
     })
 }

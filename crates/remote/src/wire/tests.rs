@@ -1,6 +1,7 @@
 //! The wire format's unit and property tests.
 
 use super::*;
+use kvroute_kvstore::PAGE_BYTES;
 use proptest::prelude::*;
 
 fn sample() -> Vec<u8> {
@@ -8,6 +9,34 @@ fn sample() -> Vec<u8> {
     let idx = vec![0i32, 5, -1, 2, 2, 9];
     let pages = vec![4u32, 5, 6];
     let gathered = [3i32, 0, 3];
+    let desc = |addr: u64, len: u64, keys: &[u64]| kvroute_transport::MrDesc {
+        addr,
+        len,
+        rkeys: keys
+            .iter()
+            .map(|&rkey| kvroute_transport::RemoteKey {
+                nic: kvroute_transport::DomainAddr {
+                    provider: "mem".into(),
+                    bytes: vec![1],
+                },
+                rkey,
+            })
+            .collect(),
+    };
+    let (d1, d2) = (
+        desc(0x7000_0000, 3 * PAGE_BYTES as u64, &[11, 12]),
+        desc(0x9000, 64, &[13, 14]),
+    );
+    let windows = [
+        PoolWindow {
+            offset: 4 * PAGE_BYTES as u64,
+            desc: &d1,
+        },
+        PoolWindow {
+            offset: 1 << 40,
+            desc: &d2,
+        },
+    ];
     let segs = [
         SegmentSpec {
             kind: SegmentKind::Dense,
@@ -16,6 +45,7 @@ fn sample() -> Vec<u8> {
             queries: QueryRows::Copied(&q[..D_QK]),
             indices: &[],
             pages: &[],
+            windows: &[],
         },
         SegmentSpec {
             kind: SegmentKind::Sparse {
@@ -27,6 +57,7 @@ fn sample() -> Vec<u8> {
             queries: QueryRows::Copied(&q[..2 * D_QK]),
             indices: &idx,
             pages: &[],
+            windows: &[],
         },
         SegmentSpec {
             kind: SegmentKind::Fetch,
@@ -35,6 +66,7 @@ fn sample() -> Vec<u8> {
             queries: QueryRows::Copied(&[]),
             indices: &[],
             pages: &pages,
+            windows: &windows,
         },
         // Rows 62, 63 of page 4 and row 0 of page 5.
         SegmentSpec {
@@ -44,6 +76,7 @@ fn sample() -> Vec<u8> {
             queries: QueryRows::Copied(&[]),
             indices: &gathered,
             pages: &pages[..2],
+            windows: &[],
         },
     ];
     let mut out = Vec::new();
@@ -75,6 +108,31 @@ fn request_round_trips() {
     assert_eq!(segs[1].indices(), [0, 5, -1, 2, 2, 9]);
     assert_eq!(segs[1].queries().len(), 2 * D_QK);
     assert_eq!(segs[2].pages(), [4, 5, 6]);
+    let got: Vec<(u64, u64, u64, Vec<u64>)> = segs[2]
+        .windows()
+        .map(|w| (w.offset, w.len, w.addr, w.keys().collect()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (
+                4 * PAGE_BYTES as u64,
+                3 * PAGE_BYTES as u64,
+                0x7000_0000,
+                vec![11, 12]
+            ),
+            (1 << 40, 64, 0x9000, vec![13, 14]),
+        ]
+    );
+    let w = segs[2]
+        .windows()
+        .next()
+        .unwrap_or_else(|| panic!("a window"));
+    assert!(w.covers(4 * PAGE_BYTES as u64, 3 * PAGE_BYTES as u64));
+    assert!(!w.covers(4 * PAGE_BYTES as u64 + 1, 3 * PAGE_BYTES as u64));
+    assert!(!w.covers(u64::MAX, 2));
+    assert_eq!(segs[3].windows().count(), 0);
+    assert_eq!(segs[0].windows().count(), 0);
     assert_eq!(
         (
             segs[3].kind,
@@ -230,6 +288,7 @@ fn forged_gathers_are_bad_segments() {
                 queries: QueryRows::Copied(&[]),
                 indices: &tokens,
                 pages: &pages[..n_pages],
+                windows: &[],
             },
             SegmentSpec {
                 kind: SegmentKind::Gather { first: 0 },
@@ -238,6 +297,7 @@ fn forged_gathers_are_bad_segments() {
                 queries: QueryRows::Copied(&[]),
                 indices: &tokens,
                 pages: &pages[..1],
+                windows: &[],
             },
         ];
         let mut out = Vec::new();
