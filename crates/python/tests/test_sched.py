@@ -44,3 +44,33 @@ def test_prfaas_on_the_mooncake_trace() -> None:
 def test_bad_input_raises_a_kvroute_error(call) -> None:
     with pytest.raises(kvroute.KvrouteError):
         call()
+
+
+def test_ctrl_c_interrupts_a_long_simulation() -> None:
+    """SIGINT half a second into a simulation of many seconds raises KeyboardInterrupt
+    within a fraction of a second (the wait checks signals every 50 ms)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = (
+        "import sys, time, kvroute\n"
+        "print('started', flush=True)\n"
+        "try:\n"
+        "    kvroute.simulate_prfaas(requests=250_000)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "    sys.exit(0)\n"
+        "sys.exit(3)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "started"
+    time.sleep(0.5)
+    sent = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    line = proc.stdout.readline().strip()
+    took = time.perf_counter() - sent
+    assert proc.wait(timeout=60) == 0 and line == "interrupted"
+    assert took < 2.0, f"KeyboardInterrupt {took:.2f} s after SIGINT"
