@@ -39,7 +39,11 @@ pub(crate) fn u16_rows<'py>(
             }
             _ => obj.clone(),
         };
-        np.call_method1("from_dlpack", (tensor,))?
+        np.call_method1("from_dlpack", (tensor,)).map_err(|e| {
+            invalid(format!(
+                "{what}: {e} (only host memory comes in: a CPU tensor, not a GPU one)"
+            ))
+        })?
     } else {
         return Err(invalid(format!(
             "{what}: expected a NumPy array of bf16 bits (uint16), got {}",

@@ -245,3 +245,4 @@ def test_closed_engines_leave_no_shm_region() -> None:
         kvroute.Requester(fabric, [holder.addr], SCALE).close()
         stepper_over(fabric, [holder.addr], "route").close()
     assert mine() == before
+
