@@ -339,6 +339,7 @@ pub(crate) fn plan_prfaas(
         },
         lengths: TruncatedLogNormal::new(mu, sigma, min_tokens, max_tokens).map_err(py_err)?,
     };
+    crate::sched::in_range("grid", grid.into(), 2, 65_536)?;
     let (grid, point) = match (threshold, np) {
         (Some(t), Some(n)) => (None, py.detach(|| planner.evaluate(t, n)).map_err(py_err)?),
         (None, None) => (

@@ -34,6 +34,10 @@ impl ToPyErr for ReplayError {
     }
 }
 
+/// The largest cache a `PrefixCache` or a replay may have, in blocks: a bounded cache
+/// reserves its nodes up front, and a reservation the machine cannot back aborts the process.
+pub(crate) const MAX_CACHE_BLOCKS: usize = 1 << 24;
+
 fn policy_of(name: &str) -> PyResult<Eviction> {
     name.parse::<Eviction>().map_err(py_err)
 }
@@ -43,7 +47,8 @@ type Evicted = (u64, Option<u64>, u64);
 
 /// A prefix cache of KV blocks named by chained hashes: block `i` of a prompt is
 /// `(parent=hashes[i-1], hash=hashes[i])`; a value (an int: a slot, a page, an id) per
-/// block. `capacity` blocks (0: unbounded); `policy` `"lru"` or `"tail-first"`.
+/// block. `capacity` blocks (0: unbounded; at most 2**24, reserved up front); `policy`
+/// `"lru"` or `"tail-first"`.
 #[pyclass(module = "kvroute")]
 #[derive(Debug)]
 pub(crate) struct PrefixCache {
@@ -56,6 +61,7 @@ impl PrefixCache {
     #[new]
     #[pyo3(signature = (capacity, policy = "lru"))]
     fn new(capacity: usize, policy: &str) -> PyResult<Self> {
+        crate::sched::in_range("capacity", capacity as u64, 0, MAX_CACHE_BLOCKS as u64)?;
         Ok(Self {
             inner: kvroute_kvstore::PrefixCache::new(capacity, policy_of(policy)?),
         })
@@ -204,6 +210,12 @@ pub(crate) fn replay_trace(
     store_dir: Option<PathBuf>,
     store_layers: u32,
 ) -> PyResult<Py<PyAny>> {
+    crate::sched::in_range(
+        "capacity_blocks",
+        capacity_blocks as u64,
+        0,
+        MAX_CACHE_BLOCKS as u64,
+    )?;
     let config = ReplayConfig {
         block_tokens,
         capacity_blocks,

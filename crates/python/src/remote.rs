@@ -458,6 +458,8 @@ impl Requester {
             pool_pages,
             ..kvroute_remote::RequesterConfig::new(scale)
         };
+        // 2**20 pages of 64 rows are 75 GB of pool, reserved at connect.
+        crate::sched::in_range("pool_pages", pool_pages.into(), 1, 1 << 20)?;
         let engine = fabric.engine()?;
         let req = interruptible(py, move || {
             kvroute_remote::Requester::connect(engine, &addrs, config)

@@ -27,6 +27,15 @@ use crate::errors::{Kind, error, invalid, py_err};
 use crate::record::to_record;
 use crate::wait::interruptible;
 
+/// `value` within `lo..=hi`, else `InvalidInputError` naming `what`.
+pub(crate) fn in_range(what: &str, value: u64, lo: u64, hi: u64) -> PyResult<()> {
+    if (lo..=hi).contains(&value) {
+        Ok(())
+    } else {
+        Err(invalid(format!("{what} = {value}: expected {lo} to {hi}")))
+    }
+}
+
 #[derive(Serialize)]
 struct TimedRun {
     #[serde(flatten)]
@@ -87,6 +96,12 @@ pub(crate) fn simulate_dualpath(
     beta_s: f64,
     alpha_s: f64,
 ) -> PyResult<Py<PyAny>> {
+    // The command line's ranges for what sizes allocations (past them a machine runs out of
+    // memory, which aborts the process instead of raising).
+    in_range("scale", scale.into(), 1, 100)?;
+    in_range("agents", agents.into(), 1, 16_384)?;
+    in_range("prefill_nodes", prefill_nodes.into(), 1, 256)?;
+    in_range("decode_nodes", decode_nodes.into(), 1, 256)?;
     let mut config = ClusterConfig::paper_003(prefill_nodes, decode_nodes).map_err(py_err)?;
     config.model = match model {
         "deepseek-v3.2" | "v3.2" => ModelProfile::deepseek_v32().map_err(py_err)?,
@@ -233,6 +248,13 @@ pub(crate) fn simulate_prfaas(
     seed: u64,
     adapt: bool,
 ) -> PyResult<Py<PyAny>> {
+    in_range("requests", requests, 1, 250_000)?;
+    in_range(
+        "cache_blocks",
+        cache_blocks as u64,
+        0,
+        crate::kvstore::MAX_CACHE_BLOCKS as u64,
+    )?;
     let report = interruptible(py, move || -> PyResult<SimulatePrfaasReport> {
         let slowdowns = match h20_slowdown {
             Some(s) => vec![s],

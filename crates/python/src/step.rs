@@ -24,6 +24,10 @@ use crate::remote::{D_QK, PartialAttention, Requester, rope_layout_of, shut_down
 use crate::wait::interruptible;
 use kvroute_transport::TransferEngine;
 
+/// The most query rows a probe point or a synthetic query batch may have (the largest the
+/// command line's probe sweeps use is 2048); past memory, an allocation aborts the process.
+const MAX_ROWS: usize = 1 << 16;
+
 /// A remote chunk a request attends: its id, the position its first token has in the
 /// request's context, and for sparse attention the chunk-local tokens selected.
 #[pyclass(module = "kvroute", frozen, get_all)]
@@ -249,6 +253,9 @@ impl Stepper {
                 )));
             }
         };
+        for &mq in &probe_mq {
+            crate::sched::in_range("probe_mq", mq.into(), 1, MAX_ROWS as u64)?;
+        }
         let largest = probe_mq.iter().copied().max().unwrap_or(0) as usize;
         if largest == 0 || probe_reps == 0 {
             return Err(invalid(
@@ -563,6 +570,7 @@ impl Corpus {
         position: i64,
         seed: u64,
     ) -> PyResult<Py<numpy::PyArray1<u16>>> {
+        crate::sched::in_range("rows", rows as u64, 1, MAX_ROWS as u64)?;
         let rope = self.spec().rope().map_err(py_err)?;
         Ok(owned_u16(
             py,

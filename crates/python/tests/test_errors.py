@@ -126,3 +126,19 @@ def test_every_public_name_is_documented() -> None:
                 if not (getattr(member, "__doc__", None) or "").strip():
                     undocumented.append(f"{name}.{attr}")
     assert undocumented == []
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: kvroute.PrefixCache(10**12),
+        lambda: kvroute.replay_trace("x.jsonl", capacity_blocks=10**12),
+        lambda: kvroute.simulate_dualpath(agents=10**9),
+        lambda: kvroute.simulate_prfaas(requests=10**12),
+        lambda: kvroute.plan_prfaas(grid=10**9),
+        lambda: kvroute.Corpus(layers=1, chunk_tokens=64, chunks=1).queries(10**10, 0, 1),
+    ],
+)
+def test_sizes_past_memory_are_refused_not_allocated(call) -> None:
+    with pytest.raises(kvroute.InvalidInputError):
+        call()
