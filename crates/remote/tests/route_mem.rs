@@ -1407,3 +1407,29 @@ fn a_view_followed_in_the_background_never_waits_on_a_silent_holder() -> Result<
     drop((regs, silent));
     Ok(())
 }
+
+/// Dropping a requester stops its engine when nothing else holds it: a write to one of its
+/// regions then finds no peer at all, not a region gone from a live engine. (Each link kept
+/// a clone of the engine that was never dropped, so every requester's engine, its threads
+/// and, over shm, its regions outlived it.)
+#[test]
+fn a_dropped_requester_takes_its_engine_with_it() -> Result<()> {
+    let fabric = MemFabric::new();
+    let a = holder(&fabric, &[0, 1], 8)?;
+    let req = requester(&fabric, &[&a])?;
+    let region = req.reply_region(0).expect("a link").clone();
+    drop(req);
+    let other = TransferEngine::mem(&fabric, 1)?;
+    let (done, fut) = kvroute_transport::OnDone::future();
+    // Refused at submit (the fabric has no such endpoint) or in flight (no peer): either way
+    // gone; a live engine would refuse the write for its deregistered region instead.
+    let gone = match other.submit_imm(1, &region, done) {
+        Err(e) => e.to_string().contains("no endpoint"),
+        Ok(()) => matches!(
+            kvroute_transport::block_on(fut),
+            Err(kvroute_transport::TransferError::PeerUnreachable)
+        ),
+    };
+    assert!(gone, "the requester's engine outlived it");
+    Ok(())
+}

@@ -235,6 +235,8 @@ struct LinkImms {
     engine: TransferEngine,
     reply: u32,
     fetch: u32,
+    /// The link took them: `Requester`'s drop releases them.
+    kept: bool,
 }
 
 impl LinkImms {
@@ -243,21 +245,23 @@ impl LinkImms {
             engine: engine.clone(),
             reply: engine.reserve_imm(),
             fetch: engine.reserve_imm(),
+            kept: false,
         }
     }
 
     /// The values, now the link's to release (see `Requester`'s drop).
-    fn keep(self) -> (u32, u32) {
-        let kept = (self.reply, self.fetch);
-        std::mem::forget(self);
-        kept
+    fn keep(mut self) -> (u32, u32) {
+        self.kept = true;
+        (self.reply, self.fetch)
     }
 }
 
 impl Drop for LinkImms {
     fn drop(&mut self) {
-        self.engine.release_imm(self.reply);
-        self.engine.release_imm(self.fetch);
+        if !self.kept {
+            self.engine.release_imm(self.reply);
+            self.engine.release_imm(self.fetch);
+        }
     }
 }
 
