@@ -1235,13 +1235,14 @@ pub struct SweepArgs {
         value_delimiter = ','
     )]
     pub ct: Vec<u32>,
-    /// Concurrent requesters for the holder-capacity sweep, comma separated (empty: skip; 1 to
-    /// 1024).
+    /// Concurrent requesters for the holder-capacity sweep, comma separated (the flag with no
+    /// value: skip; 1 to 1024).
     #[arg(
         long,
         value_parser = u32_in(1..=1024),
         default_value = "1,2,4,8,16,32,64",
-        value_delimiter = ','
+        value_delimiter = ',',
+        num_args = 0..
     )]
     pub concurrency: Vec<u32>,
     /// Query rows each concurrent requester routes (one decode token of DeepSeek-V2-Lite; 1 to
