@@ -1,0 +1,369 @@
+//! Holders found after connect and through a directory: sessions opened for new records
+//! (side by side, or in the background), poisoned and silent records, and what a dropped
+//! requester leaves behind.
+
+use super::*;
+
+#[test]
+fn holders_added_after_connect_serve_their_chunks_and_replicas() -> Result<()> {
+    let fabric = MemFabric::new();
+    let a = holder(&fabric, &[0, 1], 8)?;
+    let mut req = requester(&fabric, &[&a])?;
+    assert!(matches!(
+        req.holder_for(ChunkId(2)),
+        Err(RouteError::NoHolder(_))
+    ));
+    // b brings chunk 2 and 3, c a replica of chunk 0; a fourth does not fit (room for 3).
+    let (b, c, d) = (
+        holder(&fabric, &[2, 3], 8)?,
+        holder(&fabric, &[0], 8)?,
+        holder(&fabric, &[1], 8)?,
+    );
+    assert_eq!(req.add_holder(b.addr())?, 1);
+    assert_eq!(req.add_holder(c.addr())?, 2);
+    assert!(req.add_holder(d.addr()).is_err());
+    assert_eq!(req.holders(), 3);
+    assert_eq!(req.live_replicas(ChunkId(0)), [0, 2]);
+    let s = spec();
+    let blocks: Vec<_> = (0..s.chunks)
+        .map(|c| s.chunk(ChunkId(c)))
+        .collect::<Result<_, _>>()?;
+    let q = queries(16, 900, &s.rope()?, 5);
+    let whole = |layer: u16| -> Result<Vec<f32>> {
+        let doc = s.document_layer(&blocks, u32::from(layer))?;
+        Ok(partial_dense(
+            Backend::Reference,
+            &Queries::new(&q)?,
+            &Cache::contiguous(&doc)?,
+            SCALE,
+        )?
+        .o)
+    };
+    let parts: Vec<_> = req
+        .route(&dense_calls(&q, 1, 0..4))
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    let merged = merge(&parts.iter().collect::<Vec<_>>())?;
+    assert!(max_abs(&merged.o, &whole(1)?) < 4e-3);
+    // Holder a leaves: chunk 0 goes to its replica on c; chunk 1 has none.
+    req.mark_dead(0)?;
+    assert_eq!(req.holder_for(ChunkId(0))?, 2);
+    assert!(matches!(
+        req.holder_for(ChunkId(1)),
+        Err(RouteError::NoHolder(_))
+    ));
+    let parts: Vec<_> = req
+        .route(&dense_calls(&q, 2, 0..1))
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    assert_eq!(req.holder_stats(2)?.kernel_calls, 1);
+    assert_eq!(parts.len(), 1);
+    Ok(())
+}
+
+/// The newest view a watch holds.
+fn latest(
+    watch: &kvroute_kvstore::directory::Watch,
+) -> Result<std::sync::Arc<kvroute_kvstore::DirectoryView>> {
+    watch
+        .current()
+        .map(|s| s.view)
+        .ok_or_else(|| anyhow::anyhow!("no view"))
+}
+
+#[test]
+fn a_requester_follows_the_directory_holders_register_in() -> Result<()> {
+    use kvroute_kvstore::directory::{Directory, InProcessDirectory};
+    let fabric = MemFabric::new();
+    let dir = InProcessDirectory::new();
+    let watch = dir.watch()?;
+    let (a, b) = (holder(&fabric, &[0, 1], 8)?, holder(&fabric, &[2, 3], 8)?);
+    let (ra, ca) = a.directory_records(0);
+    let reg_a = dir.register(ra, ca)?;
+    let mut req = Requester::connect(
+        TransferEngine::mem(&fabric, 1)?,
+        &[],
+        RequesterConfig {
+            max_holders: 4,
+            link_bytes: 1 << 20,
+            ..RequesterConfig::new(SCALE)
+        },
+    )?;
+    let view = latest(&watch)?;
+    let sync = req.sync_with(&view);
+    assert_eq!(sync.added, [(0, a.addr())]);
+    assert_eq!(req.holder_for(ChunkId(1))?, 0);
+    let (rb, cb) = b.directory_records(0);
+    let reg_b = dir.register(rb, cb)?;
+    let view = latest(&watch)?;
+    assert_eq!(req.sync_with(&view).added, [(1, b.addr())]);
+    // Syncing again changes nothing.
+    assert_eq!(
+        req.sync_with(&view),
+        kvroute_remote::DirectorySync::default()
+    );
+    let q = queries(16, 900, &spec().rope()?, 5);
+    assert!(
+        req.route(&dense_calls(&q, 0, 0..4))
+            .iter()
+            .all(Result::is_ok)
+    );
+    // a leaves the directory: the requester stops using it.
+    reg_a.revoke()?;
+    let view = latest(&watch)?;
+    assert_eq!(req.sync_with(&view).dropped, [(0, a.addr())]);
+    assert!(!req.is_alive(0) && req.is_alive(1));
+    assert!(matches!(
+        req.holder_for(ChunkId(0)),
+        Err(RouteError::NoHolder(_))
+    ));
+    // a registers again (the directory lost its data): its session still works, it is used
+    // again on the same link.
+    let (ra, ca) = a.directory_records(0);
+    let _reg_a = dir.register(ra, ca)?;
+    let view = latest(&watch)?;
+    let sync = req.sync_with(&view);
+    assert_eq!(
+        (sync.relisted, sync.added),
+        (vec![(0, a.addr())], Vec::new())
+    );
+    assert_eq!(req.holder_for(ChunkId(0))?, 0);
+    assert!(
+        req.route(&dense_calls(&q, 0, 0..4))
+            .iter()
+            .all(Result::is_ok)
+    );
+    // c joins as the first copy of chunk 2, b becomes the second: c is preferred at once.
+    let c = holder(&fabric, &[2], 8)?;
+    drop(reg_b);
+    let (rb, cb) = b.directory_records(1);
+    let _reg_b = dir.register(rb, cb)?;
+    let (rc, cc) = c.directory_records(0);
+    let _reg_c = dir.register(rc, cc)?;
+    let view = latest(&watch)?;
+    assert_eq!(req.sync_with(&view).added, [(2, c.addr())]);
+    assert_eq!(req.live_replicas(ChunkId(2)), [2, 1]);
+    assert_eq!(req.holder_for(ChunkId(3))?, 1);
+    Ok(())
+}
+
+/// A directory with hostile contents beside an honest holder's records: 16 records naming
+/// its control address with another engine (ids that sort first), 3 whose control address
+/// accepts connections and never answers, and one naming another holder's control address
+/// (listed nowhere else) with an engine that is not that holder's. The requester routes to
+/// the honest holder on one link (the poisoned records neither hide its record nor spend
+/// links: before, the first poisoned record's session was killed and then taken to serve the
+/// honest record, and the record of the unlisted holder cost a link of its own); the silent
+/// ones cost the first view one wait together, not one each, and a second view none (each
+/// is left alone for a while).
+#[test]
+fn poisoned_and_silent_directory_records_neither_hide_a_holder_nor_stall_the_requester()
+-> Result<()> {
+    use kvroute_kvstore::directory::{Directory, HolderRecord, InProcessDirectory, SCHEMA};
+    let fabric = MemFabric::new();
+    let dir = InProcessDirectory::new();
+    let watch = dir.watch()?;
+    let honest = holder(&fabric, &[0, 1], 8)?;
+    let (record, chunks) = honest.directory_records(0);
+    let _honest_reg = dir.register(record.clone(), chunks)?;
+    let elsewhere = TransferEngine::mem(&fabric, 1)?;
+    let mut regs = Vec::new();
+    for i in 0..16 {
+        let poisoned = HolderRecord {
+            schema: SCHEMA,
+            id: format!("0-poisoned-{i:02}"),
+            engine: elsewhere.main_address(),
+            ..record.clone()
+        };
+        regs.push(dir.register(poisoned, Vec::new())?);
+    }
+    let unlisted = holder(&fabric, &[0], 8)?;
+    regs.push(dir.register(
+        HolderRecord {
+            schema: SCHEMA,
+            id: "2-unlisted".to_owned(),
+            control: unlisted.addr(),
+            engine: elsewhere.main_address(),
+            ..record.clone()
+        },
+        Vec::new(),
+    )?);
+    let silent: Vec<TcpListener> = (0..3)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()?;
+    for (i, l) in silent.iter().enumerate() {
+        let record = HolderRecord {
+            schema: SCHEMA,
+            id: format!("1-silent-{i}"),
+            control: l.local_addr()?,
+            engine: elsewhere.main_address(),
+            ..record.clone()
+        };
+        regs.push(dir.register(record, Vec::new())?);
+    }
+    let mut req = Requester::connect(
+        TransferEngine::mem(&fabric, 1)?,
+        &[],
+        RequesterConfig {
+            max_holders: 4,
+            link_bytes: 1 << 20,
+            timeout: Duration::from_millis(300),
+            ..RequesterConfig::new(SCALE)
+        },
+    )?;
+    let view = latest(&watch)?;
+    assert_eq!(view.holders.len(), 21);
+    let started = std::time::Instant::now();
+    let sync = req.sync_with(&view);
+    // Each silent record costs a welcome's wait (at least 1 s): side by side, the three
+    // cost one (in turn they took over 3 s).
+    assert!(
+        started.elapsed() < Duration::from_millis(2000),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(sync.added, [(0, honest.addr())], "{sync:?}");
+    assert_eq!(sync.failed.len(), 20, "{sync:?}");
+    assert!(
+        sync.failed
+            .iter()
+            .any(|(at, why)| *at == unlisted.addr() && why.contains("no record")),
+        "{sync:?}"
+    );
+    assert_eq!(req.holders(), 1, "one link");
+    assert_eq!(req.holder_for(ChunkId(1))?, 0);
+    let q = queries(16, 900, &spec().rope()?, 5);
+    assert!(
+        req.route(&dense_calls(&q, 0, 0..2))
+            .iter()
+            .all(Result::is_ok)
+    );
+    // The next view: the silent records are not tried again yet.
+    let started = std::time::Instant::now();
+    let sync = req.sync_with(&view);
+    assert!(
+        started.elapsed() < Duration::from_millis(250),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(sync.added.is_empty() && req.holders() == 1, "{sync:?}");
+    drop((regs, silent));
+    Ok(())
+}
+
+/// Followed in the background, a view whose records include three holders that accept
+/// connections and never answer costs the caller no wait: applying it and each later poll
+/// return at once while the sessions open on threads of their own, the honest holder joins
+/// at a poll once its session is open, and the silent ones are reported failed at a later
+/// poll, one wait after the view, together. (`sync_with` on the same view waits at least
+/// that wait: the silent holders' welcome, 1 s.)
+#[test]
+fn a_view_followed_in_the_background_never_waits_on_a_silent_holder() -> Result<()> {
+    use kvroute_kvstore::directory::{Directory, HolderRecord, InProcessDirectory, SCHEMA};
+    use std::net::TcpListener;
+    let fabric = MemFabric::new();
+    let dir = InProcessDirectory::new();
+    let watch = dir.watch()?;
+    let honest = holder(&fabric, &[0, 1], 8)?;
+    let (record, chunks) = honest.directory_records(0);
+    let mut regs = vec![dir.register(record.clone(), chunks)?];
+    let elsewhere = TransferEngine::mem(&fabric, 1)?;
+    let silent: Vec<TcpListener> = (0..3)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()?;
+    for (i, l) in silent.iter().enumerate() {
+        regs.push(dir.register(
+            HolderRecord {
+                schema: SCHEMA,
+                id: format!("0-silent-{i}"),
+                control: l.local_addr()?,
+                engine: elsewhere.main_address(),
+                ..record.clone()
+            },
+            Vec::new(),
+        )?);
+    }
+    let mut req = Requester::connect(
+        TransferEngine::mem(&fabric, 1)?,
+        &[],
+        RequesterConfig {
+            max_holders: 4,
+            link_bytes: 1 << 20,
+            timeout: Duration::from_millis(300),
+            ..RequesterConfig::new(SCALE)
+        },
+    )?;
+    let view = latest(&watch)?;
+    assert_eq!(view.holders.len(), 4);
+    let started = std::time::Instant::now();
+    let sync = req.sync_in_background(&view);
+    let mut slowest = started.elapsed();
+    assert_eq!(sync.opening.len(), 4, "{sync:?}");
+    let (mut added, mut failed) = (sync.added, sync.failed);
+    while failed.len() < 3 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{added:?} {failed:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+        let polled = std::time::Instant::now();
+        let sync = req.poll_directory();
+        slowest = slowest.max(polled.elapsed());
+        added.extend(sync.added);
+        failed.extend(sync.failed);
+        if !added.is_empty() {
+            // The honest holder serves while the silent ones are still being waited on.
+            let q = queries(16, 900, &spec().rope()?, 5);
+            assert!(
+                req.route(&dense_calls(&q, 0, 0..2))
+                    .iter()
+                    .all(Result::is_ok)
+            );
+        }
+    }
+    assert!(slowest < Duration::from_millis(200), "{slowest:?}");
+    assert_eq!(added, [(0, honest.addr())]);
+    let silent_addrs: Vec<_> = silent
+        .iter()
+        .map(TcpListener::local_addr)
+        .collect::<Result<_, _>>()?;
+    assert!(
+        failed.iter().all(|(at, _)| silent_addrs.contains(at)),
+        "{failed:?}"
+    );
+    // Together: one welcome's wait (1 s at least), not three.
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(req.poll_directory().opening.is_empty());
+    drop((regs, silent));
+    Ok(())
+}
+
+/// Dropping a requester stops its engine when nothing else holds it: a write to one of its
+/// regions then finds no peer at all, not a region gone from a live engine. (Each link kept
+/// a clone of the engine that was never dropped, so every requester's engine, its threads
+/// and, over shm, its regions outlived it.)
+#[test]
+fn a_dropped_requester_takes_its_engine_with_it() -> Result<()> {
+    let fabric = MemFabric::new();
+    let a = holder(&fabric, &[0, 1], 8)?;
+    let req = requester(&fabric, &[&a])?;
+    let region = req.reply_region(0).expect("a link").clone();
+    drop(req);
+    let other = TransferEngine::mem(&fabric, 1)?;
+    let (done, fut) = kvroute_transport::OnDone::future();
+    // Refused at submit (the fabric has no such endpoint) or in flight (no peer): either way
+    // gone; a live engine would refuse the write for its deregistered region instead.
+    let gone = match other.submit_imm(1, &region, done) {
+        Err(e) => e.to_string().contains("no endpoint"),
+        Ok(()) => matches!(
+            kvroute_transport::block_on(fut),
+            Err(kvroute_transport::TransferError::PeerUnreachable)
+        ),
+    };
+    assert!(gone, "the requester's engine outlived it");
+    Ok(())
+}
