@@ -88,6 +88,27 @@ fn route_once(req: &mut Requester) -> Result<()> {
     Ok(())
 }
 
+/// `key` and the keys an attacker who was given it would try: the `mem` domain's neighbouring
+/// slots and tags (its keys are `tag << 32 | slot`), and every single-bit change; sorted.
+fn derived_keys(key: u64) -> Vec<u64> {
+    let (slot, tag) = (key & 0xFFFF_FFFF, key >> 32);
+    let mut keys = vec![key];
+    for ds in 0..=16u64 {
+        for dt in 0..=8u64 {
+            for (s, t) in [
+                (slot.wrapping_add(ds), tag.wrapping_add(dt)),
+                (slot.wrapping_sub(ds), tag.wrapping_sub(dt)),
+            ] {
+                keys.push((t & 0xFFFF_FFFF) << 32 | (s & 0xFFFF_FFFF));
+            }
+        }
+    }
+    keys.extend((0..64).map(|bit| key ^ (1 << bit)));
+    keys.sort_unstable();
+    keys.dedup();
+    keys
+}
+
 /// Sends `hello` by hand and returns the holder's answer (and the connection, which keeps a
 /// granted session open).
 fn hello(holder: &Holder, hello: &Hello) -> Result<(Answer, TcpStream)> {
@@ -665,21 +686,7 @@ fn a_holder_cannot_write_into_another_holders_replies() -> Result<()> {
     let forged = attacker.alloc_mr(4096)?;
     forged.write_at(0, &[0x7f; 4096])?;
     let key = given.rkeys[0].rkey;
-    let (slot, tag) = (key & 0xFFFF_FFFF, key >> 32);
-    let mut keys = vec![key];
-    for ds in 0..=16u64 {
-        for dt in 0..=8u64 {
-            for (s, t) in [
-                (slot.wrapping_add(ds), tag.wrapping_add(dt)),
-                (slot.wrapping_sub(ds), tag.wrapping_sub(dt)),
-            ] {
-                keys.push((t & 0xFFFF_FFFF) << 32 | (s & 0xFFFF_FFFF));
-            }
-        }
-    }
-    keys.extend((0..64).map(|bit| key ^ (1 << bit)));
-    keys.sort_unstable();
-    keys.dedup();
+    let keys = derived_keys(key);
     let span = 1u64 << 16;
     let landed = Arc::new(AtomicUsize::new(0));
     let done = Arc::new(AtomicUsize::new(0));
@@ -778,21 +785,7 @@ fn no_holder_can_write_into_the_fetch_pool_but_through_its_own_grant() -> Result
     let forged = attacker.alloc_mr(4096)?;
     forged.write_at(0, &[0x7f; 4096])?;
     let key = pool.rkeys[0].rkey;
-    let (slot, tag) = (key & 0xFFFF_FFFF, key >> 32);
-    let mut keys = vec![key];
-    for ds in 0..=16u64 {
-        for dt in 0..=8u64 {
-            for (s, t) in [
-                (slot.wrapping_add(ds), tag.wrapping_add(dt)),
-                (slot.wrapping_sub(ds), tag.wrapping_sub(dt)),
-            ] {
-                keys.push((t & 0xFFFF_FFFF) << 32 | (s & 0xFFFF_FFFF));
-            }
-        }
-    }
-    keys.extend((0..64).map(|bit| key ^ (1 << bit)));
-    keys.sort_unstable();
-    keys.dedup();
+    let keys = derived_keys(key);
     let page = kvroute_kvstore::PAGE_BYTES as u64;
     let targets: Vec<(u64, u64)> = keys
         .iter()

@@ -188,29 +188,8 @@ fn poisoned_and_silent_directory_records_neither_hide_a_holder_nor_stall_the_req
         },
         Vec::new(),
     )?);
-    let silent: Vec<TcpListener> = (0..3)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<_, _>>()?;
-    for (i, l) in silent.iter().enumerate() {
-        let record = HolderRecord {
-            schema: SCHEMA,
-            id: format!("1-silent-{i}"),
-            control: l.local_addr()?,
-            engine: elsewhere.main_address(),
-            ..record.clone()
-        };
-        regs.push(dir.register(record, Vec::new())?);
-    }
-    let mut req = Requester::connect(
-        TransferEngine::mem(&fabric, 1)?,
-        &[],
-        RequesterConfig {
-            max_holders: 4,
-            link_bytes: 1 << 20,
-            timeout: Duration::from_millis(300),
-            ..RequesterConfig::new(SCALE)
-        },
-    )?;
+    let silent = silent_records(&dir, &record, &elsewhere, "1-silent", &mut regs)?;
+    let mut req = following_requester(&fabric)?;
     let view = latest(&watch)?;
     assert_eq!(view.holders.len(), 21);
     let started = std::time::Instant::now();
@@ -259,7 +238,7 @@ fn poisoned_and_silent_directory_records_neither_hide_a_holder_nor_stall_the_req
 /// that wait: the silent holders' welcome, 1 s.)
 #[test]
 fn a_view_followed_in_the_background_never_waits_on_a_silent_holder() -> Result<()> {
-    use kvroute_kvstore::directory::{Directory, HolderRecord, InProcessDirectory, SCHEMA};
+    use kvroute_kvstore::directory::{Directory, InProcessDirectory};
     use std::net::TcpListener;
     let fabric = MemFabric::new();
     let dir = InProcessDirectory::new();
@@ -268,31 +247,8 @@ fn a_view_followed_in_the_background_never_waits_on_a_silent_holder() -> Result<
     let (record, chunks) = honest.directory_records(0);
     let mut regs = vec![dir.register(record.clone(), chunks)?];
     let elsewhere = TransferEngine::mem(&fabric, 1)?;
-    let silent: Vec<TcpListener> = (0..3)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<_, _>>()?;
-    for (i, l) in silent.iter().enumerate() {
-        regs.push(dir.register(
-            HolderRecord {
-                schema: SCHEMA,
-                id: format!("0-silent-{i}"),
-                control: l.local_addr()?,
-                engine: elsewhere.main_address(),
-                ..record.clone()
-            },
-            Vec::new(),
-        )?);
-    }
-    let mut req = Requester::connect(
-        TransferEngine::mem(&fabric, 1)?,
-        &[],
-        RequesterConfig {
-            max_holders: 4,
-            link_bytes: 1 << 20,
-            timeout: Duration::from_millis(300),
-            ..RequesterConfig::new(SCALE)
-        },
-    )?;
+    let silent = silent_records(&dir, &record, &elsewhere, "0-silent", &mut regs)?;
+    let mut req = following_requester(&fabric)?;
     let view = latest(&watch)?;
     assert_eq!(view.holders.len(), 4);
     let started = std::time::Instant::now();
@@ -366,4 +322,43 @@ fn a_dropped_requester_takes_its_engine_with_it() -> Result<()> {
     };
     assert!(gone, "the requester's engine outlived it");
     Ok(())
+}
+
+/// Three listeners that accept connections and never answer, each registered in `dir` as
+/// `record` with its address, another engine (`elsewhere`'s) and the id `{prefix}-{i}`.
+fn silent_records(
+    dir: &kvroute_kvstore::directory::InProcessDirectory,
+    record: &kvroute_kvstore::directory::HolderRecord,
+    elsewhere: &TransferEngine,
+    prefix: &str,
+    regs: &mut Vec<Box<dyn kvroute_kvstore::directory::Registration>>,
+) -> Result<Vec<TcpListener>> {
+    use kvroute_kvstore::directory::{Directory, HolderRecord};
+    let silent: Vec<TcpListener> = (0..3)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()?;
+    for (i, l) in silent.iter().enumerate() {
+        let silent_record = HolderRecord {
+            id: format!("{prefix}-{i}"),
+            control: l.local_addr()?,
+            engine: elsewhere.main_address(),
+            ..record.clone()
+        };
+        regs.push(dir.register(silent_record, Vec::new())?);
+    }
+    Ok(silent)
+}
+
+/// A requester with no holders yet, room for 4 and a 300 ms timeout, to follow a directory.
+fn following_requester(fabric: &MemFabric) -> Result<Requester> {
+    Ok(Requester::connect(
+        TransferEngine::mem(fabric, 1)?,
+        &[],
+        RequesterConfig {
+            max_holders: 4,
+            link_bytes: 1 << 20,
+            timeout: Duration::from_millis(300),
+            ..RequesterConfig::new(SCALE)
+        },
+    )?)
 }
