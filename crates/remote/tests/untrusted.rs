@@ -88,6 +88,72 @@ fn route_once(req: &mut Requester) -> Result<()> {
     Ok(())
 }
 
+/// Forged writes from an engine of an attacker's own, 256 bytes of `0x7f` each, counted as
+/// they finish.
+struct Forger {
+    engine: TransferEngine,
+    forged: RegisteredBuffer,
+    landed: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    done: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    sent: usize,
+}
+
+impl Forger {
+    fn new(fabric: &MemFabric) -> Result<Self> {
+        let engine = TransferEngine::mem(fabric, 1)?;
+        let forged = engine.alloc_mr(4096)?;
+        forged.write_at(0, &[0x7f; 4096])?;
+        Ok(Self {
+            engine,
+            forged,
+            landed: Default::default(),
+            done: Default::default(),
+            sent: 0,
+        })
+    }
+
+    /// Writes through `desc` with its address, length and first key replaced by `forged`'s,
+    /// carrying `imm`.
+    fn write(&mut self, desc: &kvroute_transport::MrDesc, forged: (u64, u64, u64), imm: u32) {
+        use std::sync::atomic::Ordering;
+        let mut desc = desc.clone();
+        (desc.addr, desc.len, desc.rkeys[0].rkey) = forged;
+        let (landed, done) = (self.landed.clone(), self.done.clone());
+        self.sent += 1;
+        let submitted = self.engine.submit_single_write(
+            256,
+            Some(imm),
+            (self.forged.handle(), 0),
+            (&desc, 0),
+            OnDone::callback(move |outcome| {
+                if outcome.is_ok() {
+                    landed.fetch_add(1, Ordering::Relaxed);
+                }
+                done.fetch_add(1, Ordering::Relaxed);
+            }),
+        );
+        if submitted.is_err() {
+            self.done.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// How many writes landed, once every one has finished (20 s at most).
+    fn landed(&self) -> usize {
+        use std::sync::atomic::Ordering;
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while self.done.load(Ordering::Relaxed) < self.sent && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            self.done.load(Ordering::Relaxed),
+            self.sent,
+            "every forged write finished"
+        );
+        self.landed.load(Ordering::Relaxed)
+    }
+}
+
 /// `key` and the keys an attacker who was given it would try: the `mem` domain's neighbouring
 /// slots and tags (its keys are `tag << 32 | slot`), and every single-bit change; sorted.
 fn derived_keys(key: u64) -> Vec<u64> {
@@ -670,9 +736,6 @@ fn an_ended_sessions_inbox_descriptor_reaches_nothing() -> Result<()> {
 /// shared by every link, the key it was given reached the other holder's replies.)
 #[test]
 fn a_holder_cannot_write_into_another_holders_replies() -> Result<()> {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
     let _serial = serial();
     let fabric = MemFabric::new();
     let (_honest, _hostile, mut req, given) = honest_and_hostile(&fabric, Duration::from_secs(2))?;
@@ -682,14 +745,10 @@ fn a_holder_cannot_write_into_another_holders_replies() -> Result<()> {
         .clone();
     assert_ne!(given.rkeys[0].rkey, honest_region.rkeys[0].rkey);
 
-    let attacker = TransferEngine::mem(&fabric, 1)?;
-    let forged = attacker.alloc_mr(4096)?;
-    forged.write_at(0, &[0x7f; 4096])?;
+    let mut forger = Forger::new(&fabric)?;
     let key = given.rkeys[0].rkey;
     let keys = derived_keys(key);
     let span = 1u64 << 16;
-    let landed = Arc::new(AtomicUsize::new(0));
-    let done = Arc::new(AtomicUsize::new(0));
     let mut attempts = 0;
     'attack: for &k in &keys {
         for step in -20i64..=20 {
@@ -701,46 +760,13 @@ fn a_holder_cannot_write_into_another_holders_replies() -> Result<()> {
                 break 'attack;
             }
             attempts += 1;
-            let mut desc = given.clone();
-            desc.addr = addr;
-            desc.len = span;
-            desc.rkeys[0].rkey = k;
-            let (landed_by, done_by) = (landed.clone(), done.clone());
-            let submitted = attacker.submit_single_write(
-                256,
-                Some(0x6100_0000),
-                (forged.handle(), 0),
-                (&desc, 0),
-                OnDone::callback(move |outcome| {
-                    if outcome.is_ok() {
-                        landed_by.fetch_add(1, Ordering::Relaxed);
-                    }
-                    done_by.fetch_add(1, Ordering::Relaxed);
-                }),
-            );
-            if submitted.is_err() {
-                done.fetch_add(1, Ordering::Relaxed);
-            }
+            forger.write(&given, (addr, span, k), 0x6100_0000);
         }
     }
     assert_eq!(attempts, 10_000);
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while done.load(Ordering::Relaxed) < attempts && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert_eq!(
-        done.load(Ordering::Relaxed),
-        attempts,
-        "every forged write finished"
-    );
-    assert_eq!(
-        landed.load(Ordering::Relaxed),
-        0,
-        "forged writes that landed"
-    );
+    assert_eq!(forger.landed(), 0, "forged writes that landed");
     // The honest holder still answers, and the requester is undisturbed.
     route_once(&mut req)?;
-    drop(attacker);
     Ok(())
 }
 
@@ -754,8 +780,6 @@ fn a_holder_cannot_write_into_another_holders_replies() -> Result<()> {
 #[test]
 fn no_holder_can_write_into_the_fetch_pool_but_through_its_own_grant() -> Result<()> {
     use kvroute_kernels::{Backend, Queries, partial_dense};
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
 
     let _serial = serial();
     let fabric = MemFabric::new();
@@ -781,9 +805,7 @@ fn no_holder_can_write_into_the_fetch_pool_but_through_its_own_grant() -> Result
     };
     let reference = fetch_partials(&mut req)?;
 
-    let attacker = TransferEngine::mem(&fabric, 1)?;
-    let forged = attacker.alloc_mr(4096)?;
-    forged.write_at(0, &[0x7f; 4096])?;
+    let mut forger = Forger::new(&fabric)?;
     let key = pool.rkeys[0].rkey;
     let keys = derived_keys(key);
     let page = kvroute_kvstore::PAGE_BYTES as u64;
@@ -795,30 +817,9 @@ fn no_holder_can_write_into_the_fetch_pool_but_through_its_own_grant() -> Result
         .take(10_000)
         .collect();
     assert_eq!(targets.len(), 10_000);
-    let landed = Arc::new(AtomicUsize::new(0));
-    let done = Arc::new(AtomicUsize::new(0));
     for burst in targets.chunks(500) {
         for &(k, addr) in burst {
-            let mut desc = pool.clone();
-            desc.addr = addr;
-            desc.len = page;
-            desc.rkeys[0].rkey = k;
-            let (landed_by, done_by) = (landed.clone(), done.clone());
-            let submitted = attacker.submit_single_write(
-                256,
-                Some(0x6200_0000),
-                (forged.handle(), 0),
-                (&desc, 0),
-                OnDone::callback(move |outcome| {
-                    if outcome.is_ok() {
-                        landed_by.fetch_add(1, Ordering::Relaxed);
-                    }
-                    done_by.fetch_add(1, Ordering::Relaxed);
-                }),
-            );
-            if submitted.is_err() {
-                done.fetch_add(1, Ordering::Relaxed);
-            }
+            forger.write(&pool, (addr, page, k), 0x6200_0000);
         }
         assert_eq!(
             fetch_partials(&mut req)?,
@@ -826,22 +827,8 @@ fn no_holder_can_write_into_the_fetch_pool_but_through_its_own_grant() -> Result
             "a fetch read forged rows"
         );
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while done.load(Ordering::Relaxed) < targets.len() && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert_eq!(
-        done.load(Ordering::Relaxed),
-        targets.len(),
-        "every forged write finished"
-    );
-    assert_eq!(
-        landed.load(Ordering::Relaxed),
-        0,
-        "forged writes that landed"
-    );
+    assert_eq!(forger.landed(), 0, "forged writes that landed");
     assert_eq!(fetch_partials(&mut req)?, reference);
-    drop(attacker);
     Ok(())
 }
 
