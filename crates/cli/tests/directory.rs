@@ -146,6 +146,19 @@ fn base64(bytes: &[u8]) -> String {
     out
 }
 
+/// A `--json` run's report and its text, after checking that it exited 0 and passed.
+fn passed_report(out: &std::process::Output) -> (serde_json::Value, String) {
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_str(&text).expect("the report");
+    assert_eq!(json["passed"], true, "{text}");
+    (json, text)
+}
+
 fn list(url: &str) -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(["--json", "directory", "list", "--directory", url])
@@ -357,14 +370,7 @@ fn the_demo_finds_its_holders_in_etcd() {
         .args(["--force", "route"])
         .output()
         .expect("running the demo");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_str(&text).expect("the report");
-    assert_eq!(json["passed"], true, "{text}");
+    let (json, text) = passed_report(&out);
     let holders = json["directory"]["holders"]
         .as_array()
         .cloned()
@@ -405,14 +411,7 @@ fn the_generation_finds_its_holders_in_etcd() {
         .args(["--force", "route"])
         .output()
         .expect("running the generation");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_str(&text).expect("the report");
-    assert_eq!(json["passed"], true, "{text}");
+    let (json, text) = passed_report(&out);
     for r in json["requests"].as_array().cloned().unwrap_or_default() {
         assert_eq!(r["tokens"], r["reference_tokens"], "{text}");
     }
@@ -447,14 +446,7 @@ fn requester_step_ms(url: &str) -> Vec<f64> {
         .args(["--force", "route", "--timeout-ms", "2000"])
         .output()
         .expect("running the requester");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_str(&text).expect("the report");
-    assert_eq!(json["passed"], true, "{text}");
+    let (json, _) = passed_report(&out);
     json["step_ms"]
         .as_array()
         .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
