@@ -85,7 +85,9 @@ impl Requester {
     /// threads of their own, each joining the requester at the next
     /// [`Requester::poll_directory`] (or sync) after it opened. A decode loop calls this when
     /// a new view arrives and `poll_directory` before each step, so that no record, however
-    /// slow its holder is to answer, costs a step its wait.
+    /// slow its holder is to answer, costs a step its wait. A requester dropped while
+    /// sessions are being opened leaves their threads to finish on their own (each within a
+    /// few timeouts); the sessions they open are closed, and the engine goes with the last.
     pub fn sync_in_background(&mut self, view: &DirectoryView) -> DirectorySync {
         self.follow_view(view, false)
     }
