@@ -78,9 +78,19 @@ pub(crate) fn presets(py: Python<'_>) -> PyResult<Py<PyAny>> {
     )
 }
 
-/// The prediction's inputs, as `kvroute predict` takes them.
+/// The route, fetch and local costs of one (chunk, request), the choice and its reason
+/// (`kvroute predict --json`): `mq` query rows against a chunk of `ct` tokens, dense or
+/// (`topk`) sparse over `holders` holders, on a preset `fabric` or a measured one
+/// (`probe_us` and `bw_gbps`). `only` limits the choice (`["route", "fetch"]`).
+#[pyfunction]
+#[pyo3(signature = (mq, ct, model = "deepseek-v2-lite", fabric = None, topk = None, holders = 1,
+                    tp = 1, holder_requesters = 1, probe_us = None, bw_gbps = None,
+                    turnaround_us = None, link_gbps = None, splice_us = None, merge_us = None,
+                    local_us_per_token_layer = 1.0, bw_degradation = 1.0, probe_inflation = 1.0,
+                    flows = 1, only = None))]
 #[allow(clippy::too_many_arguments)]
-fn predict_report(
+pub(crate) fn predict(
+    py: Python<'_>,
     mq: u32,
     ct: u32,
     model: &str,
@@ -100,7 +110,7 @@ fn predict_report(
     probe_inflation: f64,
     flows: u32,
     only: Option<Vec<String>>,
-) -> PyResult<PredictReport> {
+) -> PyResult<Py<PyAny>> {
     let preset = model_preset(model).map_err(py_err)?;
     let (fabric_label, mut fab) = match (probe_us, bw_gbps, fabric) {
         (Some(_), Some(_), Some(_)) => {
@@ -187,7 +197,7 @@ fn predict_report(
         Selection::Sparse { topk, .. } => topk,
     };
     let dims = params.model;
-    Ok(PredictReport {
+    let report = PredictReport {
         model: preset.id.to_owned(),
         fabric: fabric_label,
         dims,
@@ -202,63 +212,7 @@ fn predict_report(
         route_bytes_saved: route_bytes_saved(&dims, request.mq_rows, attended).map_err(py_err)?,
         route_fetch_crossover_rows: costs.route_fetch_crossover_rows(&request).map_err(py_err)?,
         notes: vec![LOCAL_IS_MODELLED],
-    })
-}
-
-/// The route, fetch and local costs of one (chunk, request), the choice and its reason
-/// (`kvroute predict --json`): `mq` query rows against a chunk of `ct` tokens, dense or
-/// (`topk`) sparse over `holders` holders, on a preset `fabric` or a measured one
-/// (`probe_us` and `bw_gbps`). `only` limits the choice (`["route", "fetch"]`).
-#[pyfunction]
-#[pyo3(signature = (mq, ct, model = "deepseek-v2-lite", fabric = None, topk = None, holders = 1,
-                    tp = 1, holder_requesters = 1, probe_us = None, bw_gbps = None,
-                    turnaround_us = None, link_gbps = None, splice_us = None, merge_us = None,
-                    local_us_per_token_layer = 1.0, bw_degradation = 1.0, probe_inflation = 1.0,
-                    flows = 1, only = None))]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn predict(
-    py: Python<'_>,
-    mq: u32,
-    ct: u32,
-    model: &str,
-    fabric: Option<&str>,
-    topk: Option<u32>,
-    holders: u32,
-    tp: u32,
-    holder_requesters: u32,
-    probe_us: Option<f64>,
-    bw_gbps: Option<f64>,
-    turnaround_us: Option<f64>,
-    link_gbps: Option<f64>,
-    splice_us: Option<f64>,
-    merge_us: Option<f64>,
-    local_us_per_token_layer: f64,
-    bw_degradation: f64,
-    probe_inflation: f64,
-    flows: u32,
-    only: Option<Vec<String>>,
-) -> PyResult<Py<PyAny>> {
-    let report = predict_report(
-        mq,
-        ct,
-        model,
-        fabric,
-        topk,
-        holders,
-        tp,
-        holder_requesters,
-        probe_us,
-        bw_gbps,
-        turnaround_us,
-        link_gbps,
-        splice_us,
-        merge_us,
-        local_us_per_token_layer,
-        bw_degradation,
-        probe_inflation,
-        flows,
-        only,
-    )?;
+    };
     to_record(py, &report)
 }
 
@@ -279,11 +233,11 @@ pub(crate) fn decide(
     bw_gbps: Option<f64>,
     only: Option<Vec<String>>,
 ) -> PyResult<Py<PyAny>> {
-    let report = predict_report(
-        mq, ct, model, fabric, topk, holders, 1, 1, probe_us, bw_gbps, None, None, None, None, 1.0,
-        1.0, 1.0, 1, only,
-    )?;
-    to_record(py, &report.decision)
+    predict(
+        py, mq, ct, model, fabric, topk, holders, 1, 1, probe_us, bw_gbps, None, None, None, None,
+        1.0, 1.0, 1.0, 1, only,
+    )?
+    .getattr(py, "decision")
 }
 
 /// PrfaaS-PD throughput planning (paper 001 section 3.4; `kvroute plan prfaas --json`): the

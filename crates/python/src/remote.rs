@@ -222,6 +222,68 @@ fn parse_addr(addr: &str) -> PyResult<SocketAddr> {
         .map_err(|e| invalid(format!("address {addr:?}: {e}")))
 }
 
+/// Drops `owner` (a holder, a requester, a stepper), then stops its engine: a handle the
+/// engine's own callbacks keep would otherwise keep it, and over `shm` its regions in
+/// `/dev/shm`, alive until the process exits and past it.
+pub(crate) fn shut_down<T>(owner: Option<T>, engine: Option<TransferEngine>) {
+    drop(owner);
+    if let Some(e) = engine {
+        e.shutdown();
+    }
+}
+
+/// A class that owns a holder, a requester or a stepper and its engine until `close()`,
+/// the end of a `with` block or being dropped releases them.
+pub(crate) trait Owner {
+    /// What the class owns.
+    type Owned: Send;
+
+    /// Takes what the class owns and the engine to stop after it, leaving it closed.
+    fn take_owned(&mut self) -> (Option<Self::Owned>, Option<TransferEngine>);
+}
+
+/// `#[pymethods]` for an [`Owner`] class: its own `impl` block's methods, `close()` (with
+/// the doc comment given before `fn close;`), which releases what it owns with the GIL
+/// released, and the context manager protocol (`with` closes it on exit, letting any
+/// exception through); and its `Drop`, which releases what it still owns.
+macro_rules! owner_pymethods {
+    ($(#[$close_doc:meta])* fn close; impl $class:ident { $($items:tt)* }) => {
+        #[pymethods]
+        impl $class {
+            $($items)*
+
+            $(#[$close_doc])*
+            fn close(&mut self, py: Python<'_>) {
+                let (owned, engine) = $crate::remote::Owner::take_owned(self);
+                py.detach(|| $crate::remote::shut_down(owned, engine));
+            }
+
+            fn __enter__(slf: Py<Self>) -> Py<Self> {
+                slf
+            }
+
+            fn __exit__(
+                &mut self,
+                py: Python<'_>,
+                _ty: Option<&Bound<'_, PyAny>>,
+                _value: Option<&Bound<'_, PyAny>>,
+                _tb: Option<&Bound<'_, PyAny>>,
+            ) -> bool {
+                self.close(py);
+                false
+            }
+        }
+
+        impl Drop for $class {
+            fn drop(&mut self) {
+                let (owned, engine) = $crate::remote::Owner::take_owned(self);
+                $crate::remote::shut_down(owned, engine);
+            }
+        }
+    };
+}
+pub(crate) use owner_pymethods;
+
 /// A holder: serves partial attention over the chunks of a KV array to requesters, on its
 /// own threads, until closed.
 #[pyclass(module = "kvroute")]
@@ -232,126 +294,111 @@ pub(crate) struct Holder {
     addr: String,
 }
 
-#[pymethods]
-impl Holder {
-    /// `Holder(fabric, kv, chunks, listen="127.0.0.1:0", max_requesters=8)`.
-    ///
-    /// `kv` holds the chunks' bf16 rows (uint16; any shape, C-contiguous) as `chunks`
-    /// describe them. It is copied once into memory registered with the fabric (local only:
-    /// no peer may write it); every request is then served from there with no copy.
-    /// `listen` is the rendezvous address requesters connect to (`addr` once bound).
-    #[new]
-    #[pyo3(signature = (fabric, kv, chunks, listen = "127.0.0.1:0", max_requesters = 8))]
-    fn new(
-        py: Python<'_>,
-        fabric: &Fabric,
-        kv: &Bound<'_, PyAny>,
-        chunks: Vec<PyRef<'_, HeldChunk>>,
-        listen: &str,
-        max_requesters: usize,
-    ) -> PyResult<Self> {
-        let kv = u16_rows(kv, "kv")?;
-        let rows = slice(&kv, "kv")?;
-        if rows.is_empty() {
-            return Err(invalid("kv: the array is empty"));
-        }
-        let described: Vec<RustHeldChunk> = chunks
-            .iter()
-            .map(|c| c.to_rust())
-            .collect::<PyResult<_>>()?;
-        let listen = parse_addr(listen)?;
-        let engine = fabric.engine()?;
-        let store = engine
-            .alloc_mr_with(rows.len() * 2, Access::Local)
-            .map_err(py_err)?;
-        // SAFETY: the region was allocated just now and its descriptor is not yet published
-        // (no holder has started on it), so nothing else reads or writes it.
-        let dst = unsafe { store.u16s_mut(0, rows.len()) }.map_err(py_err)?;
-        py.detach(|| dst.copy_from_slice(rows));
-        let held = HeldChunks::new(store, described).map_err(py_err)?;
-        let listener = TcpListener::bind(listen)
-            .map_err(|e| error(Kind::Unreachable, format!("binding {listen}: {e}")))?;
-        let config = kvroute_remote::HolderConfig {
-            max_requesters,
-            max_connections: 32.max(max_requesters),
-            ..Default::default()
-        };
-        let handle = engine.clone();
-        let holder = py
-            .detach(|| kvroute_remote::Holder::start(engine, listener, held, config))
-            .map_err(py_err)?;
-        Ok(Self {
-            addr: holder.addr().to_string(),
-            inner: Some(holder),
-            engine: Some(handle),
-        })
-    }
+owner_pymethods! {
+    /// Stops serving and releases the registered memory and the fabric's resources.
+    fn close;
 
-    /// The rendezvous address requesters connect to (`"ip:port"`).
-    #[getter]
-    fn addr(&self) -> &str {
-        &self.addr
-    }
-
-    /// The holder's counters now (requests served, kernel time, sessions, ...).
-    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        to_record(py, &self.get()?.stats())
-    }
-
-    /// Serves until Ctrl-C (KeyboardInterrupt) or `seconds` have passed, with the GIL
-    /// released; the holder serves on its own threads whether or not this is called.
-    #[pyo3(signature = (seconds = None))]
-    fn serve(&self, py: Python<'_>, seconds: Option<f64>) -> PyResult<()> {
-        self.get()?;
-        let until = seconds
-            .map(|s| {
-                Duration::try_from_secs_f64(s).map_err(|e| invalid(format!("seconds = {s}: {e}")))
+    impl Holder {
+        /// `Holder(fabric, kv, chunks, listen="127.0.0.1:0", max_requesters=8)`.
+        ///
+        /// `kv` holds the chunks' bf16 rows (uint16; any shape, C-contiguous) as `chunks`
+        /// describe them. It is copied once into memory registered with the fabric (local only:
+        /// no peer may write it); every request is then served from there with no copy.
+        /// `listen` is the rendezvous address requesters connect to (`addr` once bound).
+        #[new]
+        #[pyo3(signature = (fabric, kv, chunks, listen = "127.0.0.1:0", max_requesters = 8))]
+        fn new(
+            py: Python<'_>,
+            fabric: &Fabric,
+            kv: &Bound<'_, PyAny>,
+            chunks: Vec<PyRef<'_, HeldChunk>>,
+            listen: &str,
+            max_requesters: usize,
+        ) -> PyResult<Self> {
+            let kv = u16_rows(kv, "kv")?;
+            let rows = slice(&kv, "kv")?;
+            if rows.is_empty() {
+                return Err(invalid("kv: the array is empty"));
+            }
+            let described: Vec<RustHeldChunk> = chunks
+                .iter()
+                .map(|c| c.to_rust())
+                .collect::<PyResult<_>>()?;
+            let listen = parse_addr(listen)?;
+            let engine = fabric.engine()?;
+            let store = engine
+                .alloc_mr_with(rows.len() * 2, Access::Local)
+                .map_err(py_err)?;
+            // SAFETY: the region was allocated just now and its descriptor is not yet published
+            // (no holder has started on it), so nothing else reads or writes it.
+            let dst = unsafe { store.u16s_mut(0, rows.len()) }.map_err(py_err)?;
+            py.detach(|| dst.copy_from_slice(rows));
+            let held = HeldChunks::new(store, described).map_err(py_err)?;
+            let listener = TcpListener::bind(listen)
+                .map_err(|e| error(Kind::Unreachable, format!("binding {listen}: {e}")))?;
+            let config = kvroute_remote::HolderConfig {
+                max_requesters,
+                max_connections: 32.max(max_requesters),
+                ..Default::default()
+            };
+            let handle = engine.clone();
+            let holder = py
+                .detach(|| kvroute_remote::Holder::start(engine, listener, held, config))
+                .map_err(py_err)?;
+            Ok(Self {
+                addr: holder.addr().to_string(),
+                inner: Some(holder),
+                engine: Some(handle),
             })
-            .transpose()?
-            .map(|d| std::time::Instant::now() + d);
-        loop {
-            py.detach(|| std::thread::sleep(Duration::from_millis(50)));
-            py.check_signals()?;
-            if until.is_some_and(|u| std::time::Instant::now() >= u) {
-                return Ok(());
+        }
+
+        /// The rendezvous address requesters connect to (`"ip:port"`).
+        #[getter]
+        fn addr(&self) -> &str {
+            &self.addr
+        }
+
+        /// The holder's counters now (requests served, kernel time, sessions, ...).
+        fn stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+            to_record(py, &self.get()?.stats())
+        }
+
+        /// Serves until Ctrl-C (KeyboardInterrupt) or `seconds` have passed, with the GIL
+        /// released; the holder serves on its own threads whether or not this is called.
+        #[pyo3(signature = (seconds = None))]
+        fn serve(&self, py: Python<'_>, seconds: Option<f64>) -> PyResult<()> {
+            self.get()?;
+            let until = seconds
+                .map(|s| {
+                    Duration::try_from_secs_f64(s).map_err(|e| invalid(format!("seconds = {s}: {e}")))
+                })
+                .transpose()?
+                .map(|d| std::time::Instant::now() + d);
+            loop {
+                py.detach(|| std::thread::sleep(Duration::from_millis(50)));
+                py.check_signals()?;
+                if until.is_some_and(|u| std::time::Instant::now() >= u) {
+                    return Ok(());
+                }
             }
         }
-    }
 
-    /// Stops serving and releases the registered memory and the fabric's resources.
-    fn close(&mut self, py: Python<'_>) {
-        let (holder, engine) = (self.inner.take(), self.engine.take());
-        py.detach(|| shut_down(holder, engine));
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __exit__(
-        &mut self,
-        py: Python<'_>,
-        _ty: Option<&Bound<'_, PyAny>>,
-        _value: Option<&Bound<'_, PyAny>>,
-        _tb: Option<&Bound<'_, PyAny>>,
-    ) -> bool {
-        self.close(py);
-        false
-    }
-
-    fn __repr__(&self) -> String {
-        let state = if self.inner.is_some() {
-            "serving"
-        } else {
-            "closed"
-        };
-        format!("Holder({}, {state})", self.addr)
+        fn __repr__(&self) -> String {
+            let state = if self.inner.is_some() {
+                "serving"
+            } else {
+                "closed"
+            };
+            format!("Holder({}, {state})", self.addr)
+        }
     }
 }
 
-impl Drop for Holder {
-    fn drop(&mut self) {
-        shut_down(self.inner.take(), self.engine.take());
+impl Owner for Holder {
+    type Owned = kvroute_remote::Holder;
+
+    fn take_owned(&mut self) -> (Option<Self::Owned>, Option<TransferEngine>) {
+        (self.inner.take(), self.engine.take())
     }
 }
 
@@ -422,147 +469,121 @@ pub(crate) struct Requester {
     pub(crate) inner: Option<kvroute_remote::Requester>,
 }
 
-/// Drops `owner` (a holder, a requester, a stepper), then stops its engine: a handle the
-/// engine's own callbacks keep would otherwise keep it, and over `shm` its regions in
-/// `/dev/shm`, alive until the process exits and past it.
-pub(crate) fn shut_down<T>(owner: Option<T>, engine: Option<TransferEngine>) {
-    drop(owner);
-    if let Some(e) = engine {
-        e.shutdown();
-    }
-}
-
-#[pymethods]
-impl Requester {
-    /// `Requester(fabric, holders, scale, timeout_s=5.0, pool_pages=512)`: connects to
-    /// every holder (rendezvous addresses `"ip:port"`) and learns the chunks they serve.
-    /// `scale` is the softmax scale sent with every request. Interruptible with Ctrl-C.
-    #[new]
-    #[pyo3(signature = (fabric, holders, scale, timeout_s = 5.0, pool_pages = 512))]
-    fn new(
-        py: Python<'_>,
-        fabric: &Fabric,
-        holders: Vec<String>,
-        scale: f32,
-        timeout_s: f64,
-        pool_pages: u32,
-    ) -> PyResult<Self> {
-        let addrs: Vec<SocketAddr> = holders
-            .iter()
-            .map(|a| parse_addr(a))
-            .collect::<PyResult<_>>()?;
-        let timeout = Duration::try_from_secs_f64(timeout_s)
-            .map_err(|e| invalid(format!("timeout_s = {timeout_s}: {e}")))?;
-        let config = kvroute_remote::RequesterConfig {
-            timeout,
-            pool_pages,
-            ..kvroute_remote::RequesterConfig::new(scale)
-        };
-        // 2**20 pages of 64 rows are 75 GB of pool, reserved at connect.
-        crate::sched::in_range("pool_pages", pool_pages.into(), 1, 1 << 20)?;
-        let engine = fabric.engine()?;
-        let req = interruptible(py, move || {
-            kvroute_remote::Requester::connect(engine, &addrs, config)
-        })?
-        .map_err(py_err)?;
-        Ok(Self { inner: Some(req) })
-    }
-
-    /// The ids of the chunks the holders serve, ascending.
-    fn chunks(&self) -> PyResult<Vec<u32>> {
-        let mut ids: Vec<u32> = self.get()?.registry().ids().map(|c| c.0).collect();
-        ids.sort_unstable();
-        ids.dedup();
-        Ok(ids)
-    }
-
-    /// The number of holders this requester has a session with (live or not).
-    fn holders(&self) -> PyResult<usize> {
-        Ok(self.get()?.holders())
-    }
-
-    /// Holder `holder`'s counters, asked over its control connection.
-    fn holder_stats(&mut self, py: Python<'_>, holder: usize) -> PyResult<Py<PyAny>> {
-        let req = self.get_mut()?;
-        let stats = py.detach(|| req.holder_stats(holder)).map_err(py_err)?;
-        to_record(py, &stats)
-    }
-
-    /// Routes `queries` (`[rows, 576]` bf16 bits as uint16, rotated at their positions) to
-    /// the holder of `chunk` at `layer` and returns its partial attention over the chunk.
-    /// Sparse: `indices` (int32 `[tokens, k]`, chunk-local, -1 padding) selects `k` tokens
-    /// per query token of `rows_per_token` rows.
-    #[pyo3(signature = (chunk, layer, queries, indices = None, rows_per_token = None))]
-    fn route(
-        &mut self,
-        py: Python<'_>,
-        chunk: u32,
-        layer: u16,
-        queries: &Bound<'_, PyAny>,
-        indices: Option<&Bound<'_, PyAny>>,
-        rows_per_token: Option<u32>,
-    ) -> PyResult<PartialAttention> {
-        let q = u16_rows(queries, "queries")?;
-        let q = slice(&q, "queries")?;
-        let picks = indices.map(|i| i32_indices(i, "indices")).transpose()?;
-        let sparse = match &picks {
-            None => None,
-            Some(p) => {
-                let shape = p.shape();
-                let k = *shape.last().unwrap_or(&0);
-                let Some(rows_per_token) = rows_per_token else {
-                    return Err(invalid("sparse routes need rows_per_token"));
-                };
-                Some(Sparse {
-                    indices: slice(p, "indices")?,
-                    k: u32::try_from(k).map_err(|_| invalid("k too large"))?,
-                    rows_per_token,
-                })
-            }
-        };
-        let call = [Call {
-            chunk: ChunkId(chunk),
-            layer,
-            queries: q,
-            sparse,
-        }];
-        let req = self.get_mut()?;
-        let mut out = py.detach(|| req.route(&call));
-        let part = out
-            .pop()
-            .ok_or_else(|| error(Kind::Other, "no answer for the call"))?
-            .map_err(py_err)?;
-        PartialAttention::from_rust(py, part)
-    }
-
+owner_pymethods! {
     /// Closes every session and releases the fabric's resources.
-    fn close(&mut self, py: Python<'_>) {
-        let req = self.inner.take();
-        let engine = req.as_ref().map(|r| r.engine().clone());
-        py.detach(|| shut_down(req, engine));
-    }
+    fn close;
 
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
+    impl Requester {
+        /// `Requester(fabric, holders, scale, timeout_s=5.0, pool_pages=512)`: connects to
+        /// every holder (rendezvous addresses `"ip:port"`) and learns the chunks they serve.
+        /// `scale` is the softmax scale sent with every request. Interruptible with Ctrl-C.
+        #[new]
+        #[pyo3(signature = (fabric, holders, scale, timeout_s = 5.0, pool_pages = 512))]
+        fn new(
+            py: Python<'_>,
+            fabric: &Fabric,
+            holders: Vec<String>,
+            scale: f32,
+            timeout_s: f64,
+            pool_pages: u32,
+        ) -> PyResult<Self> {
+            let addrs: Vec<SocketAddr> = holders
+                .iter()
+                .map(|a| parse_addr(a))
+                .collect::<PyResult<_>>()?;
+            let timeout = Duration::try_from_secs_f64(timeout_s)
+                .map_err(|e| invalid(format!("timeout_s = {timeout_s}: {e}")))?;
+            let config = kvroute_remote::RequesterConfig {
+                timeout,
+                pool_pages,
+                ..kvroute_remote::RequesterConfig::new(scale)
+            };
+            // 2**20 pages of 64 rows are 75 GB of pool, reserved at connect.
+            crate::sched::in_range("pool_pages", pool_pages.into(), 1, 1 << 20)?;
+            let engine = fabric.engine()?;
+            let req = interruptible(py, move || {
+                kvroute_remote::Requester::connect(engine, &addrs, config)
+            })?
+            .map_err(py_err)?;
+            Ok(Self { inner: Some(req) })
+        }
 
-    fn __exit__(
-        &mut self,
-        py: Python<'_>,
-        _ty: Option<&Bound<'_, PyAny>>,
-        _value: Option<&Bound<'_, PyAny>>,
-        _tb: Option<&Bound<'_, PyAny>>,
-    ) -> bool {
-        self.close(py);
-        false
+        /// The ids of the chunks the holders serve, ascending.
+        fn chunks(&self) -> PyResult<Vec<u32>> {
+            let mut ids: Vec<u32> = self.get()?.registry().ids().map(|c| c.0).collect();
+            ids.sort_unstable();
+            ids.dedup();
+            Ok(ids)
+        }
+
+        /// The number of holders this requester has a session with (live or not).
+        fn holders(&self) -> PyResult<usize> {
+            Ok(self.get()?.holders())
+        }
+
+        /// Holder `holder`'s counters, asked over its control connection.
+        fn holder_stats(&mut self, py: Python<'_>, holder: usize) -> PyResult<Py<PyAny>> {
+            let req = self.get_mut()?;
+            let stats = py.detach(|| req.holder_stats(holder)).map_err(py_err)?;
+            to_record(py, &stats)
+        }
+
+        /// Routes `queries` (`[rows, 576]` bf16 bits as uint16, rotated at their positions) to
+        /// the holder of `chunk` at `layer` and returns its partial attention over the chunk.
+        /// Sparse: `indices` (int32 `[tokens, k]`, chunk-local, -1 padding) selects `k` tokens
+        /// per query token of `rows_per_token` rows.
+        #[pyo3(signature = (chunk, layer, queries, indices = None, rows_per_token = None))]
+        fn route(
+            &mut self,
+            py: Python<'_>,
+            chunk: u32,
+            layer: u16,
+            queries: &Bound<'_, PyAny>,
+            indices: Option<&Bound<'_, PyAny>>,
+            rows_per_token: Option<u32>,
+        ) -> PyResult<PartialAttention> {
+            let q = u16_rows(queries, "queries")?;
+            let q = slice(&q, "queries")?;
+            let picks = indices.map(|i| i32_indices(i, "indices")).transpose()?;
+            let sparse = match &picks {
+                None => None,
+                Some(p) => {
+                    let shape = p.shape();
+                    let k = *shape.last().unwrap_or(&0);
+                    let Some(rows_per_token) = rows_per_token else {
+                        return Err(invalid("sparse routes need rows_per_token"));
+                    };
+                    Some(Sparse {
+                        indices: slice(p, "indices")?,
+                        k: u32::try_from(k).map_err(|_| invalid("k too large"))?,
+                        rows_per_token,
+                    })
+                }
+            };
+            let call = [Call {
+                chunk: ChunkId(chunk),
+                layer,
+                queries: q,
+                sparse,
+            }];
+            let req = self.get_mut()?;
+            let mut out = py.detach(|| req.route(&call));
+            let part = out
+                .pop()
+                .ok_or_else(|| error(Kind::Other, "no answer for the call"))?
+                .map_err(py_err)?;
+            PartialAttention::from_rust(py, part)
+        }
     }
 }
 
-impl Drop for Requester {
-    fn drop(&mut self) {
+impl Owner for Requester {
+    type Owned = kvroute_remote::Requester;
+
+    fn take_owned(&mut self) -> (Option<Self::Owned>, Option<TransferEngine>) {
         let req = self.inner.take();
         let engine = req.as_ref().map(|r| r.engine().clone());
-        shut_down(req, engine);
+        (req, engine)
     }
 }
 

@@ -20,7 +20,7 @@ use pyo3::types::PyList;
 use crate::arrays::{i32_indices, owned_u16, slice, u16_rows};
 use crate::errors::{invalid, py_err};
 use crate::record::to_record;
-use crate::remote::{D_QK, PartialAttention, Requester, rope_layout_of, shut_down};
+use crate::remote::{D_QK, Owner, PartialAttention, Requester, owner_pymethods, rope_layout_of};
 use crate::wait::interruptible;
 use kvroute_transport::TransferEngine;
 
@@ -202,159 +202,144 @@ fn picks_of<'py>(
     Ok((a, k))
 }
 
-#[pymethods]
-impl Stepper {
-    /// `Stepper(requester, layers, chunk_tokens, model="deepseek-v2-lite", rope_theta=1e4,
-    /// yarn=False, rope_layout="interleaved", force=None, fetch_budget_bytes=1 << 30,
-    /// probe_mq=(1, 16, 64), probe_reps=10)`.
-    ///
-    /// Takes the requester over (it is unusable afterwards) and calibrates the selector on
-    /// its holders: a probe sweep of routes of `probe_mq` query rows to the lowest chunk id,
-    /// the holders' kernels and load, the merge and splice measured here. `layers` and
-    /// `chunk_tokens` describe the held chunks, `rope_*` the rotation they were stored with.
-    /// `force`: `"route"` or `"fetch"` for every pair (`None`: the selector decides).
-    /// Interruptible with Ctrl-C.
-    #[new]
-    #[pyo3(signature = (requester, layers, chunk_tokens, model = "deepseek-v2-lite",
-                        rope_theta = 10000.0, yarn = false, rope_layout = "interleaved",
-                        force = None, fetch_budget_bytes = 1 << 30, probe_mq = vec![1, 16, 64],
-                        probe_reps = 10))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        requester: &mut Requester,
-        layers: u32,
-        chunk_tokens: u32,
-        model: &str,
-        rope_theta: f64,
-        yarn: bool,
-        rope_layout: &str,
-        force: Option<&str>,
-        fetch_budget_bytes: usize,
-        probe_mq: Vec<u32>,
-        probe_reps: usize,
-    ) -> PyResult<Self> {
-        let layout = rope_layout_of(rope_layout)?;
-        let rope = if yarn {
-            Rope::yarn(rope_theta, Yarn::DEEPSEEK, layout)
-        } else {
-            Rope::plain(rope_theta, layout)
-        }
-        .map_err(py_err)?;
-        let mut dims = model_preset(model).map_err(py_err)?.dims;
-        dims.layers = layers;
-        let force = match force {
-            None => None,
-            Some("route") => Some(Primitive::Route),
-            Some("fetch") => Some(Primitive::Fetch),
-            Some(other) => {
-                return Err(invalid(format!(
-                    "force {other:?}: expected \"route\", \"fetch\" or None"
-                )));
-            }
-        };
-        for &mq in &probe_mq {
-            crate::sched::in_range("probe_mq", mq.into(), 1, MAX_ROWS as u64)?;
-        }
-        let largest = probe_mq.iter().copied().max().unwrap_or(0) as usize;
-        if largest == 0 || probe_reps == 0 {
-            return Err(invalid(
-                "probe_mq needs a positive row count and probe_reps > 0",
-            ));
-        }
-        let req = requester
-            .inner
-            .take()
-            .ok_or_else(|| invalid("the requester is closed (or already in a Stepper)"))?;
-        let Some(first) = req.registry().ids().min() else {
-            requester.inner = Some(req);
-            return Err(invalid("the requester's holders serve no chunk"));
-        };
-        let engine = req.engine().clone();
-        let mut config = StepConfig::new(dims, rope);
-        config.force = force;
-        config.fetch_budget = fetch_budget_bytes;
-        let probe = ProbeConfig {
-            chunk: first,
-            layer: 0,
-            mq: probe_mq,
-            reps: probe_reps,
-            ..ProbeConfig::default()
-        };
-        let stepper = interruptible(py, move || {
-            // Probe rows: any finite bf16 rows do (their values do not change the timing).
-            let probe_rows = kvroute_kvstore::corpus::queries(largest, 0, &rope, 1);
-            let inputs = CalibrationInputs {
-                model: dims,
-                rope,
-                chunk_tokens,
-                probe_rows: &probe_rows,
-                pull: None,
-                probe: &probe,
-            };
-            kvroute_remote::step::Stepper::calibrated(req, inputs, config)
-        })?
-        .map_err(py_err)?;
-        Ok(Self {
-            inner: Some(stepper),
-            engine: Some(engine),
-        })
-    }
-
-    /// The attention of `requests` (`StepRequest`s) at `layer`: each (request, chunk)
-    /// routed, fetched into the cache or gathered as the selector decides, merged exactly
-    /// with the request's own KV. Returns a `StepOutput`. The GIL is released while the
-    /// step runs; the arrays are borrowed, not copied.
-    fn step(
-        &mut self,
-        py: Python<'_>,
-        layer: u16,
-        requests: Vec<PyRef<'_, StepRequest>>,
-    ) -> PyResult<StepOutput> {
-        self.run(py, layer, &requests).map(|(out, _)| out)
-    }
-
-    /// The same step, also returning the time `Stepper::step` took as a Rust caller sees it
-    /// (microseconds): the baseline a Python caller's overhead is measured against.
-    fn step_timed(
-        &mut self,
-        py: Python<'_>,
-        layer: u16,
-        requests: Vec<PyRef<'_, StepRequest>>,
-    ) -> PyResult<(StepOutput, f64)> {
-        self.run(py, layer, &requests)
-    }
-
-    /// Counters over the stepper's lifetime (steps, routes, fetches, cached, gathers, ...).
-    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        to_record(py, &self.get()?.stats())
-    }
-
+owner_pymethods! {
     /// Releases the fetch cache and closes the requester's sessions.
-    fn close(&mut self, py: Python<'_>) {
-        let (stepper, engine) = (self.inner.take(), self.engine.take());
-        py.detach(|| shut_down(stepper, engine));
-    }
+    fn close;
 
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
+    impl Stepper {
+        /// `Stepper(requester, layers, chunk_tokens, model="deepseek-v2-lite", rope_theta=1e4,
+        /// yarn=False, rope_layout="interleaved", force=None, fetch_budget_bytes=1 << 30,
+        /// probe_mq=(1, 16, 64), probe_reps=10)`.
+        ///
+        /// Takes the requester over (it is unusable afterwards) and calibrates the selector on
+        /// its holders: a probe sweep of routes of `probe_mq` query rows to the lowest chunk id,
+        /// the holders' kernels and load, the merge and splice measured here. `layers` and
+        /// `chunk_tokens` describe the held chunks, `rope_*` the rotation they were stored with.
+        /// `force`: `"route"` or `"fetch"` for every pair (`None`: the selector decides).
+        /// Interruptible with Ctrl-C.
+        #[new]
+        #[pyo3(signature = (requester, layers, chunk_tokens, model = "deepseek-v2-lite",
+                            rope_theta = 10000.0, yarn = false, rope_layout = "interleaved",
+                            force = None, fetch_budget_bytes = 1 << 30, probe_mq = vec![1, 16, 64],
+                            probe_reps = 10))]
+        #[allow(clippy::too_many_arguments)]
+        fn new(
+            py: Python<'_>,
+            requester: &mut Requester,
+            layers: u32,
+            chunk_tokens: u32,
+            model: &str,
+            rope_theta: f64,
+            yarn: bool,
+            rope_layout: &str,
+            force: Option<&str>,
+            fetch_budget_bytes: usize,
+            probe_mq: Vec<u32>,
+            probe_reps: usize,
+        ) -> PyResult<Self> {
+            let layout = rope_layout_of(rope_layout)?;
+            let rope = if yarn {
+                Rope::yarn(rope_theta, Yarn::DEEPSEEK, layout)
+            } else {
+                Rope::plain(rope_theta, layout)
+            }
+            .map_err(py_err)?;
+            let mut dims = model_preset(model).map_err(py_err)?.dims;
+            dims.layers = layers;
+            let force = match force {
+                None => None,
+                Some("route") => Some(Primitive::Route),
+                Some("fetch") => Some(Primitive::Fetch),
+                Some(other) => {
+                    return Err(invalid(format!(
+                        "force {other:?}: expected \"route\", \"fetch\" or None"
+                    )));
+                }
+            };
+            for &mq in &probe_mq {
+                crate::sched::in_range("probe_mq", mq.into(), 1, MAX_ROWS as u64)?;
+            }
+            let largest = probe_mq.iter().copied().max().unwrap_or(0) as usize;
+            if largest == 0 || probe_reps == 0 {
+                return Err(invalid(
+                    "probe_mq needs a positive row count and probe_reps > 0",
+                ));
+            }
+            let req = requester
+                .inner
+                .take()
+                .ok_or_else(|| invalid("the requester is closed (or already in a Stepper)"))?;
+            let Some(first) = req.registry().ids().min() else {
+                requester.inner = Some(req);
+                return Err(invalid("the requester's holders serve no chunk"));
+            };
+            let engine = req.engine().clone();
+            let mut config = StepConfig::new(dims, rope);
+            config.force = force;
+            config.fetch_budget = fetch_budget_bytes;
+            let probe = ProbeConfig {
+                chunk: first,
+                layer: 0,
+                mq: probe_mq,
+                reps: probe_reps,
+                ..ProbeConfig::default()
+            };
+            let stepper = interruptible(py, move || {
+                // Probe rows: any finite bf16 rows do (their values do not change the timing).
+                let probe_rows = kvroute_kvstore::corpus::queries(largest, 0, &rope, 1);
+                let inputs = CalibrationInputs {
+                    model: dims,
+                    rope,
+                    chunk_tokens,
+                    probe_rows: &probe_rows,
+                    pull: None,
+                    probe: &probe,
+                };
+                kvroute_remote::step::Stepper::calibrated(req, inputs, config)
+            })?
+            .map_err(py_err)?;
+            Ok(Self {
+                inner: Some(stepper),
+                engine: Some(engine),
+            })
+        }
 
-    fn __exit__(
-        &mut self,
-        py: Python<'_>,
-        _ty: Option<&Bound<'_, PyAny>>,
-        _value: Option<&Bound<'_, PyAny>>,
-        _tb: Option<&Bound<'_, PyAny>>,
-    ) -> bool {
-        self.close(py);
-        false
+        /// The attention of `requests` (`StepRequest`s) at `layer`: each (request, chunk)
+        /// routed, fetched into the cache or gathered as the selector decides, merged exactly
+        /// with the request's own KV. Returns a `StepOutput`. The GIL is released while the
+        /// step runs; the arrays are borrowed, not copied.
+        fn step(
+            &mut self,
+            py: Python<'_>,
+            layer: u16,
+            requests: Vec<PyRef<'_, StepRequest>>,
+        ) -> PyResult<StepOutput> {
+            self.run(py, layer, &requests).map(|(out, _)| out)
+        }
+
+        /// The same step, also returning the time `Stepper::step` took as a Rust caller sees it
+        /// (microseconds): the baseline a Python caller's overhead is measured against.
+        fn step_timed(
+            &mut self,
+            py: Python<'_>,
+            layer: u16,
+            requests: Vec<PyRef<'_, StepRequest>>,
+        ) -> PyResult<(StepOutput, f64)> {
+            self.run(py, layer, &requests)
+        }
+
+        /// Counters over the stepper's lifetime (steps, routes, fetches, cached, gathers, ...).
+        fn stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+            to_record(py, &self.get()?.stats())
+        }
     }
 }
 
-impl Drop for Stepper {
-    fn drop(&mut self) {
-        shut_down(self.inner.take(), self.engine.take());
+impl Owner for Stepper {
+    type Owned = kvroute_remote::step::Stepper;
+
+    fn take_owned(&mut self) -> (Option<Self::Owned>, Option<TransferEngine>) {
+        (self.inner.take(), self.engine.take())
     }
 }
 
