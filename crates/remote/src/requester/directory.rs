@@ -107,7 +107,7 @@ impl Requester {
             // A live session at that address proved another engine: the record is wrong, and
             // opening another session would only spend a link on it.
             if !self.links.iter().any(|l| l.serves(&r.record))
-                && self.links.iter().any(|l| l.alive && l.addr == control)
+                && self.links.iter().any(|l| l.alive() && l.addr == control)
             {
                 out.failed.push((
                     control,
@@ -151,18 +151,26 @@ impl Requester {
         out
     }
 
-    /// Marks links whose holder left the view unlisted, and those back in it listed again.
+    /// Ends the sessions whose holder closed its control connection (it stopped, or its
+    /// process died: their room goes to the sessions the view needs), marks links whose
+    /// holder left the view unlisted, and those back in it listed again.
     fn follow_listings(&mut self, view: &DirectoryView, out: &mut DirectorySync) {
+        let closed: Vec<usize> = (0..self.links.len())
+            .filter(|&h| self.links[h].control().and_then(super::closed).is_some())
+            .collect();
+        for h in closed {
+            self.kill(h);
+        }
         for (h, l) in self.links.iter_mut().enumerate() {
             let registered = view.holders.values().any(|r| l.serves(&r.record));
             if l.listed && !registered {
                 l.listed = false;
-                if l.alive {
+                if l.alive() {
                     out.dropped.push((h, l.addr));
                 }
             } else if !l.listed && registered {
                 l.listed = true;
-                if l.alive {
+                if l.alive() {
                     out.relisted.push((h, l.addr));
                 }
             }
@@ -170,10 +178,10 @@ impl Requester {
     }
 
     /// Starts a session with each control address of `view` that has a record no link serves,
-    /// no live session, none being opened and no failure too recent, while a link is left and
+    /// no live session, none being opened and no failure too recent, while room is left and
     /// fewer than [`PARALLEL_OPENS`] are being opened; returns how many it started. Sessions
     /// being opened do not hold links (most records that are slow to answer never will), so
-    /// more may open than links are left: those that open when none is left are closed
+    /// more may open than there is room for: those that open when none is left are closed
     /// ([`Requester::adopt`] refuses them).
     fn start_openings(&mut self, view: &Arc<DirectoryView>, out: &mut DirectorySync) -> usize {
         let now = Instant::now();
@@ -184,7 +192,7 @@ impl Requester {
             .filter(|r| !self.links.iter().any(|l| l.serves(r)))
             .map(|r| r.control)
             .filter(|c| {
-                !self.links.iter().any(|l| l.alive && l.addr == *c)
+                !self.links.iter().any(|l| l.alive() && l.addr == *c)
                     && !self.opening.iter().any(|o| o.control == *c)
                     && self
                         .unreachable
@@ -199,9 +207,9 @@ impl Requester {
             if self.opening.len() >= PARALLEL_OPENS {
                 break;
             }
-            if self.links.len() >= self.capacity {
+            if self.links.iter().filter(|l| l.alive()).count() >= self.capacity {
                 let full = RemoteError::Config(format!(
-                    "no room for holder {control}: every one of the {} links this requester opens is taken",
+                    "no room for holder {control}: {} sessions working, the most this requester holds at once",
                     self.capacity
                 ));
                 self.back_off(control, full, out);

@@ -54,8 +54,14 @@ impl Requester {
             let len = wire::request_len(&segments);
             let reply_len = wire::reply_len(segments.len(), wire::reply_rows(&segments));
             let limit = self.config.link_bytes.min(l.welcome.slot_bytes as usize);
-            let staged = link * self.config.link_bytes;
-            let encoded = if len > limit
+            let stage = l.io.as_ref().map(|io| io.stage);
+            let staged = stage.unwrap_or(0) * self.config.link_bytes;
+            let encoded = if stage.is_none() {
+                Err(RouteError::HolderFailed {
+                    holder: l.addr,
+                    why: "marked dead earlier".into(),
+                })
+            } else if len > limit
                 || reply_len > self.config.link_bytes.min(l.welcome.reply_bytes as usize)
             {
                 Err(RouteError::TooLarge(len.max(reply_len)))
@@ -112,9 +118,8 @@ impl Requester {
                 continue;
             }
             let l = &self.links[p.link];
-            // Where the caller finds the reply: the link's own region, named by the offset
-            // the request was staged at (see `reply_at`).
-            let reply_offset = p.staged as u64;
+            // Where the caller finds the reply: the link's own region (see `reply_at`).
+            let reply_offset = self.reply_name(p.link) as u64;
             let token = CancellationToken::new();
             let reply_flag = DoneFlag::new();
             let arrivals = self.engine.expected_arrivals(TransferShape::SingleWrite {
@@ -157,7 +162,7 @@ impl Requester {
                 continue;
             };
             let link = prepared[i].link;
-            let control = Some(&self.links[link].control);
+            let control = self.links[link].control();
             let failure = match wait_all(
                 &self.engine,
                 &[&sent, &reply],
@@ -216,7 +221,7 @@ impl Requester {
         }
         let l = &self.links[p.link];
         // SAFETY: as in `reply_bytes`: the reply's immediate has been counted.
-        let bytes = unsafe { self.reply_at(p.staged, p.reply_len) }
+        let bytes = unsafe { self.reply_at(self.reply_name(p.link), p.reply_len) }
             .map_err(|e| format!("reading the reply: {e}"))?;
         let header = wire::decode_reply_header(bytes).filter(|h| h.seq == l.seq);
         let expected = wire::served_arrivals(header.as_ref(), &p.fetch_arrivals)?;
@@ -234,7 +239,7 @@ impl Requester {
             &[&flag],
             deadline,
             self.config.spin,
-            Some(&l.control),
+            l.control(),
         )
         .map_err(|e| e.describe(&["fetch pages"], self.config.timeout))
     }
@@ -254,9 +259,14 @@ impl Requester {
         })
     }
 
+    /// The offset that names the start of link `link`'s reply (see [`Requester::reply_at`]).
+    fn reply_name(&self, link: usize) -> usize {
+        link * self.config.link_bytes
+    }
+
     /// `len` bytes at `at` of the replies, an offset that names a link and a place in its
-    /// reply: link `at / link_bytes`'s requests are staged at `link * link_bytes` and their
-    /// replies land at the start of its own region, so `at % link_bytes` is the place there.
+    /// reply: `at / link_bytes` is the link ([`Requester::reply_name`]) and `at % link_bytes`
+    /// the place in its own region, where its replies land from the start.
     ///
     /// # Safety
     /// As `RegisteredBuffer::bytes`: no write to that range while the borrow lives (the
@@ -268,8 +278,11 @@ impl Requester {
             .links
             .get(link)
             .ok_or_else(|| format!("no link {link} for a reply"))?;
+        let io =
+            l.io.as_ref()
+                .ok_or_else(|| format!("the session of link {link} has ended"))?;
         // SAFETY: the caller's contract.
-        unsafe { l.reply.bytes(at % link_bytes, len) }.map_err(|e| e.to_string())
+        unsafe { io.reply.bytes(at % link_bytes, len) }.map_err(|e| e.to_string())
     }
 }
 

@@ -49,10 +49,11 @@ pub struct RequesterConfig {
     /// How long a wait for a reply polls (yielding the core) before it sleeps in 50 us
     /// steps: latency against CPU left to others.
     pub spin: Duration,
-    /// The most holders this requester ever opens a session with: those given to
+    /// The most sessions with holders this requester holds at once: those given to
     /// [`Requester::connect`] plus those added later by [`Requester::add_holder`] (a holder
-    /// found in a directory). Each takes `link_bytes` of send staging and of reply region,
-    /// reserved at connect. 0: only the holders given to `connect`.
+    /// found in a directory). Each takes `link_bytes` of send staging (reserved at connect)
+    /// and of reply region; a session that ends gives both back, so holders that come and go
+    /// never use the room up. 0: as many as the holders given to `connect`.
     pub max_holders: usize,
 }
 
@@ -71,28 +72,53 @@ impl RequesterConfig {
     }
 }
 
+/// A session with a holder, by index: the index stays the holder's for the requester's life,
+/// what the session holds only while it works.
 struct Link {
-    control: TcpStream,
-    reader: BufReader<TcpStream>,
     addr: SocketAddr,
     welcome: Welcome,
-    /// The region this holder's replies land in, registered for this link alone: its
-    /// descriptor goes to this holder only, so no other holder can write an answer there
-    /// (each region's key is its own, and unguessable where the transport draws keys).
-    reply: RegisteredBuffer,
     reply_imm: u32,
     fetch_imm: u32,
     seq: u64,
-    /// The session works (no failed write or missed reply, control connection up).
-    alive: bool,
+    /// While the session works (no failed write or missed reply, control connection up):
+    /// what it holds. Released when it ends ([`Requester::kill`]).
+    io: Option<LinkIo>,
     /// Offered by the directory followed (always, without one).
     listed: bool,
 }
 
+/// What a working session holds, all of it released when the session ends, so that a
+/// requester following holders that come and go holds only what its live sessions need.
+struct LinkIo {
+    control: TcpStream,
+    reader: BufReader<TcpStream>,
+    /// The region this holder's replies land in, registered for this link alone: its
+    /// descriptor goes to this holder only, so no other holder can write an answer there
+    /// (each region's key is its own, and unguessable where the transport draws keys).
+    /// Dropped (deregistered) with the session, so a late write of its holder lands nowhere.
+    reply: RegisteredBuffer,
+    /// Which `link_bytes` range of the send staging its requests are written in: one a live
+    /// session alone uses, taken again by a later one once this one ends.
+    stage: usize,
+    /// The reservation of the link's immediates, given back with the session (its holder's
+    /// late writes cannot land: their regions and grants are gone).
+    _imms: LinkImms,
+}
+
 impl Link {
+    /// The session works.
+    fn alive(&self) -> bool {
+        self.io.is_some()
+    }
+
     /// Routes and fetches may go to it.
     fn usable(&self) -> bool {
-        self.alive && self.listed
+        self.alive() && self.listed
+    }
+
+    /// Its control connection, while the session works.
+    fn control(&self) -> Option<&TcpStream> {
+        self.io.as_ref().map(|io| &io.control)
     }
 
     /// Whether it is the session with the holder `record` describes (same control and
@@ -230,13 +256,11 @@ fn closed(stream: &TcpStream) -> Option<String> {
 }
 
 /// A link's two immediate values, reserved in the engine while the link is being opened and
-/// released if it fails to open.
+/// for as long as its session works; released when dropped.
 struct LinkImms {
     engine: TransferEngine,
     reply: u32,
     fetch: u32,
-    /// The link took them: `Requester`'s drop releases them.
-    kept: bool,
 }
 
 impl LinkImms {
@@ -245,23 +269,14 @@ impl LinkImms {
             engine: engine.clone(),
             reply: engine.reserve_imm(),
             fetch: engine.reserve_imm(),
-            kept: false,
         }
-    }
-
-    /// The values, now the link's to release (see `Requester`'s drop).
-    fn keep(mut self) -> (u32, u32) {
-        self.kept = true;
-        (self.reply, self.fetch)
     }
 }
 
 impl Drop for LinkImms {
     fn drop(&mut self) {
-        if !self.kept {
-            self.engine.release_imm(self.reply);
-            self.engine.release_imm(self.fetch);
-        }
+        self.engine.release_imm(self.reply);
+        self.engine.release_imm(self.fetch);
     }
 }
 
@@ -325,17 +340,6 @@ fn open_session(
     })
 }
 
-impl Drop for Requester {
-    /// Gives the engine back the immediate values of every link (the engine may outlive this
-    /// requester, shared with others).
-    fn drop(&mut self) {
-        for l in &self.links {
-            self.engine.release_imm(l.reply_imm);
-            self.engine.release_imm(l.fetch_imm);
-        }
-    }
-}
-
 impl Requester {
     /// Opens a session with every holder in `holders` and builds the chunk registry from what
     /// they serve. A holder that is busy or unreachable is an error. `holders` may be empty
@@ -391,9 +395,10 @@ impl Requester {
 
     /// Opens a session with one more holder (found after connect, in a directory) and adds
     /// the chunks it serves to the registry, after the replicas already known; returns its
-    /// index. Refused when `config.max_holders` links are already open (dead ones count: a
-    /// link's immediates are never reused), when its session fails, or when a chunk it
-    /// serves contradicts the registered copy (the holder is then not used).
+    /// index (a new one: indices are never reused, so an index names one session for the
+    /// requester's life). Refused when `config.max_holders` sessions are working, when its
+    /// session fails, or when a chunk it serves contradicts the registered copy (the holder
+    /// is then not used).
     pub fn add_holder(&mut self, addr: SocketAddr) -> Result<usize, RemoteError> {
         self.add_holder_of(addr, &|_| true)
     }
@@ -431,22 +436,28 @@ impl Requester {
         self.adopt(opened)
     }
 
-    /// An error unless another link fits.
-    fn room_for(&self, addr: SocketAddr) -> Result<(), RemoteError> {
-        let open = self.links.len();
-        if open >= self.capacity {
-            return Err(RemoteError::Config(format!(
-                "no room for holder {addr}: {open} links open, the most this requester opens"
-            )));
-        }
-        Ok(())
+    /// A staging range no working session uses, or an error when every one is taken.
+    fn room_for(&self, addr: SocketAddr) -> Result<usize, RemoteError> {
+        let taken: Vec<usize> = self
+            .links
+            .iter()
+            .filter_map(|l| l.io.as_ref().map(|io| io.stage))
+            .collect();
+        (0..self.capacity)
+            .find(|stage| !taken.contains(stage))
+            .ok_or_else(|| {
+                RemoteError::Config(format!(
+                    "no room for holder {addr}: {} sessions working, the most this requester holds at once",
+                    taken.len()
+                ))
+            })
     }
 
     /// Makes `opened` link `links.len()` and registers its chunks: all of them or none (a
     /// chunk that contradicts the registered copy refuses the holder, and its session
     /// closes).
     fn adopt(&mut self, opened: Opened) -> Result<usize, RemoteError> {
-        self.room_for(opened.addr)?;
+        let stage = self.room_for(opened.addr)?;
         let mut registry = self.registry.clone();
         for entry in &opened.welcome.chunks {
             registry.register(entry.clone())?;
@@ -460,18 +471,19 @@ impl Requester {
             reply,
             imms,
         } = opened;
-        // The link owns them from here; `Requester`'s drop releases them.
-        let (reply_imm, fetch_imm) = imms.keep();
         self.links.push(Link {
-            control,
-            reader,
             addr,
+            reply_imm: imms.reply,
+            fetch_imm: imms.fetch,
             welcome,
-            reply,
-            reply_imm,
-            fetch_imm,
             seq: 0,
-            alive: true,
+            io: Some(LinkIo {
+                control,
+                reader,
+                reply,
+                stage,
+                _imms: imms,
+            }),
             listed: true,
         });
         Ok(self.links.len() - 1)
@@ -515,8 +527,16 @@ impl Requester {
             .links
             .get_mut(holder)
             .ok_or(RemoteError::NoSuchHolder(holder))?;
-        send_line(&mut link.control, link.addr, &Control::Stats)?;
-        recv_line(&mut link.reader, link.addr, 1 << 20)
+        let addr = link.addr;
+        let io = link.io.as_mut().ok_or_else(|| RemoteError::Control {
+            peer: addr,
+            source: std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                "the session with this holder has ended",
+            ),
+        })?;
+        send_line(&mut io.control, addr, &Control::Stats)?;
+        recv_line(&mut io.reader, addr, 1 << 20)
     }
 
     /// Holder `holder`'s counters once they count at least `requests` requests, or as they
@@ -561,12 +581,12 @@ impl Requester {
         // Pings and requests share the sequence numbers the holder admits once each.
         l.seq += 1;
         let l = &*l;
-        if !l.alive {
+        let Some(io) = &l.io else {
             return Err(RouteError::HolderFailed {
                 holder: l.addr,
                 why: "marked dead earlier".into(),
             });
-        }
+        };
         let limit = link_bytes.min(l.welcome.slot_bytes as usize);
         let reply_limit = link_bytes.min(l.welcome.reply_bytes as usize);
         if !(wire::PING_HEADER..=limit).contains(&request_len) {
@@ -576,7 +596,7 @@ impl Requester {
             return Err(RouteError::TooLarge(reply_len));
         }
         let (addr, reply_imm) = (l.addr, l.reply_imm);
-        let staged = holder * link_bytes;
+        let staged = io.stage * link_bytes;
         let started = Instant::now();
         let reply_flag = DoneFlag::new();
         let token = CancellationToken::new();
@@ -624,7 +644,7 @@ impl Requester {
                 &[&sent_flag, &reply_flag],
                 started + self.config.timeout,
                 self.config.spin,
-                Some(&l.control),
+                Some(&io.control),
             ) {
                 Err(e) => Some(e.describe(&["ping completion", "pong"], self.config.timeout)),
                 Ok(()) => match sent_flag.result() {
@@ -705,9 +725,12 @@ impl Requester {
 
     /// The region holder `holder` writes its replies into, as its hello described it: its
     /// own, registered for its link alone, so that what one holder may write cannot reach
-    /// another's answers.
+    /// another's answers. `None` once its session has ended (the region is gone with it).
     pub fn reply_region(&self, holder: usize) -> Option<&MrDesc> {
-        self.links.get(holder).map(|l| l.reply.desc())
+        self.links
+            .get(holder)
+            .and_then(|l| l.io.as_ref())
+            .map(|io| io.reply.desc())
     }
 
     /// Stops using holder `holder`, found dead by other means than a route (its control
@@ -759,8 +782,12 @@ impl Requester {
             .ok_or(RouteError::NoHolder(chunk))
     }
 
+    /// Ends link `link`'s session and releases what it held: its control connection, its
+    /// reply region (deregistered: a late write of its holder lands nowhere), its staging
+    /// range (for a later session) and its immediates.
     fn kill(&mut self, link: usize) {
-        self.links[link].alive = false;
-        let _ = self.links[link].control.shutdown(std::net::Shutdown::Both);
+        if let Some(io) = self.links[link].io.take() {
+            let _ = io.control.shutdown(std::net::Shutdown::Both);
+        }
     }
 }

@@ -362,3 +362,61 @@ fn following_requester(fabric: &MemFabric) -> Result<Requester> {
         },
     )?)
 }
+
+/// Holders that come and go never use a requester's room up: with room for two sessions,
+/// six holders of chunk 0 in turn (each started, registered, routed to, then stopped with its
+/// registration gone) each get a session of their own, a new index, and the room of the
+/// ones that stopped. (Each session used to keep its room for the requester's life: the
+/// third holder was refused, "no room".)
+#[test]
+fn holders_that_come_and_go_never_use_the_room_up() -> Result<()> {
+    use kvroute_kvstore::directory::{Directory, InProcessDirectory};
+    let fabric = MemFabric::new();
+    let dir = InProcessDirectory::new();
+    let watch = dir.watch()?;
+    let mut req = Requester::connect(
+        TransferEngine::mem(&fabric, 1)?,
+        &[],
+        RequesterConfig {
+            max_holders: 2,
+            link_bytes: 1 << 20,
+            timeout: Duration::from_secs(2),
+            ..RequesterConfig::new(SCALE)
+        },
+    )?;
+    let q = queries(16, 900, &spec().rope()?, 5);
+    for round in 0..6 {
+        let h = holder(&fabric, &[0], 8)?;
+        let (record, chunks) = h.directory_records(0);
+        let reg = dir.register(record, chunks)?;
+        // The view with this holder in it (the previous one's registration is gone).
+        let view = loop {
+            let view = latest(&watch)?;
+            if view.holders.len() == 1
+                && view.holders.values().any(|v| v.record.control == h.addr())
+            {
+                break view;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let sync = req.sync_with(&view);
+        assert_eq!(sync.added, [(round, h.addr())], "round {round}: {sync:?}");
+        assert_eq!(req.holder_for(ChunkId(0))?, round);
+        assert!(
+            req.route(&dense_calls(&q, 0, 0..1))
+                .iter()
+                .all(Result::is_ok),
+            "round {round}"
+        );
+        drop((reg, h));
+        // Its control connection closes with it; the next sync ends the session.
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    req.sync_with(&*latest(&watch)?);
+    assert_eq!(req.holders(), 6);
+    assert!(
+        (0..6).all(|h| !req.is_alive(h) && req.reply_region(h).is_none()),
+        "every stopped holder's session ended, and its reply region with it"
+    );
+    Ok(())
+}
