@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_kernels::layout::{D_QK, PARTIAL_ROW_BYTES};
 use kvroute_kernels::{Queries, WireOut};
-use kvroute_transport::{MrDesc, OnDone, UnexpectedImms};
+use kvroute_transport::{MrDesc, OnDone, TransportError, UnexpectedImms};
 
 use super::compute::GroupCall;
 use super::{Session, Shared, Use, lock};
@@ -25,6 +25,16 @@ pub(super) const TRANSFER_KEY: (u32, u32) = (u32::MAX, u32::MAX);
 /// (chunk, layer, (k, rows per token) or (0, 0) for dense, scale bits): segments that one
 /// kernel call serves together (on a GPU, one launch serves every group of a scale).
 type GroupKey = (u32, u16, (u32, u32), u32);
+
+/// The servable segments of a batch by what serves them: (request, segment) pairs.
+type Groups = BTreeMap<GroupKey, Vec<(usize, usize)>>;
+
+/// A request's inbox slot in a batch: the slot, its session and the request's bytes.
+type Slot<'a> = (usize, &'a Session, &'a [u8]);
+
+/// A request as parsed from its slot: the request, or the status it is refused with (and,
+/// when they could be read, its seq and reply offset, to answer it at).
+type Parsed<'a> = Result<Request<'a>, (Status, Option<(u64, u64)>)>;
 
 /// A group of segments gathered for its kernel call: its chunk, layer, kind key and scale, its
 /// (request, segment) members, their query rows one after another (borrowed from the slot for
@@ -209,8 +219,72 @@ impl Shared {
 
     pub(super) fn serve_batch(&self, ready: &[usize]) {
         let started = Instant::now();
-        // A slot's request is served once per batch, however many arrived (a requester that
-        // sends again before its reply breaks the protocol; it gets one answer).
+        let admitted = self.admit(ready);
+        let slots: Vec<Slot<'_>> = admitted
+            .iter()
+            .filter_map(|(slot, session, len)| {
+                // SAFETY: the requester writes its slot only after the reply to its previous
+                // request and before the immediate of this one (the protocol), so nothing
+                // writes it while this batch reads it; the range is inside this session's
+                // inbox. A requester that breaks the protocol changes only the values of its
+                // own request, never a bound: the parser reads every length, offset and
+                // count once, and slices are bounds-checked.
+                let bytes = unsafe { session.inbox.bytes(0, *len) }.ok()?;
+                Some((*slot, session, bytes))
+            })
+            .collect();
+        let mut stats = HolderStats::default();
+        let requests: Vec<Parsed<'_>> = slots
+            .iter()
+            .map(|(_, _, bytes)| Request::parse(bytes))
+            .collect();
+        stats.requests += requests.len() as u64;
+        let (mut layouts, groups) = self.group(&requests);
+        // Where segment `s` of request `r` (`rows` rows) is answered: its range of the
+        // session's reply staging.
+        let starts: Vec<Vec<usize>> = slots
+            .iter()
+            .zip(&layouts)
+            .map(|((slot, _, _), layout)| {
+                let rows =
+                    slot * self.config.reply_bytes + wire::reply_rows_offset(layout.statuses.len());
+                let at = |first: &usize| rows + first * PARTIAL_ROW_BYTES;
+                layout.rows_at.iter().map(at).collect()
+            })
+            .collect();
+        let run = |r: usize, s: usize, rows: usize| {
+            let at = starts[r][s];
+            // SAFETY: a session's staging range is written only by this serving thread, and
+            // the previous reply's write from it has completed (the requester sent this
+            // request after that reply arrived; a reply is read by the NIC before it lands).
+            // Each slot is in the batch once (deduplicated in `admit`) and a request's
+            // segments have disjoint row ranges ([`ReplyLayout::of`]), so no two live slices
+            // overlap. No peer writes staging (it is registered local only).
+            unsafe { self.staging.bytes_mut(at, rows * PARTIAL_ROW_BYTES) }
+        };
+        // Per request: bytes of its session's gather staging used so far.
+        let mut gathered = vec![0usize; slots.len()];
+        // The partial groups, gathered; transfers are served as they come.
+        let mut work: Vec<GroupWork<'_>> = Vec::new();
+        for (key, members) in &groups {
+            if key.2 == TRANSFER_KEY {
+                let at = (&slots[..], &requests[..]);
+                self.serve_transfers(key, members, at, (&mut layouts, &mut gathered), &mut stats);
+            } else {
+                work.push(group_work(key, members, &requests));
+            }
+        }
+        let served = self.attend_batched(&work, &run, &mut stats);
+        self.attend_each(&work, &served, &run, &mut layouts, &mut stats);
+        self.answer(&slots, &requests, &layouts, (stats, started));
+    }
+
+    /// The sessions of `ready` (each once, however many of its immediates arrived: a
+    /// requester that sends again before its reply breaks the protocol and gets one answer)
+    /// whose request header carries their token and a sequence number they have not used,
+    /// with how far their slot is read; the others are counted (stray or refused) and get no
+    /// answer at all, not even a status.
+    fn admit(&self, ready: &[usize]) -> Vec<(usize, Session, usize)> {
         let mut ready = ready.to_vec();
         ready.sort_unstable();
         ready.dedup();
@@ -218,12 +292,7 @@ impl Shared {
             let all = lock(&self.sessions);
             ready.iter().map(|&s| (s, all[s].clone())).collect()
         };
-        // Each slot is parsed in place: the requester writes it only after the reply to its
-        // previous request and before the immediate of this one (the protocol), so nothing
-        // writes it while this batch reads it. A requester that breaks the protocol changes
-        // only the values of its own request, never a bound: the parser reads every length,
-        // offset and count once and slices are bounds-checked.
-        let admitted: Vec<(usize, Session, usize)> = sessions
+        sessions
             .into_iter()
             .filter_map(|(slot, session)| {
                 let Some(session) = session else {
@@ -235,9 +304,8 @@ impl Shared {
                 };
                 let mut header = [0u8; wire::REQUEST_HEADER];
                 session.inbox.read_at(0, &mut header).ok()?;
-                // Nothing is answered, not even a status, without the session's token and a
-                // sequence number it has not used: a request from anyone else, or the
-                // session's last one replayed by a stray immediate, is dropped.
+                // A request from anyone but the session's owner, or the session's last one
+                // replayed by a stray immediate, is dropped.
                 let admitted = wire::request_credentials(&header)
                     .is_some_and(|(token, seq)| session.admit(token, seq, Use::Request));
                 if !admitted {
@@ -252,27 +320,16 @@ impl Shared {
                 let len = total.clamp(wire::REQUEST_HEADER, self.config.slot_bytes);
                 Some((slot, session, len))
             })
-            .collect();
-        let slots: Vec<(usize, &Session, &[u8])> = admitted
-            .iter()
-            .filter_map(|(slot, session, len)| {
-                // SAFETY: see above; the range is inside this session's inbox.
-                let bytes = unsafe { session.inbox.bytes(0, *len) }.ok()?;
-                Some((*slot, session, bytes))
-            })
-            .collect();
-        let mut stats = HolderStats::default();
-        let requests: Vec<_> = slots
-            .iter()
-            .map(|(_, _, bytes)| Request::parse(bytes))
-            .collect();
-        stats.requests += requests.len() as u64;
-        // Per request: its status, its segments' statuses, and where each segment's rows go
-        // in its reply (the layout is fixed by what was asked, so kernels write their rows
-        // in place before every status is known).
-        let mut layouts: Vec<ReplyLayout> = Vec::new();
-        // (chunk, layer, kind key, scale bits) -> the (request, segment) pairs of the group.
-        let mut groups: BTreeMap<GroupKey, Vec<(usize, usize)>> = BTreeMap::new();
+            .collect()
+    }
+
+    /// Per request: its status, its segments' statuses, and where each segment's rows go in
+    /// its reply (the layout is fixed by what was asked, so kernels write their rows in place
+    /// before every status is known); and the servable segments grouped by what serves them,
+    /// as (request, segment) pairs.
+    fn group(&self, requests: &[Parsed<'_>]) -> (Vec<ReplyLayout>, Groups) {
+        let mut layouts: Vec<ReplyLayout> = Vec::with_capacity(requests.len());
+        let mut groups = Groups::new();
         for (r, req) in requests.iter().enumerate() {
             let Ok(req) = req else {
                 layouts.push(ReplyLayout::default());
@@ -311,98 +368,51 @@ impl Shared {
             }
             layouts.push(layout);
         }
-        // Where segment `s` of request `r` (`rows` rows) is answered: its range of the
-        // session's reply staging.
-        let starts: Vec<Vec<usize>> = slots
-            .iter()
-            .zip(&layouts)
-            .map(|((slot, _, _), layout)| {
-                let rows =
-                    slot * self.config.reply_bytes + wire::reply_rows_offset(layout.statuses.len());
-                let at = |first: &usize| rows + first * PARTIAL_ROW_BYTES;
-                layout.rows_at.iter().map(at).collect()
-            })
-            .collect();
-        let run = |r: usize, s: usize, rows: usize| {
-            let at = starts[r][s];
-            // SAFETY: a session's staging range is written only by this serving thread, and
-            // the previous reply's write from it has completed (the requester sent this
-            // request after that reply arrived; a reply is read by the NIC before it lands).
-            // Each slot is in the batch once (deduplicated above) and a request's segments
-            // have disjoint row ranges ([`ReplyLayout::of`]), so no two live slices overlap.
-            // No peer writes staging (it is registered local only).
-            unsafe { self.staging.bytes_mut(at, rows * PARTIAL_ROW_BYTES) }
-        };
-        // Per request: bytes of its session's gather staging used so far.
-        let mut gathered = vec![0usize; slots.len()];
-        // The partial groups, gathered; transfers are served as they come.
-        let mut work: Vec<GroupWork<'_>> = Vec::new();
-        for (&(chunk, layer, key, scale), members) in &groups {
-            if key == TRANSFER_KEY {
-                for &(r, s) in members {
-                    let (slot, session, _) = &slots[r];
-                    let ok = requests[r]
-                        .as_ref()
-                        .ok()
-                        .and_then(|req| req.segments[s].as_ref().ok());
-                    let status = match ok.map(|seg| (seg, seg.kind)) {
-                        Some((seg, SegmentKind::Fetch)) => {
-                            self.fetch(session, chunk, &seg.pages(), seg)
-                        }
-                        Some((seg, SegmentKind::Gather { first })) => self.gather(
-                            (*slot, session, &mut gathered[r]),
-                            (chunk, layer),
-                            first,
-                            &seg.indices(),
-                            (&seg.pages(), seg),
-                        ),
-                        _ => Status::BadSegment,
-                    };
-                    layouts[r].statuses[s] = status;
-                    stats.fetches += u64::from(status == Status::Ok);
-                }
-                continue;
-            }
-            let segs: Vec<_> = members
-                .iter()
-                .filter_map(|&(r, s)| {
-                    let seg = requests[r].as_ref().ok()?.segments[s].as_ref().ok()?;
-                    Some((r, s, seg))
-                })
-                .collect();
-            // One segment (the common case): attend straight from the slot. Several: the
-            // rows (and indices) are gathered into one batch.
-            let (queries, indices): (Cow<'_, [u16]>, Vec<i32>) = match segs.as_slice() {
-                [(_, _, seg)] => match seg.query_words() {
-                    Some(words) => (Cow::Borrowed(words), seg.indices()),
-                    None => (Cow::Owned(seg.queries()), seg.indices()),
-                },
-                _ => {
-                    let mut q = Vec::new();
-                    let mut idx = Vec::new();
-                    for (_, _, seg) in &segs {
-                        match seg.query_words() {
-                            Some(words) => q.extend_from_slice(words),
-                            None => q.extend(seg.queries()),
-                        }
-                        idx.extend(seg.indices());
-                    }
-                    (Cow::Owned(q), idx)
-                }
+        (layouts, groups)
+    }
+
+    /// Serves the fetch and gather segments of a transfer group (their writes go out now),
+    /// each one's status noted in its request's layout.
+    fn serve_transfers(
+        &self,
+        &(chunk, layer, _, _): &GroupKey,
+        members: &[(usize, usize)],
+        (slots, requests): (&[Slot<'_>], &[Parsed<'_>]),
+        (layouts, gathered): (&mut [ReplyLayout], &mut [usize]),
+        stats: &mut HolderStats,
+    ) {
+        for &(r, s) in members {
+            let (slot, session, _) = &slots[r];
+            let ok = requests[r]
+                .as_ref()
+                .ok()
+                .and_then(|req| req.segments[s].as_ref().ok());
+            let status = match ok.map(|seg| (seg, seg.kind)) {
+                Some((seg, SegmentKind::Fetch)) => self.fetch(session, chunk, &seg.pages(), seg),
+                Some((seg, SegmentKind::Gather { first })) => self.gather(
+                    (*slot, session, &mut gathered[r]),
+                    (chunk, layer),
+                    first,
+                    &seg.indices(),
+                    (&seg.pages(), seg),
+                ),
+                _ => Status::BadSegment,
             };
-            work.push(GroupWork {
-                chunk,
-                layer,
-                key,
-                scale: f32::from_bits(scale),
-                segs,
-                queries,
-                indices,
-            });
+            layouts[r].statuses[s] = status;
+            stats.fetches += u64::from(status == Status::Ok);
         }
-        // On a GPU, every group of one scale in one launch: the batched kernel takes each
-        // (chunk, layer) group as a request. A refused batch (a bad index in one segment, say)
-        // falls back to the groups one by one below, which names the segment.
+    }
+
+    /// On a GPU, every group of one scale in one launch: the batched kernel takes each
+    /// (chunk, layer) group as a request. Returns which groups were served; a refused batch
+    /// (a bad index in one segment, say) leaves its groups to [`Shared::attend_each`], which
+    /// names the segment.
+    fn attend_batched<'s>(
+        &self,
+        work: &[GroupWork<'_>],
+        run: &dyn Fn(usize, usize, usize) -> Result<&'s mut [u8], TransportError>,
+        stats: &mut HolderStats,
+    ) -> Vec<bool> {
         let mut served = vec![false; work.len()];
         let mut scales: Vec<u32> = work.iter().map(|w| w.scale.to_bits()).collect();
         scales.sort_unstable();
@@ -412,7 +422,7 @@ impl Shared {
                 .filter(|&i| work[i].scale.to_bits() == scale)
                 .collect();
             if members.len() < 2 {
-                continue; // the per-group call below is the same launch
+                continue; // the per-group call is the same launch
             }
             let kernel_started = Instant::now();
             let result = members
@@ -448,9 +458,23 @@ impl Shared {
             }
             stats.kernel_us += kernel_started.elapsed().as_secs_f64() * 1e6;
         }
+        served
+    }
+
+    /// One kernel call per group not `served` yet, writing every row straight into its
+    /// request's reply staging; a group the kernel refuses is served again one segment at a
+    /// time, so one bad segment (an index out of range) fails only itself (`Status::Kernel`).
+    fn attend_each<'s>(
+        &self,
+        work: &[GroupWork<'_>],
+        served: &[bool],
+        run: &dyn Fn(usize, usize, usize) -> Result<&'s mut [u8], TransportError>,
+        layouts: &mut [ReplyLayout],
+        stats: &mut HolderStats,
+    ) {
         for w in work
             .iter()
-            .zip(&served)
+            .zip(served)
             .filter(|(_, s)| !**s)
             .map(|(w, _)| w)
         {
@@ -464,7 +488,6 @@ impl Shared {
                 ref indices,
             } = *w;
             let kernel_started = Instant::now();
-            // The kernel writes every row straight into its request's reply staging.
             let result = segs
                 .iter()
                 .map(|&(r, s, seg)| run(r, s, seg.rows))
@@ -490,8 +513,6 @@ impl Shared {
                     }
                 }
                 Err(e) => {
-                    // One bad segment (an index out of range) must not fail the others: redo
-                    // the group one segment at a time.
                     tracing::debug!(%e, "batched kernel call refused; retrying per segment");
                     for &(r, s, seg) in segs {
                         let served = run(r, s, seg.rows)
@@ -524,9 +545,18 @@ impl Shared {
             }
             stats.kernel_us += kernel_started.elapsed().as_secs_f64() * 1e6;
         }
-        // The batch is counted under the lock its replies are sent in, so a reader that saw a
-        // reply land (and then asked for the counters) finds the whole batch counted, times
-        // included.
+    }
+
+    /// Answers every request of the batch with one write, and counts the batch under the
+    /// lock its replies are sent in, so a reader that saw a reply land (and then asked for
+    /// the counters) finds the whole batch counted, times included.
+    fn answer(
+        &self,
+        slots: &[Slot<'_>],
+        requests: &[Parsed<'_>],
+        layouts: &[ReplyLayout],
+        (mut stats, started): (HolderStats, Instant),
+    ) {
         let mut total = lock(&self.stats);
         for (r, (slot, session, _)) in slots.iter().enumerate() {
             let layout = &layouts[r];
@@ -702,5 +732,48 @@ impl ReplyLayout {
             rows_of,
             rows,
         }
+    }
+}
+
+/// A partial group's segments, with their query rows one after another and their indices:
+/// a lone segment's rows borrowed straight from its slot, several gathered into one batch.
+fn group_work<'a>(
+    &(chunk, layer, key, scale): &GroupKey,
+    members: &[(usize, usize)],
+    requests: &'a [Parsed<'a>],
+) -> GroupWork<'a> {
+    let segs: Vec<_> = members
+        .iter()
+        .filter_map(|&(r, s)| {
+            let seg = requests[r].as_ref().ok()?.segments[s].as_ref().ok()?;
+            Some((r, s, seg))
+        })
+        .collect();
+    let (queries, indices): (Cow<'_, [u16]>, Vec<i32>) = match segs.as_slice() {
+        [(_, _, seg)] => match seg.query_words() {
+            Some(words) => (Cow::Borrowed(words), seg.indices()),
+            None => (Cow::Owned(seg.queries()), seg.indices()),
+        },
+        _ => {
+            let mut q = Vec::new();
+            let mut idx = Vec::new();
+            for (_, _, seg) in &segs {
+                match seg.query_words() {
+                    Some(words) => q.extend_from_slice(words),
+                    None => q.extend(seg.queries()),
+                }
+                idx.extend(seg.indices());
+            }
+            (Cow::Owned(q), idx)
+        }
+    };
+    GroupWork {
+        chunk,
+        layer,
+        key,
+        scale: f32::from_bits(scale),
+        segs,
+        queries,
+        indices,
     }
 }
