@@ -281,194 +281,286 @@ impl Servers {
 /// Runs `workload` through `deployment`.
 pub fn simulate(deployment: &Deployment, workload: &Workload) -> Result<PrfaasRun> {
     deployment.validate()?;
-    let d = deployment;
-    // The arrivals: (time, total tokens, output tokens, hashes).
-    let mut arrivals: Vec<(Nanos, u64, u64)> = Vec::new();
-    let mut hashes: Vec<&[u64]> = Vec::new();
-    let (block_tokens, cache_blocks) = match workload {
-        Workload::LogNormal {
-            lengths,
-            output_tokens,
-            rate_rps,
-            requests,
-            seed,
-        } => {
-            positive("rate_rps", *rate_rps)?;
-            count("requests", *requests)?;
-            let spec = lengths.spec();
-            let mut rng = Rng::new(*seed);
-            let mut t = 0.0;
-            for _ in 0..*requests {
-                t += rng.exponential(1.0 / rate_rps);
-                let l =
-                    rng.truncated_lognormal(spec.mu, spec.sigma, spec.min_tokens, spec.max_tokens);
-                arrivals.push((nanos(t), l.round() as u64, *output_tokens));
-            }
-            (0, 0)
-        }
-        Workload::Trace {
-            records,
-            block_tokens,
-            cache_blocks,
-            time_scale,
-        } => {
-            positive("time_scale", *time_scale)?;
-            count("block_tokens", u64::from(*block_tokens))?;
-            for r in records {
-                arrivals.push((
-                    nanos(r.timestamp_ms as f64 * 1e-3 / time_scale),
-                    r.input_length,
-                    r.output_length,
-                ));
-                hashes.push(&r.hash_ids);
-            }
-            (u64::from(*block_tokens), *cache_blocks)
-        }
-    };
-    if arrivals.is_empty() {
+    let arrivals = Arrivals::of(workload)?;
+    if arrivals.requests.is_empty() {
         return Err(SchedError::EmptyWorkload);
     }
-    let n = u32::try_from(arrivals.len()).map_err(|_| SchedError::OutOfRange {
+    let n = u32::try_from(arrivals.requests.len()).map_err(|_| SchedError::OutOfRange {
         name: "requests",
-        value: arrivals.len() as f64,
+        value: arrivals.requests.len() as f64,
         range: "at most 2^32 - 1",
     })?;
-    let mut caches = [
-        PrefixCache::<()>::new(cache_blocks, Eviction::Lru),
-        PrefixCache::<()>::new(cache_blocks, Eviction::Lru),
-    ];
-    let link_bps = d.egress_gbps * 1e9 / 8.0;
-    let mut egress = FifoLink::new(link_bps);
-    let mut ingress = FifoLink::new(link_bps);
-    let mut prfaas = Servers::new(u64::from(d.prfaas_instances));
-    let mut pd = Servers::new(u64::from(d.pd_prefill_instances));
-    let mut slots = Servers::new(u64::from(d.pd_decode_instances) * u64::from(d.max_decode_batch));
-    let mut router = PrfaasRouter::new(d.router)?;
-    let mut jobs: Vec<Job> = Vec::with_capacity(arrivals.len());
     let mut q = EventQueue::new();
-    for (i, a) in arrivals.iter().enumerate() {
+    for (i, a) in arrivals.requests.iter().enumerate() {
         q.at(a.0, Event::Arrive(i as u32));
     }
-    let last_arrival = arrivals.last().map_or(0, |a| a.0);
-    let sample_every = nanos(d.sample_interval_s).max(1);
-    q.at(sample_every, Event::Sample);
-    let (mut computed, mut arrived_tokens) = (0u64, 0u64);
-    let mut cache_bytes = 0.0;
-    let mut ttft = Vec::with_capacity(arrivals.len());
-    let mut decoding_by_last_arrival = 0u64;
-    let mut egress_bytes_seen = 0.0;
-    let mut egress_bytes_in_window = 0.0;
-    let mut routed_prfaas = 0u64;
+    let mut sim = Sim::new(deployment, arrivals)?;
+    q.at(sim.sample_every, Event::Sample);
     while let Some((now, event)) = q.pop() {
         match event {
             Event::Arrive(i) => {
-                let (at, total, output) = arrivals[i as usize];
-                let held = |c: &PrefixCache<()>| {
-                    hashes.get(i as usize).map_or(0, |h| {
-                        (c.longest_prefix(h) as u64 * block_tokens).min(total)
-                    })
-                };
-                let route = router.route(RouteQuery {
-                    total_tokens: total,
-                    cached_pd: held(&caches[0]),
-                    cached_prfaas: held(&caches[1]),
-                });
-                computed += route.prefill_tokens;
-                arrived_tokens += total;
-                let l = route.prefill_tokens.max(1) as f64;
-                let done = match route.cluster {
-                    Cluster::Pd => {
-                        let mut ready = now;
-                        if route.transfer_tokens > 0 {
-                            let bytes = d.prfaas_profile.kv_bytes(route.transfer_tokens as f64);
-                            cache_bytes += bytes;
-                            ready = egress.push(now, bytes);
-                        }
-                        pd.take(ready, nanos(d.pd_profile.prefill_s(l)))
-                            .map(|(_, end)| end)
-                    }
-                    Cluster::Prfaas => {
-                        routed_prfaas += 1;
-                        let mut ready = now;
-                        if route.transfer_tokens > 0 {
-                            let bytes = d.prfaas_profile.kv_bytes(route.transfer_tokens as f64);
-                            cache_bytes += bytes;
-                            ready = ingress.push(now, bytes);
-                        }
-                        prfaas
-                            .take(ready, nanos(d.prfaas_profile.prefill_s(l)))
-                            .map(|(start, end)| {
-                                egress.push_stream(start, end, d.prfaas_profile.kv_bytes(l))
-                            })
-                    }
-                };
-                // `validate` guarantees the routed-to stage has servers.
-                let done = done.unwrap_or(now);
-                jobs.push(Job {
-                    arrival: at,
-                    total,
-                    output,
-                    route_cluster: route.cluster,
-                });
+                let done = sim.arrive(now, i);
                 q.at(done, Event::PrefillDone(i));
             }
-            Event::PrefillDone(i) => {
-                let job = &jobs[i as usize];
-                let took = nanos(job.output as f64 * d.decode_step_s);
-                let (start, _) = slots.take(now, took).unwrap_or((now, now));
-                ttft.push(seconds(start - job.arrival));
-                if start <= last_arrival {
-                    decoding_by_last_arrival += 1;
-                }
-                if let Some(h) = hashes.get(i as usize) {
-                    // The KV lands in the PD cluster for decode; PrfaaS keeps what it computed.
-                    let blocks = (job.total / block_tokens.max(1)) as usize;
-                    let h = &h[..blocks.min(h.len())];
-                    caches[0].access(h, |_| (), &mut |_, _| ())?;
-                    if job.route_cluster == Cluster::Prfaas {
-                        caches[1].access(h, |_| (), &mut |_, _| ())?;
-                    }
-                }
-            }
+            Event::PrefillDone(i) => sim.prefill_done(now, i)?,
             Event::Sample => {
-                let window = seconds(sample_every);
-                let carried = egress.bytes - egress_bytes_seen;
-                egress_bytes_seen = egress.bytes;
-                if now <= last_arrival {
-                    egress_bytes_in_window = egress.bytes;
-                }
-                router.on_sample(LoadSample {
-                    egress_utilization: (carried / (link_bps * window)).min(1.0),
-                    prfaas_wait_s: seconds(prfaas.wait(now)),
-                    pd_wait_s: seconds(pd.wait(now)),
-                });
-                if now < last_arrival {
-                    q.after(sample_every, Event::Sample);
+                if sim.sample(now) {
+                    q.after(sim.sample_every, Event::Sample);
                 }
             }
         }
     }
-    let window = seconds(last_arrival).max(1e-9);
-    let requests = u64::from(n);
-    let backlog = requests - decoding_by_last_arrival;
-    Ok(PrfaasRun {
-        deployment: d.name.clone(),
-        offered_rps: requests as f64 / window,
-        requests,
-        throughput_rps: decoding_by_last_arrival as f64 / window,
-        backlog_at_last_arrival: backlog,
-        // The last request to arrive cannot be decoding at its own arrival: one request of
-        // backlog is always allowed, so a short trace can keep up.
-        kept_up: backlog * 100 <= requests || backlog <= 1,
-        ttft_s: Percentiles::of(&mut ttft),
-        tbt_s: d.decode_step_s,
-        p_prfaas: routed_prfaas as f64 / requests as f64,
-        egress_gbps: egress_bytes_in_window * 8.0 / 1e9 / window,
-        cache_transfer_bytes: cache_bytes,
-        computed_fraction: computed as f64 / arrived_tokens.max(1) as f64,
-        final_threshold_tokens: router.threshold_tokens(),
-        events: q.popped(),
-    })
+    Ok(sim.report(u64::from(n), q.popped()))
+}
+
+/// A workload's requests as the simulator takes them.
+struct Arrivals<'w> {
+    /// (arrival time, total tokens, output tokens), in arrival order.
+    requests: Vec<(Nanos, u64, u64)>,
+    /// Each request's prefix block hashes (a trace's; none for a synthetic load).
+    hashes: Vec<&'w [u64]>,
+    /// Tokens per hashed block (0 without hashes).
+    block_tokens: u64,
+    /// Blocks each cluster's prefix cache holds (0: unbounded).
+    cache_blocks: usize,
+}
+
+impl<'w> Arrivals<'w> {
+    fn of(workload: &'w Workload) -> Result<Self> {
+        let mut requests = Vec::new();
+        let mut hashes: Vec<&[u64]> = Vec::new();
+        let (block_tokens, cache_blocks) = match workload {
+            Workload::LogNormal {
+                lengths,
+                output_tokens,
+                rate_rps,
+                requests: n,
+                seed,
+            } => {
+                positive("rate_rps", *rate_rps)?;
+                count("requests", *n)?;
+                let spec = lengths.spec();
+                let mut rng = Rng::new(*seed);
+                let mut t = 0.0;
+                for _ in 0..*n {
+                    t += rng.exponential(1.0 / rate_rps);
+                    let l = rng.truncated_lognormal(
+                        spec.mu,
+                        spec.sigma,
+                        spec.min_tokens,
+                        spec.max_tokens,
+                    );
+                    requests.push((nanos(t), l.round() as u64, *output_tokens));
+                }
+                (0, 0)
+            }
+            Workload::Trace {
+                records,
+                block_tokens,
+                cache_blocks,
+                time_scale,
+            } => {
+                positive("time_scale", *time_scale)?;
+                count("block_tokens", u64::from(*block_tokens))?;
+                for r in records {
+                    requests.push((
+                        nanos(r.timestamp_ms as f64 * 1e-3 / time_scale),
+                        r.input_length,
+                        r.output_length,
+                    ));
+                    hashes.push(&r.hash_ids);
+                }
+                (u64::from(*block_tokens), *cache_blocks)
+            }
+        };
+        Ok(Self {
+            requests,
+            hashes,
+            block_tokens,
+            cache_blocks,
+        })
+    }
+}
+
+/// The simulation's state: the clusters' servers, links and caches, the router, and what
+/// the report counts.
+struct Sim<'a> {
+    d: &'a Deployment,
+    arrivals: Arrivals<'a>,
+    /// The PD cluster's prefix cache, then PrfaaS's.
+    caches: [PrefixCache<()>; 2],
+    link_bps: f64,
+    egress: FifoLink,
+    ingress: FifoLink,
+    prfaas: Servers,
+    pd: Servers,
+    slots: Servers,
+    router: PrfaasRouter,
+    jobs: Vec<Job>,
+    last_arrival: Nanos,
+    sample_every: Nanos,
+    computed: u64,
+    arrived_tokens: u64,
+    cache_bytes: f64,
+    ttft: Vec<f64>,
+    decoding_by_last_arrival: u64,
+    egress_bytes_seen: f64,
+    egress_bytes_in_window: f64,
+    routed_prfaas: u64,
+}
+
+impl<'a> Sim<'a> {
+    fn new(d: &'a Deployment, arrivals: Arrivals<'a>) -> Result<Self> {
+        let link_bps = d.egress_gbps * 1e9 / 8.0;
+        let n = arrivals.requests.len();
+        Ok(Self {
+            caches: [
+                PrefixCache::<()>::new(arrivals.cache_blocks, Eviction::Lru),
+                PrefixCache::<()>::new(arrivals.cache_blocks, Eviction::Lru),
+            ],
+            link_bps,
+            egress: FifoLink::new(link_bps),
+            ingress: FifoLink::new(link_bps),
+            prfaas: Servers::new(u64::from(d.prfaas_instances)),
+            pd: Servers::new(u64::from(d.pd_prefill_instances)),
+            slots: Servers::new(u64::from(d.pd_decode_instances) * u64::from(d.max_decode_batch)),
+            router: PrfaasRouter::new(d.router)?,
+            jobs: Vec::with_capacity(n),
+            last_arrival: arrivals.requests.last().map_or(0, |a| a.0),
+            sample_every: nanos(d.sample_interval_s).max(1),
+            computed: 0,
+            arrived_tokens: 0,
+            cache_bytes: 0.0,
+            ttft: Vec::with_capacity(n),
+            decoding_by_last_arrival: 0,
+            egress_bytes_seen: 0.0,
+            egress_bytes_in_window: 0.0,
+            routed_prfaas: 0,
+            arrivals,
+            d,
+        })
+    }
+
+    /// Request `i` arrives at `now`: routed, its cached KV moved where the router sends
+    /// it, its prefill queued; returns when the prefill ends.
+    fn arrive(&mut self, now: Nanos, i: u32) -> Nanos {
+        let d = self.d;
+        let (at, total, output) = self.arrivals.requests[i as usize];
+        let (hashes, block_tokens) = (&self.arrivals.hashes, self.arrivals.block_tokens);
+        let held = |c: &PrefixCache<()>| {
+            hashes.get(i as usize).map_or(0, |h| {
+                (c.longest_prefix(h) as u64 * block_tokens).min(total)
+            })
+        };
+        let route = self.router.route(RouteQuery {
+            total_tokens: total,
+            cached_pd: held(&self.caches[0]),
+            cached_prfaas: held(&self.caches[1]),
+        });
+        self.computed += route.prefill_tokens;
+        self.arrived_tokens += total;
+        let l = route.prefill_tokens.max(1) as f64;
+        let done = match route.cluster {
+            Cluster::Pd => {
+                let mut ready = now;
+                if route.transfer_tokens > 0 {
+                    let bytes = d.prfaas_profile.kv_bytes(route.transfer_tokens as f64);
+                    self.cache_bytes += bytes;
+                    ready = self.egress.push(now, bytes);
+                }
+                self.pd
+                    .take(ready, nanos(d.pd_profile.prefill_s(l)))
+                    .map(|(_, end)| end)
+            }
+            Cluster::Prfaas => {
+                self.routed_prfaas += 1;
+                let mut ready = now;
+                if route.transfer_tokens > 0 {
+                    let bytes = d.prfaas_profile.kv_bytes(route.transfer_tokens as f64);
+                    self.cache_bytes += bytes;
+                    ready = self.ingress.push(now, bytes);
+                }
+                let egress = &mut self.egress;
+                self.prfaas
+                    .take(ready, nanos(d.prfaas_profile.prefill_s(l)))
+                    .map(|(start, end)| {
+                        egress.push_stream(start, end, d.prfaas_profile.kv_bytes(l))
+                    })
+            }
+        };
+        self.jobs.push(Job {
+            arrival: at,
+            total,
+            output,
+            route_cluster: route.cluster,
+        });
+        // `validate` guarantees the routed-to stage has servers.
+        done.unwrap_or(now)
+    }
+
+    /// Request `i`'s prefill ends at `now`: it takes a decode slot (its first token then),
+    /// and its prefix lands in the caches of the clusters that now hold it.
+    fn prefill_done(&mut self, now: Nanos, i: u32) -> Result<()> {
+        let job = &self.jobs[i as usize];
+        let took = nanos(job.output as f64 * self.d.decode_step_s);
+        let (start, _) = self.slots.take(now, took).unwrap_or((now, now));
+        self.ttft.push(seconds(start - job.arrival));
+        if start <= self.last_arrival {
+            self.decoding_by_last_arrival += 1;
+        }
+        if let Some(h) = self.arrivals.hashes.get(i as usize) {
+            // The KV lands in the PD cluster for decode; PrfaaS keeps what it computed.
+            let blocks = (job.total / self.arrivals.block_tokens.max(1)) as usize;
+            let h = &h[..blocks.min(h.len())];
+            self.caches[0].access(h, |_| (), &mut |_, _| ())?;
+            if job.route_cluster == Cluster::Prfaas {
+                self.caches[1].access(h, |_| (), &mut |_, _| ())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The router's sample at `now` of the egress link's use and the clusters' waits;
+    /// returns whether another sample is due (arrivals are still to come).
+    fn sample(&mut self, now: Nanos) -> bool {
+        let window = seconds(self.sample_every);
+        let carried = self.egress.bytes - self.egress_bytes_seen;
+        self.egress_bytes_seen = self.egress.bytes;
+        if now <= self.last_arrival {
+            self.egress_bytes_in_window = self.egress.bytes;
+        }
+        self.router.on_sample(LoadSample {
+            egress_utilization: (carried / (self.link_bps * window)).min(1.0),
+            prfaas_wait_s: seconds(self.prfaas.wait(now)),
+            pd_wait_s: seconds(self.pd.wait(now)),
+        });
+        now < self.last_arrival
+    }
+
+    /// The run's figures over the window up to the last arrival, `requests` requests and
+    /// `events` events simulated.
+    fn report(mut self, requests: u64, events: u64) -> PrfaasRun {
+        let window = seconds(self.last_arrival).max(1e-9);
+        let backlog = requests - self.decoding_by_last_arrival;
+        PrfaasRun {
+            deployment: self.d.name.clone(),
+            offered_rps: requests as f64 / window,
+            requests,
+            throughput_rps: self.decoding_by_last_arrival as f64 / window,
+            backlog_at_last_arrival: backlog,
+            // The last request to arrive cannot be decoding at its own arrival: one request
+            // of backlog is always allowed, so a short trace can keep up.
+            kept_up: backlog * 100 <= requests || backlog <= 1,
+            ttft_s: Percentiles::of(&mut self.ttft),
+            tbt_s: self.d.decode_step_s,
+            p_prfaas: self.routed_prfaas as f64 / requests as f64,
+            egress_gbps: self.egress_bytes_in_window * 8.0 / 1e9 / window,
+            cache_transfer_bytes: self.cache_bytes,
+            computed_fraction: self.computed as f64 / self.arrived_tokens.max(1) as f64,
+            final_threshold_tokens: self.router.threshold_tokens(),
+            events,
+        }
+    }
 }
 
 /// The lowest multiple of a workload's rate [`highest_kept_up`] tries before it gives up.
