@@ -64,8 +64,6 @@ impl Drop for Allocation {
 pub struct RegisteredBuffer {
     engine: TransferEngine,
     mem: Arc<Allocation>,
-    ptr: NonNull<u8>,
-    len: usize,
     handle: MrHandle,
     desc: MrDesc,
     access: Access,
@@ -81,7 +79,7 @@ unsafe impl Sync for RegisteredBuffer {}
 impl std::fmt::Debug for RegisteredBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RegisteredBuffer")
-            .field("len", &self.len)
+            .field("len", &self.mem.len)
             .field("desc", &self.desc)
             .finish_non_exhaustive()
     }
@@ -94,16 +92,13 @@ impl RegisteredBuffer {
         access: Access,
     ) -> Result<Self, TransportError> {
         let mem = Arc::new(Allocation::new(len)?);
-        let ptr = mem.ptr;
         // SAFETY: the allocation lives until the last of the buffer and its grants is
         // dropped, each of which deregisters first.
         let (handle, desc) =
-            unsafe { engine.reg_mr_with(ptr.as_ptr(), len, Device::Host, access)? };
+            unsafe { engine.reg_mr_with(mem.ptr.as_ptr(), len, Device::Host, access)? };
         Ok(Self {
             engine,
             mem,
-            ptr,
-            len,
             handle,
             desc,
             access,
@@ -120,7 +115,7 @@ impl RegisteredBuffer {
     pub fn grant(&self, offset: usize, len: usize) -> Result<Grant, TransportError> {
         check_range(
             Side::Destination,
-            self.len as u64,
+            self.mem.len as u64,
             offset as u64,
             len as u64,
         )?;
@@ -131,7 +126,7 @@ impl RegisteredBuffer {
         // until its registration is gone (its drop deregisters before releasing it).
         let (handle, desc) = unsafe {
             self.engine.reg_mr_with(
-                self.ptr.as_ptr().add(offset),
+                self.mem.ptr.as_ptr().add(offset),
                 len,
                 Device::Host,
                 Access::RemoteWrite,
@@ -163,19 +158,19 @@ impl RegisteredBuffer {
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.len
+        self.mem.len
     }
 
     /// Whether the buffer is empty (never: buffers have a length).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.mem.len == 0
     }
 
     /// Copies `bytes` into the buffer at `offset`.
     pub fn write_at(&self, offset: usize, bytes: &[u8]) -> Result<(), TransportError> {
         check_range(
             Side::Source,
-            self.len as u64,
+            self.mem.len as u64,
             offset as u64,
             bytes.len() as u64,
         )?;
@@ -184,7 +179,7 @@ impl RegisteredBuffer {
         unsafe {
             std::ptr::copy_nonoverlapping(
                 bytes.as_ptr(),
-                self.ptr.as_ptr().add(offset),
+                self.mem.ptr.as_ptr().add(offset),
                 bytes.len(),
             )
         };
@@ -195,14 +190,14 @@ impl RegisteredBuffer {
     pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), TransportError> {
         check_range(
             Side::Source,
-            self.len as u64,
+            self.mem.len as u64,
             offset as u64,
             out.len() as u64,
         )?;
         // SAFETY: as in write_at.
         unsafe {
             std::ptr::copy_nonoverlapping(
-                self.ptr.as_ptr().add(offset),
+                self.mem.ptr.as_ptr().add(offset),
                 out.as_mut_ptr(),
                 out.len(),
             )
@@ -212,7 +207,7 @@ impl RegisteredBuffer {
 
     /// A copy of the whole buffer.
     pub fn to_vec(&self) -> Vec<u8> {
-        let mut out = vec![0; self.len];
+        let mut out = vec![0; self.mem.len];
         // Cannot fail: the range is the whole buffer.
         let _ = self.read_at(0, &mut out);
         out
@@ -221,7 +216,7 @@ impl RegisteredBuffer {
     /// Sets every byte to `byte`.
     pub fn fill(&self, byte: u8) {
         // SAFETY: the whole allocation; see the type's docs on concurrent peer writes.
-        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), byte, self.len) };
+        unsafe { std::ptr::write_bytes(self.mem.ptr.as_ptr(), byte, self.mem.len) };
     }
 
     /// Bytes `offset..offset + 2 * words` as `u16` words (bf16 rows), borrowed without a copy:
@@ -236,7 +231,7 @@ impl RegisteredBuffer {
         self.check_words(offset, words)?;
         // SAFETY: in bounds and aligned (checked; the allocation is page-aligned); no
         // writer while the borrow lives (the caller's contract).
-        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset).cast(), words) })
+        Ok(unsafe { std::slice::from_raw_parts(self.mem.ptr.as_ptr().add(offset).cast(), words) })
     }
 
     /// [`Self::u16s`], mutable: what a splice or a local fill writes in place.
@@ -252,7 +247,9 @@ impl RegisteredBuffer {
     ) -> Result<&mut [u16], TransportError> {
         self.check_words(offset, words)?;
         // SAFETY: as in `u16s`, and exclusive (the caller's contract).
-        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset).cast(), words) })
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut(self.mem.ptr.as_ptr().add(offset).cast(), words)
+        })
     }
 
     /// Bytes `offset..offset + len`, borrowed without a copy: what a server parses a request
@@ -264,9 +261,9 @@ impl RegisteredBuffer {
     /// anyway changes the values read, never the slice's bounds; a parser must still read
     /// each field it checks once.)
     pub unsafe fn bytes(&self, offset: usize, len: usize) -> Result<&[u8], TransportError> {
-        check_range(Side::Source, self.len as u64, offset as u64, len as u64)?;
+        check_range(Side::Source, self.mem.len as u64, offset as u64, len as u64)?;
         // SAFETY: in bounds (checked); no writer while the borrow lives (the caller's contract).
-        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), len) })
+        Ok(unsafe { std::slice::from_raw_parts(self.mem.ptr.as_ptr().add(offset), len) })
     }
 
     /// [`Self::bytes`], mutable: what a server encodes a reply into before writing it out.
@@ -276,9 +273,9 @@ impl RegisteredBuffer {
     /// no local write reading from it is in flight while the slice lives.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn bytes_mut(&self, offset: usize, len: usize) -> Result<&mut [u8], TransportError> {
-        check_range(Side::Source, self.len as u64, offset as u64, len as u64)?;
+        check_range(Side::Source, self.mem.len as u64, offset as u64, len as u64)?;
         // SAFETY: as in `bytes`, and exclusive (the caller's contract).
-        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset), len) })
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.mem.ptr.as_ptr().add(offset), len) })
     }
 
     fn check_words(&self, offset: usize, words: usize) -> Result<(), TransportError> {
@@ -290,12 +287,17 @@ impl RegisteredBuffer {
         let bytes = words
             .checked_mul(2)
             .ok_or(TransportError::InvalidArgument("view length overflows"))?;
-        check_range(Side::Source, self.len as u64, offset as u64, bytes as u64)
+        check_range(
+            Side::Source,
+            self.mem.len as u64,
+            offset as u64,
+            bytes as u64,
+        )
     }
 
     /// The buffer's address, for code that hands it to a device.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        self.mem.ptr.as_ptr()
     }
 }
 
