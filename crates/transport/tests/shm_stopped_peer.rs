@@ -5,14 +5,15 @@
 //! The engine keeps such an endpoint open until the peer's process exits.
 //!
 //! The peer is this test binary run again as a child (`KVROUTE_SHM_CHILD` set): it opens an
-//! engine, prints its region's descriptor and serves for a while. The parent stops it, writes
-//! to it, releases it, lets it run again, and checks that it exits cleanly.
+//! engine, prints its region's descriptor and serves until its stdin closes. The parent stops
+//! it, writes to it, releases it, lets it run again, closes its stdin, and checks that it
+//! exits cleanly.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvroute_transport::{
     EngineConfig, FabricConfig, MrDesc, OnDone, ProviderChoice, TransferEngine,
@@ -37,8 +38,10 @@ fn child() {
         "{}",
         serde_json::to_string(region.desc()).expect("a descriptor")
     );
-    // Its worker keeps polling (and so reading what arrives) while it sleeps.
-    std::thread::sleep(Duration::from_secs(2));
+    // Its worker keeps polling (and so reading what arrives) until the parent closes our
+    // stdin, which it does only after it has stopped, released and resumed us.
+    let mut rest = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut rest);
     drop(region);
     drop(engine);
 }
@@ -59,6 +62,7 @@ fn released_while_stopped(name: &str, stop_after_first: bool) {
     let mut peer = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", name, "--nocapture", "--test-threads=1"])
         .env(CHILD, "1")
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -104,7 +108,10 @@ fn released_while_stopped(name: &str, stop_after_first: bool) {
     std::thread::sleep(Duration::from_millis(300));
     // SAFETY: as above.
     unsafe { libc::kill(pid, libc::SIGCONT) };
-    let status = peer.wait().unwrap();
+    // Running again, it reads the announcement of a sender already released; then it may go.
+    std::thread::sleep(Duration::from_millis(300));
+    drop(peer.stdin.take());
+    let status = wait_at_most(&mut peer, Duration::from_secs(30));
     assert!(
         status.success(),
         "the released peer died reading what we posted: {status:?}"
@@ -115,6 +122,23 @@ fn released_while_stopped(name: &str, stop_after_first: bool) {
     std::thread::sleep(Duration::from_millis(300));
     let again = engine.alloc_mr(64).unwrap();
     drop(again);
+}
+
+/// The child's exit status, or a failure naming the wait if it has not exited within `limit`
+/// (it is killed first, so a hung child never hangs the suite).
+fn wait_at_most(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the released peer had not exited {limit:?} after it was resumed");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]

@@ -177,6 +177,39 @@ pub fn library() -> Result<&'static Library, LoadError> {
         .map_err(Clone::clone)
 }
 
+/// Opens the shared library at `path` and puts back every signal disposition its constructors
+/// changed.
+///
+/// Debian's libfabric links the PSM and PSM2 libraries, whose constructors install a handler
+/// for SIGSEGV, SIGBUS, SIGILL, SIGABRT, SIGINT and SIGTERM that prints a backtrace from the
+/// signal context. That handler can deadlock (it allocates), so a process that crashed after
+/// loading libfabric could hang instead of dying, and Ctrl-C or SIGTERM went through it too.
+/// The process's own dispositions, the defaults or the Rust runtime's, are what it keeps.
+pub fn open_keeping_signal_dispositions(
+    path: &str,
+) -> Result<libloading::Library, libloading::Error> {
+    const SIGNALS: std::ops::Range<libc::c_int> = 1..32;
+    let saved: Vec<Option<libc::sigaction>> = SIGNALS
+        .map(|signal| {
+            // SAFETY: a zeroed sigaction is a valid out-parameter; a null new action only
+            // reads the current one.
+            let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+            let read = unsafe { libc::sigaction(signal, std::ptr::null(), &mut old) };
+            (read == 0).then_some(old)
+        })
+        .collect();
+    // SAFETY: loading the library runs its constructors; the only process-wide state they
+    // change that this crate knows of is the signal dispositions restored below.
+    let lib = unsafe { libloading::Library::new(path) };
+    for (signal, old) in SIGNALS.zip(&saved) {
+        if let Some(old) = old {
+            // SAFETY: `old` is what sigaction itself returned for this signal.
+            unsafe { libc::sigaction(signal, old, std::ptr::null_mut()) };
+        }
+    }
+    lib
+}
+
 impl Library {
     fn load() -> Result<Self, LoadError> {
         let from_env = std::env::var("KVROUTE_LIBFABRIC").ok();
@@ -186,9 +219,7 @@ impl Library {
             .map(String::as_str)
             .chain(CANDIDATES.iter().copied())
         {
-            // SAFETY: loading libfabric runs its constructors, which only initialize the
-            // library's own state.
-            match unsafe { libloading::Library::new(path) } {
+            match open_keeping_signal_dispositions(path) {
                 Ok(lib) => return Self::resolve(path, lib),
                 Err(e) => tried.push(format!("{path}: {e}")),
             }
