@@ -1,6 +1,9 @@
 //! Unit tests of `dualpath_sim`.
 
+use kvroute_kvstore::TraceRecord;
+
 use super::*;
+use crate::dualpath::Topology;
 
 fn close(got: f64, want: f64, tol: f64) -> bool {
     (got - want).abs() / want <= tol
