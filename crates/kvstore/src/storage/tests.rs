@@ -1,5 +1,7 @@
 //! Unit tests of `storage`.
 
+use super::dir::MANIFEST;
+use super::format::CRC_TABLE;
 use super::*;
 
 fn block(layout: BlockLayout, key: u64) -> Vec<u8> {
