@@ -5,7 +5,10 @@
 //! checked against single-instance attention over each request's whole context at its
 //! positions.
 
+mod batch;
+#[path = "../common/mod.rs"]
 mod common;
+mod faults;
 
 use std::net::TcpListener;
 use std::time::Duration;
@@ -28,6 +31,8 @@ use kvroute_transport::{FabricConfig, MemFabric, ProviderChoice, TransferEngine}
 
 const SCALE: f32 = 0.1147;
 const HEADS: usize = 16;
+
+use batch::{Batch, rows, shapes};
 
 fn spec() -> CorpusSpec {
     CorpusSpec {
@@ -152,249 +157,6 @@ fn stepper_polling(
         config.poll_every = every;
     }
     Ok(Stepper::new(req, cal, config)?)
-}
-
-/// Deterministic bf16 rows in (-2, 2).
-fn rows(n: usize, seed: u64) -> Vec<u16> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n * D_QK)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            kvroute_kernels::bf16::from_f32(((x >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0)
-        })
-        .collect()
-}
-
-/// A request's own KV: `tokens` rows in blocks of `block` (0: contiguous), blocks in reverse
-/// order in a pool with one spare block.
-struct Own {
-    pool: Vec<u16>,
-    table: Vec<u32>,
-    block: usize,
-    tokens: usize,
-    /// The same rows, contiguous.
-    rows: Vec<u16>,
-}
-
-impl Own {
-    fn new(tokens: usize, block: usize, seed: u64) -> Self {
-        let data = rows(tokens, seed);
-        if block == 0 {
-            return Self {
-                pool: data.clone(),
-                table: Vec::new(),
-                block,
-                tokens,
-                rows: data,
-            };
-        }
-        let blocks = tokens.div_ceil(block);
-        let table: Vec<u32> = (0..blocks as u32).rev().collect();
-        let mut pool = vec![0u16; (blocks + 1) * block * D_QK];
-        for t in 0..tokens {
-            let at = (table[t / block] as usize * block + t % block) * D_QK;
-            pool[at..at + D_QK].copy_from_slice(&data[t * D_QK..(t + 1) * D_QK]);
-        }
-        Self {
-            pool,
-            table,
-            block,
-            tokens,
-            rows: data,
-        }
-    }
-
-    fn cache(&self) -> Cache<'_> {
-        if self.block == 0 {
-            Cache::contiguous(&self.pool).unwrap_or_else(|e| panic!("{e}"))
-        } else {
-            Cache::paged_blocks(&self.pool, self.block, &self.table, self.tokens)
-                .unwrap_or_else(|e| panic!("{e}"))
-        }
-    }
-}
-
-/// One request's shape: its chunks (id, start), its own KV (tokens, block size), query tokens.
-struct Shape {
-    chunks: Vec<(u32, i64)>,
-    own: (usize, usize),
-    new: usize,
-}
-
-/// Four requests: 0 and 1 share chunk 0 at the same place, 1 and 3 share chunk 1 at
-/// different places, 2 has chunk 3 alone far from its stored place; own KV at blocks of 16,
-/// 64, 256 (lengths not a multiple of them) and contiguous.
-fn shapes() -> Vec<Shape> {
-    vec![
-        Shape {
-            chunks: vec![(0, 0), (1, 200)],
-            own: (37, 16),
-            new: 1,
-        },
-        Shape {
-            chunks: vec![(0, 0), (2, 200)],
-            own: (100, 64),
-            new: 2,
-        },
-        Shape {
-            chunks: vec![(3, 5000)],
-            own: (300, 256),
-            new: 1,
-        },
-        Shape {
-            chunks: vec![(1, 1000), (0, 1200)],
-            own: (20, 0),
-            new: 1,
-        },
-    ]
-}
-
-/// The batch's data: queries, own KV, and (sparse) picks per chunk and for the own KV.
-struct Batch {
-    q: Vec<Vec<u16>>,
-    own: Vec<Own>,
-    refs: Vec<Vec<ChunkRef<'static>>>,
-    chunk_picks: Vec<Vec<Vec<i32>>>,
-    own_picks: Vec<Vec<i32>>,
-    k: usize,
-}
-
-impl Batch {
-    fn new(sparse: bool, seed: u64) -> Self {
-        let (s, k) = (spec(), 24);
-        let mut b = Self {
-            q: Vec::new(),
-            own: Vec::new(),
-            refs: Vec::new(),
-            chunk_picks: Vec::new(),
-            own_picks: Vec::new(),
-            k,
-        };
-        let mut x = seed | 1;
-        let mut pick = |n: usize| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            // About one pick in eleven is padding.
-            match x % 11 {
-                0 => -1,
-                _ => ((x >> 8) % n as u64) as i32,
-            }
-        };
-        for (r, shape) in shapes().iter().enumerate() {
-            b.q.push(rows(HEADS * shape.new, seed + r as u64));
-            b.own
-                .push(Own::new(shape.own.0, shape.own.1, seed + 100 + r as u64));
-            let refs = shape
-                .chunks
-                .iter()
-                .map(|&(c, start)| ChunkRef::dense(ChunkId(c), start))
-                .collect();
-            b.refs.push(refs);
-            if sparse {
-                let ct = s.chunk_tokens as usize;
-                b.chunk_picks.push(
-                    shape
-                        .chunks
-                        .iter()
-                        .map(|_| (0..shape.new * k).map(|_| pick(ct)).collect())
-                        .collect(),
-                );
-                b.own_picks
-                    .push((0..shape.new * k).map(|_| pick(shape.own.0)).collect());
-            }
-        }
-        b
-    }
-
-    fn sparse(&self) -> bool {
-        !self.chunk_picks.is_empty()
-    }
-
-    /// Chunk refs with their picks (sparse), per request.
-    fn chunk_refs(&self) -> Vec<Vec<ChunkRef<'_>>> {
-        self.refs
-            .iter()
-            .enumerate()
-            .map(|(r, refs)| {
-                refs.iter()
-                    .enumerate()
-                    .map(|(i, c)| ChunkRef {
-                        picks: self.sparse().then(|| Picks {
-                            indices: &self.chunk_picks[r][i],
-                            k: self.k,
-                        }),
-                        ..*c
-                    })
-                    .collect()
-            })
-            .collect()
-    }
-
-    fn requests<'a>(&'a self, refs: &'a [Vec<ChunkRef<'a>>]) -> Vec<StepRequest<'a>> {
-        (0..self.q.len())
-            .map(|r| StepRequest {
-                queries: &self.q[r],
-                heads: HEADS,
-                chunks: &refs[r],
-                local: Some(LocalKv {
-                    cache: self.own[r].cache(),
-                    picks: self.sparse().then(|| Picks {
-                        indices: &self.own_picks[r],
-                        k: self.k,
-                    }),
-                }),
-            })
-            .collect()
-    }
-
-    /// Single-instance attention over request `r`'s whole context at `layer`: its chunks'
-    /// rows rotated to their places, then its own rows; sparse over the same picks.
-    fn reference(&self, r: usize, layer: u32, blocks: &[Vec<u16>]) -> Result<Partial> {
-        let s = spec();
-        let rope = s.rope()?;
-        let mut whole = Vec::new();
-        let mut offsets = Vec::new();
-        for &(c, start) in &shapes()[r].chunks {
-            let full = FullBlock::new(&blocks[c as usize], s.layout())?;
-            let stored = s.positions(ChunkId(c))[0];
-            let angles = rope.angles(start - stored);
-            offsets.push((whole.len() / D_QK) as i32);
-            for row in full.layer(layer)?.rows().chunks_exact(D_QK) {
-                let mut row = row.to_vec();
-                rotate_row_f64(&mut row, &angles, rope.layout());
-                whole.extend_from_slice(&row);
-            }
-        }
-        let own_at = (whole.len() / D_QK) as i32;
-        whole.extend_from_slice(&self.own[r].rows);
-        let q = Queries::new(&self.q[r])?;
-        let cache = Cache::contiguous(&whole)?;
-        if !self.sparse() {
-            return Ok(partial_dense(Backend::Reference, &q, &cache, SCALE)?);
-        }
-        let tokens = q.len() / HEADS;
-        let parts = offsets.len() + 1;
-        let mut idx = Vec::with_capacity(tokens * self.k * parts);
-        for t in 0..tokens {
-            for (i, &off) in offsets.iter().enumerate() {
-                idx.extend(
-                    self.chunk_picks[r][i][t * self.k..(t + 1) * self.k]
-                        .iter()
-                        .map(|&p| if p < 0 { -1 } else { p + off }),
-                );
-            }
-            idx.extend(
-                self.own_picks[r][t * self.k..(t + 1) * self.k]
-                    .iter()
-                    .map(|&p| if p < 0 { -1 } else { p + own_at }),
-            );
-        }
-        let sel = Selection::new(&idx, self.k * parts, HEADS, q.len(), cache.tokens())?;
-        Ok(partial_sparse(Backend::Reference, &q, &cache, &sel, SCALE)?)
-    }
 }
 
 /// The merged output against the reference: o within two bf16 steps of the largest values
@@ -568,71 +330,6 @@ fn the_fetch_cache_fetches_a_chunk_once_while_the_budget_holds() -> Result<()> {
     Ok(())
 }
 
-/// A holder lost between steps: its chunks' routes go to their replica (as fallbacks where a
-/// call to it failed mid-step) and the answers stay right; without a replica the step fails
-/// naming the chunk.
-#[test]
-fn a_lost_holder_costs_a_fallback_to_a_replica_or_a_typed_error() -> Result<()> {
-    let fabric = MemFabric::new();
-    let a = holder(&fabric, &[0, 1, 2, 3])?;
-    // `b` runs the f64 reference kernel: it reports a slower kernel than `a`, so the
-    // selector routes every chunk to `a` while it believes `a` alive.
-    let b = holder_with(Net::Mem(&fabric), &[0, 1, 2], Backend::Reference)?;
-    let batch = Batch::new(false, 13);
-    // No poll after the first step's: `a`'s death is found by the routes to it, not by a poll
-    // before them.
-    let mut st = stepper_polling(
-        Net::Mem(&fabric),
-        &[&a, &b],
-        Some(Primitive::Route),
-        8,
-        Some(Duration::from_secs(3600)),
-    )?;
-    run_and_check(&mut st, &batch, "both holders")?;
-    drop(a);
-    let refs = batch.chunk_refs();
-    let requests = batch.requests(&refs);
-    // Without request 2 (chunk 3 lives on `a` alone): every routed call to `a` times out
-    // mid-step and goes to `b`, and the answers are right.
-    let without: Vec<StepRequest<'_>> = requests
-        .iter()
-        .enumerate()
-        .filter(|(r, _)| *r != 2)
-        .map(|(_, q)| *q)
-        .collect();
-    let blocks = blocks()?;
-    let out = st.step(1, &without)?;
-    for (got, r) in out.outputs.iter().zip([0, 1, 3]) {
-        check(
-            got,
-            &batch.reference(r, 1, &blocks)?,
-            &format!("after the loss, request {r}"),
-        );
-    }
-    // Either the calls to `a` failed mid-step and fell back to `b`, or `a`'s closed control
-    // connection was seen first and every call went to `b` at once; which one depends on
-    // when the close arrives. (On a loaded machine the selector may also have chosen `b` for
-    // every chunk on its own, its measured rates then favouring it: `a` was not asked, and
-    // is found dead by the next step's calls to it.)
-    let to_b = out.report.decisions.iter().all(|d| d.holder == Some(1));
-    assert!(!out.report.fallbacks.is_empty() || to_b, "{:?}", out.report);
-    assert!(to_b || !st.requester().is_alive(0), "{:?}", out.report);
-    let fallbacks = st.stats().fallbacks;
-    assert!(fallbacks > 0 || to_b);
-    // Chunk 3 has no copy left: the step fails naming it.
-    match st.step(0, &requests) {
-        Err(e @ StepError::NoCopy { .. }) => {
-            assert!(matches!(e, StepError::NoCopy { chunk, .. } if chunk == ChunkId(3)));
-            assert!(
-                e.to_string().starts_with("chunk 3: no reachable copy"),
-                "{e}"
-            );
-        }
-        other => panic!("expected no copy of chunk 3, got {other:?}"),
-    }
-    Ok(())
-}
-
 /// The step on a thread of its own, awaited: the same outputs as the blocking call.
 #[test]
 fn the_async_step_answers_as_the_blocking_one() -> Result<()> {
@@ -677,59 +374,6 @@ fn the_async_step_answers_as_the_blocking_one() -> Result<()> {
     Ok(())
 }
 
-/// Malformed requests are typed errors naming the request; a chunk nobody holds names the
-/// chunk.
-#[test]
-fn bad_requests_are_refused_naming_what_is_wrong() -> Result<()> {
-    let fabric = MemFabric::new();
-    let a = holder(&fabric, &[0])?;
-    let mut st = stepper(&fabric, &[&a], None, 2)?;
-    let q = rows(HEADS, 5);
-    let chunk0 = [ChunkRef::dense(ChunkId(0), 0)];
-    let ok = StepRequest {
-        queries: &q,
-        heads: HEADS,
-        chunks: &chunk0,
-        local: None,
-    };
-    let ragged = StepRequest {
-        queries: &q[..q.len() - 1],
-        ..ok
-    };
-    let heads = StepRequest { heads: 5, ..ok };
-    let picks = [0i32; 3];
-    let short = [ChunkRef {
-        picks: Some(Picks {
-            indices: &picks,
-            k: 4,
-        }),
-        ..chunk0[0]
-    }];
-    let bad_picks = StepRequest {
-        chunks: &short,
-        ..ok
-    };
-    for (bad, what) in [(ragged, "ragged"), (heads, "heads"), (bad_picks, "picks")] {
-        match st.step(0, &[ok, bad]) {
-            Err(StepError::Request { request: 1, .. }) => {}
-            other => panic!("{what}: {other:?}"),
-        }
-    }
-    let nobody = [ChunkRef::dense(ChunkId(9), 0)];
-    match st.step(
-        0,
-        &[StepRequest {
-            chunks: &nobody,
-            ..ok
-        }],
-    ) {
-        Err(StepError::NoCopy { chunk, .. }) => assert_eq!(chunk, ChunkId(9)),
-        other => panic!("{other:?}"),
-    }
-    assert!(st.step(0, &[ok])?.outputs[0].l.iter().all(|&l| l > 0.0));
-    Ok(())
-}
-
 /// Over libfabric's `shm` provider, between engines of their own: the selector's choice and
 /// every primitive forced, dense and sparse, each request's output its whole context's
 /// attention.
@@ -763,67 +407,6 @@ fn over_shm_a_batch_matches_one_instance_per_request() -> Result<()> {
             )?;
             drop(st.into_requester());
         }
-    }
-    Ok(())
-}
-
-/// The checked run (`kvroute_remote::checked`, what `kvroute demo` drives) over holders of
-/// the corpus passes, with each chunk fetched once; over a holder whose rows are another
-/// corpus's, its routed checks fail.
-#[test]
-fn the_checked_run_passes_and_catches_a_holder_serving_other_rows() -> Result<()> {
-    use kvroute_remote::checked::{CheckedConfig, CheckedRun};
-    let config = CheckedConfig {
-        requests: 4,
-        heads: 16,
-        prefix: 300,
-        own_tokens: 20,
-        topk: 150,
-        layers: vec![0, 2],
-        seed: 5,
-    };
-    let s = spec();
-    for force in [Primitive::Route, Primitive::Fetch] {
-        let fabric = MemFabric::new();
-        let (a, b) = (holder(&fabric, &[0, 1])?, holder(&fabric, &[2, 3])?);
-        let mut st = stepper(&fabric, &[&a, &b], Some(force), 8)?;
-        let mut run = CheckedRun::new(&s, config.clone())?;
-        for step in 0..2 {
-            run.dense_step(&mut st, step)?;
-        }
-        run.sparse_step(&mut st, 2)?;
-        let report = run.finish();
-        assert!(report.passed(), "{force:?}: {:?}", report.checks);
-        // 4 requests x 2 layers x 2 steps, and the sparse step's 2 layers.
-        assert_eq!(report.checks.len(), 18);
-        if force == Primitive::Fetch {
-            assert_eq!(st.stats().chunk_fetches, 4, "{:?}", st.stats());
-        } else {
-            assert!(!report.timings.is_empty() && !report.route_us.is_empty());
-        }
-    }
-    // Holder `b` serves chunks 2 and 3 of another seed: every check with a part routed to
-    // it fails; the others pass.
-    let fabric = MemFabric::new();
-    let a = holder(&fabric, &[0, 1])?;
-    let other = CorpusSpec { seed: 99, ..s };
-    let config_b = HolderConfig {
-        backend: Backend::Cpu,
-        max_requesters: 4,
-        slot_bytes: 1 << 20,
-        reply_bytes: 1 << 20,
-        ..HolderConfig::default()
-    };
-    let b = common::start_holder(Net::Mem(&fabric).engine()?, &other, &[2, 3], config_b)?;
-    let mut st = stepper(&fabric, &[&a, &b], Some(Primitive::Route), 8)?;
-    let mut run = CheckedRun::new(&s, config)?;
-    run.dense_step(&mut st, 0)?;
-    let report = run.finish();
-    assert!(!report.passed());
-    for c in &report.checks {
-        // Even requests attend every chunk; request 1 chunk 0, request 3 chunk 1 (on `a`).
-        let wrong = c.name.contains("request 0") || c.name.contains("request 2");
-        assert_eq!(!c.passed, wrong, "{c:?}");
     }
     Ok(())
 }
