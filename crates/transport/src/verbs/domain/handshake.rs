@@ -31,7 +31,7 @@ pub struct VerbsAddr {
 }
 
 impl VerbsAddr {
-    /// The bytes carried in a [`DomainAddr`].
+    /// The bytes carried in a [`DomainAddr`](crate::addr::DomainAddr).
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(ADDR_BYTES);
         b.extend_from_slice(&self.port.gid);
