@@ -195,6 +195,13 @@ fn how_label(how: How) -> &'static str {
 /// Describes this crate's metrics (their `# HELP` lines) to the recorder installed now: call
 /// once after installing one.
 pub fn describe_metrics() {
+    describe_holder_metrics();
+    describe_step_metrics();
+    describe_selector_metrics();
+}
+
+/// Describes a holder's metrics: its sessions, the requests it served, its kernel calls.
+fn describe_holder_metrics() {
     use Kind::{Counter, Gauge, Histogram};
     describe_all(&[
         (
@@ -252,6 +259,15 @@ pub fn describe_metrics() {
             "kvroute_holder_stray_immediates_total",
             "Immediates a holder received naming none of its sessions.",
         ),
+    ]);
+}
+
+/// Describes the step API's metrics: its steps and their phases (with the selector's price of
+/// them), fallbacks, holders its requester gave up on or lost, whole-chunk fetches and the
+/// fetch cache.
+fn describe_step_metrics() {
+    use Kind::{Counter, Gauge, Histogram};
+    describe_all(&[
         (
             Counter,
             "kvroute_step_pairs_total",
@@ -318,6 +334,13 @@ pub fn describe_metrics() {
             "kvroute_step_fetch_cache_bytes",
             "Bytes the fetch cache holds.",
         ),
+    ]);
+}
+
+/// Describes the selector's fitted lines (fabric, pull).
+fn describe_selector_metrics() {
+    use Kind::{Counter, Gauge};
+    describe_all(&[
         (
             Counter,
             "kvroute_selector_fits_total",
