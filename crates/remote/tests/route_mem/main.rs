@@ -24,7 +24,7 @@ use kvroute_remote::{
 };
 
 use kvroute_remote::session;
-use kvroute_transport::{MemFabric, OnDone, TransferEngine};
+use kvroute_transport::{MemFabric, OnDone, RegisteredBuffer, TransferEngine};
 
 const SCALE: f32 = 0.1147;
 
@@ -259,19 +259,51 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
     let a = holder(&fabric, &[0], 8)?;
     let mut req = requester(&fabric, &[&a])?;
     let q = vec![0x3f80u16; 4 * D_QK];
-    // Unknown chunk, layer out of range, index out of range: typed refusals per call.
+    bad_calls_are_refused_one_by_one(&mut req, &q)?;
+    // A rogue requester with a real session writes garbage into its slot, then a request
+    // whose header is fine and whose segment lies, then a stray immediate.
+    let rogue = Rogue::open(&fabric, &a)?;
+    rogue.writes_garbage_then_a_lying_segment(&q)?;
+    rogue.engine.submit_imm(
+        wire::request_imm(9999, 1),
+        &rogue.welcome.inbox,
+        OnDone::nothing(),
+    )?;
+    rogue
+        .engine
+        .submit_imm(0x1234_5678, &rogue.welcome.inbox, OnDone::nothing())?;
+    // Forged pings: a reply longer than the holder's staging, and a ping immediate over a
+    // slot that holds no ping header. Both are refused without a write.
+    let before = req.holder_stats(0)?;
+    rogue.forges_pings()?;
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        req.route(&dense_calls(&q, 0, 0..1))[0].is_ok(),
+        "still serving after a stray immediate and forged pings"
+    );
+    let stats = req.holder_stats(0)?;
+    assert_eq!(stats.pings, before.pings, "no forged ping answered");
+    assert!(stats.refused >= before.refused + 2, "{stats:?}");
+    assert!(stats.refused >= 6, "{stats:?}");
+    assert!(stats.stray_imms >= 2, "{stats:?}");
+    Ok(())
+}
+
+/// Unknown chunk, layer out of range, index out of range: typed refusals per call, and the
+/// good call of the same request served from its own rows.
+fn bad_calls_are_refused_one_by_one(req: &mut Requester, q: &[u16]) -> Result<()> {
     let bad_idx = [0i32, 250];
     let calls = [
         Call {
             chunk: ChunkId(0),
             layer: 9,
-            queries: &q,
+            queries: q,
             sparse: None,
         },
         Call {
             chunk: ChunkId(0),
             layer: 0,
-            queries: &q,
+            queries: q,
             sparse: Some(Sparse {
                 indices: &bad_idx,
                 k: 2,
@@ -281,7 +313,7 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
         Call {
             chunk: ChunkId(0),
             layer: 0,
-            queries: &q,
+            queries: q,
             sparse: None,
         },
     ];
@@ -320,111 +352,121 @@ fn malformed_requests_are_refused_and_the_holder_keeps_serving() -> Result<()> {
         req.route(&[Call {
             chunk: ChunkId(3),
             layer: 0,
-            queries: &q,
+            queries: q,
             sparse: None
         }])[0],
         Err(RouteError::NoHolder(_))
     ));
-    // A rogue requester with a real session writes garbage into its slot, then a request
-    // whose header is fine and whose segment lies, then a stray immediate.
-    let rogue = TransferEngine::mem(&fabric, 1)?;
-    let reply = rogue.alloc_mr(1 << 16)?;
-    let mut control = std::net::TcpStream::connect(a.addr())?;
-    let hello = session::Hello {
-        addr: rogue.main_address(),
-        reply: reply.desc().clone(),
-        pool: None,
-        reply_imm: 77,
-        fetch_imm: 78,
-    };
-    let mut reader = std::io::BufReader::new(control.try_clone()?);
-    let welcome = session::open(
-        &rogue,
-        (&mut control, &mut reader),
-        &hello,
-        Duration::from_secs(5),
-    )?;
-    let buf = rogue.alloc_mr(4096)?;
-    buf.fill(0xab);
-    let imm = wire::request_imm(welcome.session, 1);
-    let inbox = (&welcome.inbox, welcome.slot_offset);
-    rogue.submit_single_write(4096, Some(imm), (buf.handle(), 0), inbox, OnDone::nothing())?;
-    std::thread::sleep(Duration::from_millis(50));
-    let mut lying = Vec::new();
-    let seg = wire::SegmentSpec {
-        kind: wire::SegmentKind::Dense,
-        chunk: 0,
-        layer: 0,
-        queries: wire::QueryRows::Copied(&q[..D_QK]),
-        indices: &[],
-        pages: &[],
-        windows: &[],
-    };
-    wire::encode_request(&mut lying, 5, welcome.token, 0, SCALE, &[seg]);
-    let rows_at = wire::REQUEST_HEADER + 8;
-    lying[rows_at..rows_at + 4].copy_from_slice(&1000u32.to_le_bytes());
-    buf.write_at(0, &lying)?;
-    let answered = rogue.imm_count(77, 1);
-    rogue.submit_single_write(
-        lying.len() as u64,
-        Some(imm),
-        (buf.handle(), 0),
-        inbox,
-        OnDone::nothing(),
-    )?;
-    answered.wait()?;
-    let header =
-        wire::decode_reply_header(&reply.to_vec()).ok_or_else(|| anyhow::anyhow!("no reply"))?;
-    assert_eq!(
-        (header.seq, header.statuses.as_slice()),
-        (5, &[wire::Status::BadSegment][..])
-    );
-    rogue.submit_imm(
-        wire::request_imm(9999, 1),
-        &welcome.inbox,
-        OnDone::nothing(),
-    )?;
-    rogue.submit_imm(0x1234_5678, &welcome.inbox, OnDone::nothing())?;
-    // Forged pings: a reply longer than the holder's staging, and a ping immediate over a
-    // slot that holds no ping header. Both are refused without a write.
-    let before = req.holder_stats(0)?;
-    let mut ping = [0u8; wire::PING_HEADER];
-    let forged = wire::Ping {
-        reply_len: u32::MAX,
-        reply_offset: 0,
-        pong: wire::Pong::Staged,
-        token: welcome.token,
-        seq: 6,
-    };
-    wire::encode_ping(&mut ping, &forged);
-    buf.write_at(0, &ping)?;
-    let ping_imm = wire::ping_imm(welcome.session, 1);
-    rogue.submit_single_write(
-        wire::PING_HEADER as u64,
-        Some(ping_imm),
-        (buf.handle(), 0),
-        inbox,
-        OnDone::nothing(),
-    )?;
-    buf.fill(0xab);
-    rogue.submit_single_write(
-        64,
-        Some(ping_imm),
-        (buf.handle(), 0),
-        inbox,
-        OnDone::nothing(),
-    )?;
-    std::thread::sleep(Duration::from_millis(50));
-    assert!(
-        req.route(&calls[2..])[0].is_ok(),
-        "still serving after a stray immediate and forged pings"
-    );
-    let stats = req.holder_stats(0)?;
-    assert_eq!(stats.pings, before.pings, "no forged ping answered");
-    assert!(stats.refused >= before.refused + 2, "{stats:?}");
-    assert!(stats.refused >= 6, "{stats:?}");
-    assert!(stats.stray_imms >= 2, "{stats:?}");
     Ok(())
+}
+
+/// A requester with a real session opened by hand, writing raw bytes into its slot.
+struct Rogue {
+    /// What is written into the session's slot, from offset 0.
+    buf: RegisteredBuffer,
+    welcome: session::Welcome,
+    /// The session's control connection (the session lives while it is open).
+    _control: (std::io::BufReader<std::net::TcpStream>, std::net::TcpStream),
+    /// Where the holder's replies land.
+    reply: RegisteredBuffer,
+    engine: TransferEngine,
+}
+
+impl Rogue {
+    /// Opens a session on `holder` from an engine of its own.
+    fn open(fabric: &MemFabric, holder: &Holder) -> Result<Self> {
+        let engine = TransferEngine::mem(fabric, 1)?;
+        let reply = engine.alloc_mr(1 << 16)?;
+        let mut control = std::net::TcpStream::connect(holder.addr())?;
+        let hello = session::Hello {
+            addr: engine.main_address(),
+            reply: reply.desc().clone(),
+            pool: None,
+            reply_imm: 77,
+            fetch_imm: 78,
+        };
+        let mut reader = std::io::BufReader::new(control.try_clone()?);
+        let welcome = session::open(
+            &engine,
+            (&mut control, &mut reader),
+            &hello,
+            Duration::from_secs(5),
+        )?;
+        let buf = engine.alloc_mr(4096)?;
+        Ok(Self {
+            buf,
+            welcome,
+            _control: (reader, control),
+            reply,
+            engine,
+        })
+    }
+
+    /// Writes the first `len` bytes of `buf` into the session's slot with the immediate `imm`.
+    fn write_slot(&self, len: u64, imm: u32) -> Result<()> {
+        let inbox = (&self.welcome.inbox, self.welcome.slot_offset);
+        self.engine.submit_single_write(
+            len,
+            Some(imm),
+            (self.buf.handle(), 0),
+            inbox,
+            OnDone::nothing(),
+        )?;
+        Ok(())
+    }
+
+    /// Writes garbage as a request, then a request whose header is fine and whose segment
+    /// claims more rows than it carries: the second is answered with a bad-segment status.
+    fn writes_garbage_then_a_lying_segment(&self, q: &[u16]) -> Result<()> {
+        self.buf.fill(0xab);
+        let imm = wire::request_imm(self.welcome.session, 1);
+        self.write_slot(4096, imm)?;
+        std::thread::sleep(Duration::from_millis(50));
+        let mut lying = Vec::new();
+        let seg = wire::SegmentSpec {
+            kind: wire::SegmentKind::Dense,
+            chunk: 0,
+            layer: 0,
+            queries: wire::QueryRows::Copied(&q[..D_QK]),
+            indices: &[],
+            pages: &[],
+            windows: &[],
+        };
+        wire::encode_request(&mut lying, 5, self.welcome.token, 0, SCALE, &[seg]);
+        let rows_at = wire::REQUEST_HEADER + 8;
+        lying[rows_at..rows_at + 4].copy_from_slice(&1000u32.to_le_bytes());
+        self.buf.write_at(0, &lying)?;
+        let answered = self.engine.imm_count(77, 1);
+        self.write_slot(lying.len() as u64, imm)?;
+        answered.wait()?;
+        let header = wire::decode_reply_header(&self.reply.to_vec())
+            .ok_or_else(|| anyhow::anyhow!("no reply"))?;
+        assert_eq!(
+            (header.seq, header.statuses.as_slice()),
+            (5, &[wire::Status::BadSegment][..])
+        );
+        Ok(())
+    }
+
+    /// Writes a ping asking for a reply longer than the holder's staging, then a ping
+    /// immediate over a slot of garbage.
+    fn forges_pings(&self) -> Result<()> {
+        let mut ping = [0u8; wire::PING_HEADER];
+        let forged = wire::Ping {
+            reply_len: u32::MAX,
+            reply_offset: 0,
+            pong: wire::Pong::Staged,
+            token: self.welcome.token,
+            seq: 6,
+        };
+        wire::encode_ping(&mut ping, &forged);
+        self.buf.write_at(0, &ping)?;
+        let ping_imm = wire::ping_imm(self.welcome.session, 1);
+        self.write_slot(wire::PING_HEADER as u64, ping_imm)?;
+        self.buf.fill(0xab);
+        self.write_slot(64, ping_imm)?;
+        Ok(())
+    }
 }
 
 #[test]
