@@ -14,7 +14,11 @@
 //! `shm N --one-process`). `cargo xtask test` runs `shm 300` and `shm 300 --one-process`: an
 //! shm holder that kept released peers refused the 129th.
 
+use std::collections::HashSet;
+use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvroute_kernels::RopeLayout;
@@ -86,6 +90,33 @@ fn main() -> Result<(), Error> {
     let args: Vec<&String> = args.iter().filter(|a| *a != "--one-process").collect();
     let provider = args.first().map_or("tcp", |s| s.as_str());
     let count: usize = args.get(1).map_or(Ok(1000), |n| n.parse())?;
+    let holder = start_holder(provider)?;
+    let mut want = None;
+    let mut warm = None;
+    let started = Instant::now();
+    println!("provider {provider}: {count} requester processes one after another");
+    println!("requesters   rss MiB   fds   /dev/shm (this process's and its requesters')");
+    let mut requesters = Requesters::start(provider, &holder, one_process)?;
+    let step = if one_process { 100 } else { 1 };
+    for i in (step..=count).step_by(step) {
+        let digest = requesters.next(i, step)?;
+        if *want.get_or_insert_with(|| digest.clone()) != digest {
+            return Err(format!("requester {i}'s partial differs from the first's").into());
+        }
+        if i == step || i % 100 == 0 || i == count {
+            stays_flat(&holder, &requesters, i, step, &mut warm)?;
+        }
+    }
+    requesters.finish()?;
+    println!(
+        "{count} requesters served in {:.1} s, every partial identical",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// A holder of one chunk of one layer on an engine of `provider`, on a loopback port.
+fn start_holder(provider: &str) -> Result<Holder, Error> {
     let corpus = CorpusSpec {
         layers: 1,
         chunk_tokens: 128,
@@ -104,41 +135,67 @@ fn main() -> Result<(), Error> {
         gather_bytes: 1 << 16,
         ..HolderConfig::default()
     };
-    let holder = Holder::start(
+    Ok(Holder::start(
         holder_engine,
         TcpListener::bind("127.0.0.1:0")?,
         held,
         config,
-    )?;
-    let me = std::env::current_exe()?;
-    let mut want = None;
-    let mut warm = None;
-    let started = Instant::now();
-    println!("provider {provider}: {count} requester processes one after another");
-    println!("requesters   rss MiB   fds   /dev/shm (this process's and its requesters')");
-    // `/dev/shm` entries are counted for this process (the holder) and the requesters it
-    // starts only: other processes on the machine come and go.
-    let mut ours = std::collections::HashSet::from([std::process::id()]);
-    let mut batch = None;
-    if one_process {
-        let mut child = std::process::Command::new(&me)
-            .args(["--engines", provider, &holder.addr().to_string()])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()?;
-        ours.insert(child.id());
-        let (stdin, stdout) = (child.stdin.take(), child.stdout.take());
-        batch = Some((
-            child,
-            stdin.ok_or("no stdin")?,
-            stdout.map(std::io::BufReader::new).ok_or("no stdout")?,
-        ));
+    )?)
+}
+
+/// The requesters the holder sees: processes of this program started one after another, or
+/// (`--one-process`) the engines of one such process.
+struct Requesters<'a> {
+    me: PathBuf,
+    provider: &'a str,
+    holder: String,
+    /// The process whose engines come and go, with `--one-process`.
+    engines: Option<Engines>,
+    /// This process (the holder) and the requesters it started: `/dev/shm` entries are
+    /// counted for these only, as other processes on the machine come and go.
+    ours: HashSet<u32>,
+}
+
+/// A requester process started with `--engines`: a line to its stdin routes a batch, whose
+/// digests come back as a line on its stdout.
+struct Engines {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl<'a> Requesters<'a> {
+    /// Starts the engines' process with `one_process`; otherwise nothing yet.
+    fn start(provider: &'a str, holder: &Holder, one_process: bool) -> Result<Self, Error> {
+        let mut requesters = Self {
+            me: std::env::current_exe()?,
+            provider,
+            holder: holder.addr().to_string(),
+            engines: None,
+            ours: HashSet::from([std::process::id()]),
+        };
+        if one_process {
+            let mut child = Command::new(&requesters.me)
+                .args(["--engines", provider, &requesters.holder])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()?;
+            requesters.ours.insert(child.id());
+            let (stdin, stdout) = (child.stdin.take(), child.stdout.take());
+            requesters.engines = Some(Engines {
+                child,
+                stdin: stdin.ok_or("no stdin")?,
+                stdout: stdout.map(BufReader::new).ok_or("no stdout")?,
+            });
+        }
+        Ok(requesters)
     }
-    let step = if one_process { 100 } else { 1 };
-    for i in (step..=count).step_by(step) {
-        let digest = match &mut batch {
-            Some((_, stdin, stdout)) => {
-                use std::io::{BufRead, Write};
+
+    /// The digest of requesters `i - step + 1` to `i`: one process's, or the one digest of a
+    /// batch of engines (an error if they differ).
+    fn next(&mut self, i: usize, step: usize) -> Result<String, Error> {
+        match &mut self.engines {
+            Some(Engines { stdin, stdout, .. }) => {
                 writeln!(stdin, "next")?;
                 let mut line = String::new();
                 stdout.read_line(&mut line)?;
@@ -147,15 +204,15 @@ fn main() -> Result<(), Error> {
                         format!("engines {} to {i}: {:?}", i - step + 1, line.trim()).into(),
                     );
                 }
-                line.trim().to_owned()
+                Ok(line.trim().to_owned())
             }
             None => {
-                let child = std::process::Command::new(&me)
-                    .args(["--requester", provider, &holder.addr().to_string()])
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped())
+                let child = Command::new(&self.me)
+                    .args(["--requester", self.provider, &self.holder])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
                     .spawn()?;
-                ours.insert(child.id());
+                self.ours.insert(child.id());
                 let out = child.wait_with_output()?;
                 if !out.status.success() {
                     return Err(format!(
@@ -164,60 +221,83 @@ fn main() -> Result<(), Error> {
                     )
                     .into());
                 }
-                String::from_utf8_lossy(&out.stdout).trim().to_owned()
-            }
-        };
-        if *want.get_or_insert_with(|| digest.clone()) != digest {
-            return Err(format!("requester {i}'s partial differs from the first's").into());
-        }
-        if i == step || i % 100 == 0 || i == count {
-            // Wait for the holder to end the session and release the engine.
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while holder.stats().active > 0 && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            if one_process {
-                // At most 8 released engines' endpoints are kept for one live process; the
-                // rest close a grace period (1 s) after their engine's region goes.
-                let kept = shm_entries_of(&ours);
-                if let Some((_, _, shm0)) = warm
-                    && kept > shm0 + 10
-                {
-                    return Err(format!(
-                        "{kept} /dev/shm entries right after engines {} to {i}, {shm0} at 100",
-                        i + 1 - step
-                    )
-                    .into());
-                }
-                std::thread::sleep(Duration::from_millis(1500));
-            }
-            let ((rss, fds), shm) = (footprint("self")?, shm_entries_of(&ours));
-            println!(
-                "{i:>10}   {:>7.1}   {fds:>3}   {shm:>8} (of {} on the machine)",
-                rss as f64 / 1024.0,
-                shm_entries()
-            );
-            if i == 100 {
-                warm = Some((rss, fds, shm));
-            }
-            if let Some((rss0, fds0, shm0)) = warm
-                && (rss > rss0 + 16 * 1024 || fds > fds0 + 2 || shm > shm0 + 2)
-            {
-                return Err(format!(
-                    "not flat after warm-up: {rss} KiB, {fds} fds, {shm} in /dev/shm at {i} \
-                     against {rss0} KiB, {fds0}, {shm0} at 100"
-                )
-                .into());
+                Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
             }
         }
     }
-    if let Some((mut child, stdin, _)) = batch {
-        drop(stdin);
-        child.wait()?;
+
+    /// Ends the engines' process (its stdin closes) and waits for it.
+    fn finish(self) -> Result<(), Error> {
+        if let Some(Engines {
+            mut child, stdin, ..
+        }) = self.engines
+        {
+            drop(stdin);
+            child.wait()?;
+        }
+        Ok(())
     }
+}
+
+/// The holder process's footprint: resident memory (KiB), open file descriptors, and the
+/// `/dev/shm` entries of it and its requesters.
+#[derive(Clone, Copy)]
+struct Footprint {
+    rss: u64,
+    fds: usize,
+    shm: usize,
+}
+
+/// Once the holder has let requester `i` go (`step` requesters a round), prints its
+/// footprint; from requester 100 on (`warm`, set then) it must stay flat, or this is an error.
+fn stays_flat(
+    holder: &Holder,
+    requesters: &Requesters<'_>,
+    i: usize,
+    step: usize,
+    warm: &mut Option<Footprint>,
+) -> Result<(), Error> {
+    // Wait for the holder to end the session and release the engine.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while holder.stats().active > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    if requesters.engines.is_some() {
+        // At most 8 released engines' endpoints are kept for one live process; the
+        // rest close a grace period (1 s) after their engine's region goes.
+        let kept = shm_entries_of(&requesters.ours);
+        if let Some(Footprint { shm: shm0, .. }) = *warm
+            && kept > shm0 + 10
+        {
+            return Err(format!(
+                "{kept} /dev/shm entries right after engines {} to {i}, {shm0} at 100",
+                i + 1 - step
+            )
+            .into());
+        }
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    let ((rss, fds), shm) = (footprint("self")?, shm_entries_of(&requesters.ours));
     println!(
-        "{count} requesters served in {:.1} s, every partial identical",
-        started.elapsed().as_secs_f64()
+        "{i:>10}   {:>7.1}   {fds:>3}   {shm:>8} (of {} on the machine)",
+        rss as f64 / 1024.0,
+        shm_entries()
     );
+    if i == 100 {
+        *warm = Some(Footprint { rss, fds, shm });
+    }
+    if let Some(Footprint {
+        rss: rss0,
+        fds: fds0,
+        shm: shm0,
+    }) = *warm
+        && (rss > rss0 + 16 * 1024 || fds > fds0 + 2 || shm > shm0 + 2)
+    {
+        return Err(format!(
+            "not flat after warm-up: {rss} KiB, {fds} fds, {shm} in /dev/shm at {i} \
+             against {rss0} KiB, {fds0}, {shm0} at 100"
+        )
+        .into());
+    }
     Ok(())
 }
