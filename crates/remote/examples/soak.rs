@@ -15,7 +15,15 @@
 //!   held open for up to 6 s; any answer but the welcome is a failure;
 //! - **malformed control**: connections that send garbage, truncated or forged hellos, or
 //!   nothing at all;
-//! - **connection flood**: 20-60 silent control connections at once, held for 1-8 s.
+//! - **connection flood**: 20-60 silent control connections at once, held for 1-8 s;
+//! - **hostile holder**: a requester that uses two holders, one of them started in its own
+//!   process, which forges 64 writes into the requester between steps with keys derived from
+//!   the one it was given, at addresses up to 8 regions either side; no forged write may land
+//!   and every partial must be exact;
+//! - **directory follower**: a requester that knows only the directory (a real etcd the soak
+//!   starts, where the main shm holder registers), poisoned with 16 records naming the main
+//!   holder's control address with another engine, 4 values of 1.4 MB and 3 records whose
+//!   holders never answer; it syncs, then takes new views in the background between steps.
 //!
 //! Per provider there is a **main** holder, never killed, whose memory and fds are measured, and
 //! a **victim** holder, killed with SIGKILL and restarted every 10-30 s. A requester may end in
@@ -32,6 +40,8 @@
 #[path = "soak/children.rs"]
 mod children;
 mod common;
+#[path = "soak/hostile.rs"]
+mod hostile;
 #[path = "soak/supervisor.rs"]
 mod supervisor;
 
@@ -44,6 +54,7 @@ use kvroute_kvstore::{ChunkId, CorpusSpec};
 use kvroute_remote::{Call, HolderConfig};
 
 use children::{holder, requester, rogue, unproven};
+use hostile::{follower, hostile};
 use supervisor::supervise;
 
 /// Query rows per call.
@@ -136,8 +147,10 @@ fn main() -> Result<(), Error> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |i: usize| args.get(i).map(String::as_str).ok_or("missing argument");
     match args.first().map(String::as_str) {
-        Some("--holder") => holder(arg(1)?),
+        Some("--holder") => holder(arg(1)?, args.get(2).map(String::as_str)),
         Some("--requester") => requester(arg(1)?, arg(2)?, arg(3)?),
+        Some("--hostile") => hostile(arg(1)?, arg(2)?, arg(3)?),
+        Some("--follower") => follower(arg(1)?, arg(2)?, arg(3)?),
         // A rogue meets refusals and dead holders: its own errors are outcomes, not failures.
         Some("--rogue") => rogue(arg(1)?, arg(2)?).or_else(|e| {
             eprintln!("rogue: {e}");

@@ -176,6 +176,72 @@ impl EtcdCluster {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+
+    /// Puts `value` under `key` as is, through the first running member's JSON gateway
+    /// (`POST /v3/kv/put`): how a test plants values no kvroute writer would, such as junk
+    /// too large for a listing.
+    pub fn put_raw(&self, key: &str, value: &[u8]) -> std::io::Result<()> {
+        let member = self
+            .members
+            .iter()
+            .find(|m| m.child.is_some())
+            .ok_or_else(|| std::io::Error::other("no etcd member is running"))?;
+        let body = format!(
+            "{{\"key\":\"{}\",\"value\":\"{}\"}}",
+            base64(key.as_bytes()),
+            base64(value)
+        );
+        let endpoint = format!("127.0.0.1:{}", member.client);
+        let mut s = TcpStream::connect(&endpoint)?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        write!(
+            s,
+            "POST /v3/kv/put HTTP/1.0\r\nHost: {endpoint}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )?;
+        let mut reply = String::new();
+        s.read_to_string(&mut reply)?;
+        if reply.contains(" 200 OK") {
+            Ok(())
+        } else {
+            Err(std::io::Error::other(format!(
+                "etcd refused the put of {key}: {}",
+                reply.lines().next().unwrap_or("no answer")
+            )))
+        }
+    }
+}
+
+/// Standard base64 with padding (the gateway's encoding of keys and values).
+fn base64(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for c in bytes.chunks(3) {
+        let n = (u32::from(c[0]) << 16)
+            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*c.get(2).unwrap_or(&0));
+        for i in 0..4 {
+            if i <= c.len() {
+                out.push(A[(n >> (18 - 6 * i)) as usize & 63] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn base64_pads_as_the_standard_does() {
+        assert_eq!(super::base64(b""), "");
+        assert_eq!(super::base64(b"f"), "Zg==");
+        assert_eq!(super::base64(b"fo"), "Zm8=");
+        assert_eq!(super::base64(b"foo"), "Zm9v");
+        assert_eq!(super::base64(b"foob"), "Zm9vYg==");
+    }
 }
 
 impl Drop for EtcdCluster {

@@ -27,26 +27,28 @@ pub(crate) fn start_holder(engine: TransferEngine) -> Result<Holder, Error> {
     )?)
 }
 
-/// `--holder PROVIDER`: serves the corpus, prints its control address, and exits cleanly when
-/// its stdin closes.
-pub(crate) fn holder(provider: &str) -> Result<(), Error> {
+/// `--holder PROVIDER [URL]`: serves the corpus (registered in the directory at URL, if one
+/// is named), prints its control address, and exits cleanly when its stdin closes.
+pub(crate) fn holder(provider: &str, url: Option<&str>) -> Result<(), Error> {
     let engine = engine(provider)?;
     let holder = start_holder(engine)?;
+    let registration = url
+        .map(|url| crate::hostile::register(&holder, url))
+        .transpose()?;
     println!("{}", holder.addr());
     std::io::stdout().flush()?;
     let mut line = String::new();
     while std::io::stdin().read_line(&mut line)? > 0 {
         line.clear();
     }
+    drop(registration);
     drop(holder);
     Ok(())
 }
 
-/// `--requester PROVIDER HOLDER REFERENCE`: routes 1-12 steps and checks every partial
-/// against the reference digests (`v:chunk:digest,...`). Exit 0: all exact; 2: an error;
-/// 3: a wrong partial.
-pub(crate) fn requester(provider: &str, holder: &str, reference: &str) -> Result<(), Error> {
-    let want: BTreeMap<(u64, u32), u64> = reference
+/// The reference digests (`v:chunk:digest,...`) by (query set, chunk).
+pub(crate) fn want_digests(reference: &str) -> Result<BTreeMap<(u64, u32), u64>, Error> {
+    reference
         .split(',')
         .map(|e| {
             let f: Vec<&str> = e.split(':').collect();
@@ -59,50 +61,69 @@ pub(crate) fn requester(provider: &str, holder: &str, reference: &str) -> Result
             }
         })
         .collect::<Option<_>>()
-        .ok_or("a malformed reference")?;
-    let mut rng = Rng::seeded();
-    let config = RequesterConfig {
+        .ok_or_else(|| "a malformed reference".into())
+}
+
+/// The config of every requester in the soak.
+pub(crate) fn requester_config() -> RequesterConfig {
+    RequesterConfig {
         timeout: Duration::from_secs(5),
         link_bytes: 1 << 16,
         pool_pages: 4,
         ..RequesterConfig::new(0.1)
-    };
-    let mut req = match Requester::connect(engine(provider)?, &[holder.parse()?], config) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("connect: {e}");
-            std::process::exit(ERRORED);
+    }
+}
+
+/// Routes one step of query set `v` and checks each partial against `want`; the exit code
+/// to end with otherwise (3 for a wrong partial, 2 for an error), the reason on stderr.
+pub(crate) fn route_checked(
+    req: &mut Requester,
+    v: u64,
+    want: &BTreeMap<(u64, u32), u64>,
+) -> Result<(), i32> {
+    let q = queries(v);
+    for (chunk, result) in req.route(&calls(&q)).into_iter().enumerate() {
+        match result {
+            Ok(p) if want.get(&(v, chunk as u32)) == Some(&digest(&p)) => {}
+            Ok(_) => {
+                eprintln!("query set {v}, chunk {chunk}: a partial differs from the reference");
+                return Err(WRONG);
+            }
+            Err(e) => {
+                eprintln!("route: {e}");
+                return Err(ERRORED);
+            }
         }
-    };
+    }
+    Ok(())
+}
+
+/// `--requester PROVIDER HOLDER REFERENCE`: routes 1-12 steps and checks every partial
+/// against the reference digests. Exit 0: all exact; 2: an error; 3: a wrong partial.
+pub(crate) fn requester(provider: &str, holder: &str, reference: &str) -> Result<(), Error> {
+    let want = want_digests(reference)?;
+    let mut rng = Rng::seeded();
+    let mut req =
+        match Requester::connect(engine(provider)?, &[holder.parse()?], requester_config()) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("connect: {e}");
+                std::process::exit(ERRORED);
+            }
+        };
     let steps = rng.range(1, 13);
     let outcome = (|| {
         for _ in 0..steps {
-            let v = rng.range(0, QUERIES);
-            let q = queries(v);
-            for (chunk, result) in req.route(&calls(&q)).into_iter().enumerate() {
-                match result {
-                    Ok(p) if want.get(&(v, chunk as u32)) == Some(&digest(&p)) => {}
-                    Ok(_) => {
-                        eprintln!(
-                            "query set {v}, chunk {chunk}: a partial differs from the reference"
-                        );
-                        return Some(WRONG);
-                    }
-                    Err(e) => {
-                        eprintln!("route: {e}");
-                        return Some(ERRORED);
-                    }
-                }
-            }
+            route_checked(&mut req, rng.range(0, QUERIES), &want)?;
             println!("step");
             std::thread::sleep(rng.millis(0, 200));
         }
-        None
+        Ok(())
     })();
     // The engine closes its endpoints (unlinking their shm regions) when dropped, which
     // `exit` would skip.
     drop(req);
-    if let Some(code) = outcome {
+    if let Err(code) = outcome {
         std::process::exit(code);
     }
     Ok(())

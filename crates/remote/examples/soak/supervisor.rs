@@ -13,6 +13,7 @@ use kvroute_transport::{MemFabric, TransferEngine};
 
 use crate::children::start_holder;
 use crate::common::{Error, digest, footprint, shm_entries, shm_entries_of};
+use crate::hostile::{Poison, plant, start_directory};
 use crate::{ERRORED, HANG, LIVE, QUERIES, Rng, WRONG, calls, queries};
 
 /// 20-60 silent control connections at once, held for 1-8 s: a newcomer must still get in.
@@ -57,6 +58,8 @@ enum Kind {
     Stopped,
     Rogue,
     Unproven,
+    Hostile,
+    Follower,
 }
 
 struct Running {
@@ -78,9 +81,11 @@ struct HolderProc {
 }
 
 impl HolderProc {
-    fn start(me: &std::path::Path, provider: &str) -> Result<Self, Error> {
+    /// Starts a holder over `provider`, registered in the directory at `url` if given.
+    fn start(me: &std::path::Path, provider: &str, url: Option<&str>) -> Result<Self, Error> {
         let mut child = Command::new(me)
             .args(["--holder", provider])
+            .args(url)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()?;
@@ -130,6 +135,8 @@ struct Tally {
     errors: BTreeMap<String, u64>,
     malformed: u64,
     floods: u64,
+    /// Writes hostile holders forged into their requesters (none may land).
+    forged: u64,
     holder_kills: u64,
     regions_removed: usize,
 }
@@ -149,6 +156,8 @@ struct Soak {
     running: Vec<Running>,
     /// Per provider: main and victim holders, and when the victim dies next.
     holders: Vec<(&'static str, HolderProc, HolderProc, Instant)>,
+    /// The poisoned directory the main shm holder is registered in (none without etcd).
+    poison: Option<Poison>,
 }
 
 impl Soak {
@@ -160,13 +169,16 @@ impl Soak {
         } else {
             self.holders[h].1.addr
         };
-        let kind = match self.rng.range(0, 22) {
+        let kind = match self.rng.range(0, 26) {
             0..=10 => Kind::Honest,
             11..=13 => Kind::Killed,
             14..=15 => Kind::Stopped,
             16..=17 => Kind::Rogue,
             18 => Kind::Unproven,
-            19 => {
+            19..=20 => Kind::Hostile,
+            21..=22 if self.poison.is_some() => Kind::Follower,
+            21..=22 => Kind::Honest,
+            23 => {
                 connection_flood(addr, &mut self.rng);
                 self.tally.floods += 1;
                 return Ok(());
@@ -178,13 +190,18 @@ impl Soak {
             }
         };
         let mut cmd = Command::new(&self.me);
-        if kind == Kind::Rogue {
-            cmd.args(["--rogue", provider, &addr.to_string()]);
-        } else if kind == Kind::Unproven {
-            cmd.args(["--unproven", provider, &addr.to_string()]);
-        } else {
-            cmd.args(["--requester", provider, &addr.to_string(), &self.reference]);
-        }
+        let (provider, target) = match (kind, &self.poison) {
+            // A follower finds the main shm holder, the one registered, through the directory.
+            (Kind::Follower, Some(poison)) => ("shm", poison.url.clone()),
+            _ => (provider, addr.to_string()),
+        };
+        match kind {
+            Kind::Rogue => cmd.args(["--rogue", provider, &target]),
+            Kind::Unproven => cmd.args(["--unproven", provider, &target]),
+            Kind::Hostile => cmd.args(["--hostile", provider, &target, &self.reference]),
+            Kind::Follower => cmd.args(["--follower", provider, &target, &self.reference]),
+            _ => cmd.args(["--requester", provider, &target, &self.reference]),
+        };
         let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -259,6 +276,10 @@ impl Soak {
             let _ = s.read_to_string(&mut err);
         }
         let steps = out.lines().filter(|l| *l == "step").count() as u64;
+        self.tally.forged += out
+            .lines()
+            .filter_map(|l| l.strip_prefix("forged ")?.parse::<u64>().ok())
+            .sum::<u64>();
         let entry = self.tally.runs.entry((r.provider, r.kind)).or_default();
         entry.0 += 1;
         entry.1 += steps;
@@ -309,7 +330,7 @@ impl Soak {
                 continue;
             }
             let provider = self.holders[h].0;
-            let fresh = HolderProc::start(&self.me, provider)?;
+            let fresh = HolderProc::start(&self.me, provider, None)?;
             self.pids.insert(fresh.child.id());
             let next = now + self.rng.millis(10_000, 30_000);
             let (_, _, victim, due) = &mut self.holders[h];
@@ -389,9 +410,19 @@ pub(crate) fn supervise(minutes: f64) -> Result<(), Error> {
     let mut rng = Rng::seeded();
     let mut holders = Vec::new();
     let mut pids = HashSet::new();
+    let directory = if kvroute_testkit::etcd::etcd_available() {
+        Some(start_directory()?)
+    } else {
+        println!("soak: no etcd binary here (cargo xtask deps installs it): no directory poison");
+        None
+    };
     for provider in ["shm", "tcp"] {
-        let main = HolderProc::start(&me, provider)?;
-        let victim = HolderProc::start(&me, provider)?;
+        let url = directory
+            .as_ref()
+            .filter(|_| provider == "shm")
+            .map(|(_, url)| url.as_str());
+        let main = HolderProc::start(&me, provider, url)?;
+        let victim = HolderProc::start(&me, provider, None)?;
         pids.extend([main.child.id(), victim.child.id()]);
         holders.push((
             provider,
@@ -399,6 +430,13 @@ pub(crate) fn supervise(minutes: f64) -> Result<(), Error> {
             victim,
             Instant::now() + rng.millis(10_000, 30_000),
         ));
+    }
+    let poison = match directory {
+        Some((etcd, url)) => Some(plant(etcd, url, holders[0].1.addr)?),
+        None => None,
+    };
+    if let Some(p) = &poison {
+        println!("soak: directory {} poisoned with {:?}", p.url, p.planted);
     }
     let mut soak = Soak {
         me,
@@ -408,6 +446,7 @@ pub(crate) fn supervise(minutes: f64) -> Result<(), Error> {
         pids,
         running: Vec::new(),
         holders,
+        poison,
     };
     println!(
         "soak: {:.1} min over shm and tcp; main and victim holders {:?}",
@@ -449,10 +488,12 @@ pub(crate) fn supervise(minutes: f64) -> Result<(), Error> {
         println!("  error x{n}: {what}");
     }
     println!(
-        "malformed control connections {}, connection floods {}, victim holders killed {}, \
-         regions of killed processes removed {}",
+        "malformed control connections {}, connection floods {}, forged writes into \
+         requesters {} (none landed), victim holders killed {}, regions of killed processes \
+         removed {}",
         soak.tally.malformed,
         soak.tally.floods,
+        soak.tally.forged,
         soak.tally.holder_kills,
         soak.tally.regions_removed
     );
@@ -460,13 +501,22 @@ pub(crate) fn supervise(minutes: f64) -> Result<(), Error> {
         h.1.stop()?;
         h.2.stop()?;
     }
-    let exact: u64 = soak
-        .tally
-        .runs
-        .iter()
-        .filter(|((_, k), _)| *k == Kind::Honest)
-        .map(|(_, r)| r.1)
-        .sum();
+    let exact_of = |kind: Kind| -> (u64, u64) {
+        soak.tally
+            .runs
+            .iter()
+            .filter(|((_, k), _)| *k == kind)
+            .fold((0, 0), |(runs, steps), (_, r)| (runs + r.0, steps + r.1))
+    };
+    let exact = exact_of(Kind::Honest).1;
+    // Requesters beside a hostile holder, or behind a poisoned directory, must get through
+    // too: runs enough to expect one, and not one exact step, is a failure.
+    for kind in [Kind::Hostile, Kind::Follower] {
+        let (runs, steps) = exact_of(kind);
+        if runs >= 4 && steps == 0 {
+            return Err(format!("{runs} {kind:?} requesters and not one exact step").into());
+        }
+    }
     let ours = shm_entries_of(&soak.pids);
     let left: Vec<String> = std::fs::read_dir("/dev/shm")?
         .flatten()
