@@ -18,8 +18,13 @@
 //! - `wheel`: build the Python package's abi3 wheel (`crates/python`, maturin) into
 //!   `target/py/wheels`; `test` also installs it into a fresh virtualenv and runs its pytest
 //!   suite.
+//! - `api [--bless]`: the public API of each library crate, one item per line from rustdoc's
+//!   JSON, against the baseline committed in `api/` (`--bless` rewrites it); `test` checks it.
+//! - `package`: `cargo package` of every crate meant for crates.io, which checks that each
+//!   builds alone from the files it would publish; `test` runs it.
 //! - `bindgen`: regenerate the checked-in libfabric bindings from the installed headers.
 
+mod api;
 mod bindgen;
 mod deps;
 mod fuzz;
@@ -38,8 +43,9 @@ const USAGE: &str = "usage: cargo xtask <command>
 commands:
   deps [--check]  check the system packages the workspace needs; install missing ones as root;
                   unpack the pinned NVRTC wheel into target/nvrtc (CUDA compile test)
-  test            what CI runs: deps, fmt --check, clippy -D warnings, tests, loom, 10 s of each
-                  fuzz target, a 1-minute soak, docs -D warnings
+  test            what CI runs: deps, fmt --check, clippy -D warnings, the public-API check,
+                  tests, loom, 10 s of each fuzz target, a 1-minute soak, docs -D warnings,
+                  cargo package
   loom            the loom models of the transport's completion logic
   demo [ARGS]     build in release mode and run the main job (ARGS are passed to it)
   bench [ARGS]    run the criterion benches (ARGS are passed to criterion)
@@ -56,6 +62,9 @@ commands:
                   a throwaway etcd cluster of N members (default 1) on free loopback ports: runs
                   COMMAND with KVROUTE_ETCD=etcd://... set and stops etcd after; without a
                   command, prints the address and serves until stdin closes
+  api [--bless]   check each library crate's public API against its baseline in api/ (one
+                  item per line, from rustdoc JSON); --bless rewrites the baselines
+  package         cargo package (with its build check) of every crate meant for crates.io
   wheel           build the Python package's abi3 wheel (crates/python, maturin from PyPI in
                   target/py) into target/py/wheels
   bindgen         regenerate the libfabric bindings (installs libfabric-dev, libclang-dev as root)";
@@ -84,6 +93,8 @@ fn run(args: &[String]) -> Result<()> {
         "gpu-test" => gpu_test::run(&workspace_root(), rest.iter().any(|a| a == "--require-gpu")),
         "test" | "ci" => test(),
         "loom" => loom(),
+        "api" => api::run(&workspace_root(), rest),
+        "package" => package(),
         "fuzz" => fuzz::run(&workspace_root(), rest),
         "soak" => {
             deps::run(false)?;
@@ -197,6 +208,7 @@ fn test() -> Result<()> {
         ],
         &[],
     )?;
+    api::run(&root, &[])?;
     // NVRTC from target/nvrtc, and the sm_90 compile test required (it fails, not skips,
     // if NVRTC cannot be loaded).
     let library_path = nvrtc::library_path(&root);
@@ -229,6 +241,7 @@ fn test() -> Result<()> {
         &["doc", "--workspace", "--no-deps", "--locked"],
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
+    package()?;
     let skips = match std::fs::read_to_string(&skip_log) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
@@ -383,6 +396,29 @@ fn library_alone() -> Result<()> {
         cargo_step(name, &args, &[])?;
     }
     soak(&["--minutes".to_owned(), "1".to_owned()], false)
+}
+
+/// `cargo package` of every crate meant for crates.io (the workspace less `publish = false`
+/// members), with its verification build: each crate must build from exactly the files it
+/// would publish, against its dependencies as published (the workspace's own as packaged).
+fn package() -> Result<()> {
+    cargo_step(
+        "package",
+        &[
+            "package",
+            "--locked",
+            "--workspace",
+            "--exclude",
+            "xtask",
+            "--exclude",
+            "kvroute-tests",
+            "--exclude",
+            "kvroute-testkit",
+            // What is checked is the tree as it is, committed or not.
+            "--allow-dirty",
+        ],
+        &[],
+    )
 }
 
 /// `soak [--minutes N]`: the holders-and-requesters soak (crates/remote/examples/soak.rs) for
