@@ -6,36 +6,7 @@
 // Test helpers panic on failure: that is how a test reports it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the workspace root")
-        .to_owned()
-}
-
-/// Source, script and document files under `dir`, build outputs and VCS data left out.
-fn files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let path = e.path();
-        let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') || name == "target" {
-            continue;
-        }
-        if path.is_dir() {
-            files(&path, out);
-        } else if ["rs", "md", "toml", "sh", "py"]
-            .iter()
-            .any(|x| path.extension().is_some_and(|e| e == *x))
-        {
-            out.push(path);
-        }
-    }
-}
+use kvroute_tests::tree::{files_with, workspace_root};
 
 /// Every `docs/NAME.md` (and `docs/DIR/NAME.md`) named in `text`.
 fn docs_named(text: &str) -> Vec<String> {
@@ -67,9 +38,8 @@ fn md_links(text: &str) -> Vec<String> {
 
 #[test]
 fn every_named_document_exists() {
-    let root = root();
-    let mut all = Vec::new();
-    files(&root, &mut all);
+    let root = workspace_root();
+    let all = files_with(&root, &["rs", "md", "toml", "sh", "py"]);
     assert!(
         all.len() > 100,
         "found {} files under {}",
@@ -118,7 +88,7 @@ fn every_named_document_exists() {
 
 #[test]
 fn the_readme_names_every_workspace_member() {
-    let root = root();
+    let root = workspace_root();
     let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
     let members: Vec<&str> = manifest
         .split("members = [")
@@ -149,7 +119,7 @@ fn the_readme_names_every_workspace_member() {
 /// renamed or removed metric cannot leave a panel silently empty).
 #[test]
 fn the_dashboard_queries_only_documented_metrics() {
-    let root = root();
+    let root = workspace_root();
     let listed = std::fs::read_to_string(root.join("docs/metrics.md")).unwrap();
     let dashboard: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(root.join("docs/grafana/kvroute.json")).unwrap(),

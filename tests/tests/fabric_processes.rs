@@ -11,8 +11,8 @@ use kvroute_tests::netns::HostPair;
 use kvroute_tests::peer::{ANSWER, Command, Event, PeerProcess, PeerSpec, fnv1a, pattern};
 use kvroute_tests::watchdog::Watchdog;
 use kvroute_transport::{
-    DoneCounter, EngineConfig, FabricConfig, OnDone, Pages, ScatterDst, TransferEngine,
-    TransferShape,
+    DoneCounter, EngineConfig, FabricConfig, OnDone, Pages, RegisteredBuffer, ScatterDst,
+    TransferEngine, TransferShape,
 };
 
 const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
@@ -93,6 +93,19 @@ fn every_call_between_two_processes(provider: &str) {
     let bytes = pattern(1 << 20, 3);
     mine.write_at(0, &bytes).unwrap();
 
+    here_to_there(&me, &mut peer, &mine, &bytes);
+    there_to_here(&me, &mut peer, &mine);
+    peer.exit().unwrap();
+}
+
+/// From this process to the peer: a single write with an immediate, 10,000 paged writes, an
+/// immediate alone, 20 messages; each checked on the peer's side.
+fn here_to_there(
+    me: &TransferEngine,
+    peer: &mut PeerProcess,
+    mine: &RegisteredBuffer,
+    bytes: &[u8],
+) {
     // Here -> there: a single write with an immediate.
     peer.send(&Command::Expect {
         imm: 1,
@@ -110,7 +123,7 @@ fn every_call_between_two_processes(provider: &str) {
     )
     .unwrap();
     assert_eq!(f.wait(), Ok(()));
-    fired(&mut peer, "single");
+    fired(peer, "single");
     assert_eq!(
         peer.hash(5000, 300_000).unwrap(),
         fnv1a(&bytes[1000..301_000])
@@ -133,7 +146,7 @@ fn every_call_between_two_processes(provider: &str) {
     me.submit_paged_writes(page, Some(2), (mine.handle(), &src), (&peer.desc, &dst), d)
         .unwrap();
     assert_eq!(f.wait(), Ok(()));
-    fired(&mut peer, "paged");
+    fired(peer, "paged");
     let mut expect = vec![0u8; (pages as u64 * page) as usize];
     for i in 0..pages as usize {
         let to = (pages as usize - 1 - i) * page as usize;
@@ -159,7 +172,7 @@ fn every_call_between_two_processes(provider: &str) {
     })
     .unwrap();
     me.submit_imm(3, &peer.desc, OnDone::nothing()).unwrap();
-    fired(&mut peer, "imm");
+    fired(peer, "imm");
 
     // Messages here -> there.
     peer.send(&Command::Receive {
@@ -181,7 +194,10 @@ fn every_call_between_two_processes(provider: &str) {
     }
     got.sort_unstable();
     assert_eq!(got, (0..20).collect::<Vec<u8>>());
+}
 
+/// From the peer to this process: a write with an immediate, paged writes, a message.
+fn there_to_here(me: &TransferEngine, peer: &mut PeerProcess, mine: &RegisteredBuffer) {
     // There -> here: a write, paged writes, a message.
     let landed = me.imm_count(9, 1);
     peer.send(&Command::Fill {
@@ -200,7 +216,7 @@ fn every_call_between_two_processes(provider: &str) {
         tag: "back".into(),
     })
     .unwrap();
-    assert_eq!(done(&mut peer, "back"), None);
+    assert_eq!(done(peer, "back"), None);
     assert_eq!(landed.wait(), Ok(()));
     assert_eq!(mine.to_vec()[8192..12288], pattern(4096, 77)[..]);
     let landed = me.imm_count(
@@ -216,7 +232,7 @@ fn every_call_between_two_processes(provider: &str) {
         tag: "back-paged".into(),
     })
     .unwrap();
-    assert_eq!(done(&mut peer, "back-paged"), None);
+    assert_eq!(done(peer, "back-paged"), None);
     assert_eq!(landed.wait(), Ok(()));
     let now = mine.to_vec();
     assert_eq!(now[30 * 1024..31 * 1024], pattern(4096, 77)[..1024]);
@@ -230,9 +246,8 @@ fn every_call_between_two_processes(provider: &str) {
         tag: "msg".into(),
     })
     .unwrap();
-    assert_eq!(done(&mut peer, "msg"), None);
+    assert_eq!(done(peer, "msg"), None);
     assert_eq!(rx.recv_timeout(ANSWER).unwrap(), b"hello");
-    peer.exit().unwrap();
 }
 
 #[test]
