@@ -103,14 +103,7 @@ pub(crate) fn route_checked(
 pub(crate) fn requester(provider: &str, holder: &str, reference: &str) -> Result<(), Error> {
     let want = want_digests(reference)?;
     let mut rng = Rng::seeded();
-    let mut req =
-        match Requester::connect(engine(provider)?, &[holder.parse()?], requester_config()) {
-            Ok(r) => r,
-            Err(e) => {
-                eprintln!("connect: {e}");
-                std::process::exit(ERRORED);
-            }
-        };
+    let mut req = connect_or_exit(provider, &[holder.parse()?], requester_config())?;
     let steps = rng.range(1, 13);
     let outcome = (|| {
         for _ in 0..steps {
@@ -120,8 +113,28 @@ pub(crate) fn requester(provider: &str, holder: &str, reference: &str) -> Result
         }
         Ok(())
     })();
-    // The engine closes its endpoints (unlinking their shm regions) when dropped, which
-    // `exit` would skip.
+    finish(req, outcome)
+}
+
+/// A requester over `provider` connected to `holders`; a refusal (busy, a holder gone) ends
+/// the process as an error outcome (exit 2).
+pub(crate) fn connect_or_exit(
+    provider: &str,
+    holders: &[std::net::SocketAddr],
+    config: RequesterConfig,
+) -> Result<Requester, Error> {
+    match Requester::connect(engine(provider)?, holders, config) {
+        Ok(r) => Ok(r),
+        Err(e) => {
+            eprintln!("connect: {e}");
+            std::process::exit(ERRORED);
+        }
+    }
+}
+
+/// Drops `req`, then ends the process with `outcome`'s exit code if it is one: the engine
+/// closes its endpoints (unlinking their shm regions) when dropped, which `exit` would skip.
+pub(crate) fn finish(req: Requester, outcome: Result<(), i32>) -> Result<(), Error> {
     drop(req);
     if let Err(code) = outcome {
         std::process::exit(code);

@@ -10,11 +10,13 @@ use std::time::{Duration, Instant};
 
 use kvroute_kvstore::ChunkId;
 use kvroute_kvstore::directory::{self, Directory, HolderRecord, Registration, SCHEMA};
-use kvroute_remote::{Requester, RequesterConfig};
+use kvroute_remote::RequesterConfig;
 use kvroute_testkit::etcd::EtcdCluster;
 use kvroute_transport::{MrDesc, OnDone, RegisteredBuffer, TransferEngine};
 
-use crate::children::{requester_config, route_checked, start_holder, want_digests};
+use crate::children::{
+    connect_or_exit, finish, requester_config, route_checked, start_holder, want_digests,
+};
 use crate::common::{Error, engine};
 use crate::{ERRORED, QUERIES, Rng, WRONG};
 
@@ -112,13 +114,7 @@ pub(crate) fn hostile(provider: &str, holder: &str, reference: &str) -> Result<(
     let mut rng = Rng::seeded();
     let two_faced = start_holder(engine(provider)?)?;
     let holders = [holder.parse()?, two_faced.addr()];
-    let mut req = match Requester::connect(engine(provider)?, &holders, requester_config()) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("connect: {e}");
-            std::process::exit(ERRORED);
-        }
-    };
+    let mut req = connect_or_exit(provider, &holders, requester_config())?;
     let given = req
         .reply_region(1)
         .ok_or("the requester gave the second holder no reply region")?
@@ -164,13 +160,7 @@ pub(crate) fn follower(provider: &str, url: &str, reference: &str) -> Result<(),
         max_holders: 4,
         ..requester_config()
     };
-    let mut req = match Requester::connect(engine(provider)?, &[], config) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("connect: {e}");
-            std::process::exit(ERRORED);
-        }
-    };
+    let mut req = connect_or_exit(provider, &[], config)?;
     let mut applied = 0;
     let outcome = (|| {
         // Views until both chunks have a live holder (the first may come before the
@@ -206,11 +196,7 @@ pub(crate) fn follower(provider: &str, url: &str, reference: &str) -> Result<(),
         }
         Ok(())
     })();
-    drop(req);
-    if let Err(code) = outcome {
-        std::process::exit(code);
-    }
-    Ok(())
+    finish(req, outcome)
 }
 
 /// What the supervisor planted in the directory and keeps alive for the soak's length.
