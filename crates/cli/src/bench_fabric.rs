@@ -23,6 +23,10 @@ use serde::{Deserialize, Serialize};
 use crate::args::{FabricBenchArgs, FabricPeerArgs};
 use crate::bench::{Target, machine};
 
+mod measure;
+
+use measure::{TwoProcesses, targets};
+
 /// Bytes each side registers: the largest single write.
 const BUFFER: usize = 32 << 20;
 /// Single-write sizes (64 KiB to 32 MiB).
@@ -401,85 +405,17 @@ pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
         .to_owned();
     // Loopback for tcp; shm has no address to bind, and efa binds its NIC.
     let node = (choice == ProviderChoice::Tcp).then_some("127.0.0.1");
-    let rounds = if args.quick { 1 } else { 3 };
-    let latency_rounds = if args.quick { 1 } else { LATENCY_ROUNDS };
-    let budget = Duration::from_millis(if args.quick { 60 } else { 300 });
 
     let manual = args.progress == "manual";
     if !manual && args.progress != "thread" {
         bail!("--progress is thread or manual, not {}", args.progress);
     }
-    let mut peer = Peer::start(&args.provider, node, manual)?;
-    let hello: Hello = peer.recv()?;
-    let (engine, fabric) = open(&args.provider, node, progress_of(manual))?;
-    let buf = engine.alloc_mr(BUFFER)?;
-    let mut raw = RawEndpoint::open(&fabric_config(&args.provider, node, false)?, BUFFER)?;
-    raw.connect(&hello.raw)?;
-    peer.send(&Hello {
-        addr: engine.main_address(),
-        desc: buf.desc().clone(),
-        raw: raw.address(),
-    })?;
-
-    // One ping-pong with the peer answering: through the engines, or on the bare NICs.
-    let mut pingpong = |raw_path: bool, size: u64, iters: u64| -> Result<Pingpong> {
-        let warmup = (iters / 10).max(2);
-        let count = warmup + iters;
-        if raw_path {
-            peer.send(&PeerCommand::AnswerRaw {
-                parent: raw.address(),
-                size,
-                count,
-            })?;
-        } else {
-            peer.send(&PeerCommand::Answer { size, count })?;
-        }
-        let result = if raw_path {
-            raw.pingpong(size, warmup, iters)
-        } else {
-            bench::pingpong(&engine, &buf, &hello.desc, size, warmup, iters)
-        };
-        let answered: Result<(), String> = peer.recv()?;
-        answered.map_err(|e| anyhow!("the peer: {e}"))?;
-        Ok(result?)
-    };
-    let fi = |size: u64, iters: u64| -> Result<Pingpong> {
-        bench::fi_pingpong(&provider, size, iters, PINGPONG_PORT).map_err(|e| anyhow!(e))
-    };
-    // Rounds interleave the three, so drift on this shared machine hits each alike, and
-    // rotate their order, so each path runs first in a round (right after the peer process
-    // slept, when the host places its processor anew) as often as the others.
-    let mut compare = |size: u64, fi_size: u64, latency: bool| -> Result<Compared> {
-        let iters = iters_for(size, budget, args.quick);
-        let (mut mine, mut theirs, mut bare) = (Vec::new(), Vec::new(), Vec::new());
-        for round in 0..if latency { latency_rounds } else { rounds } {
-            for path in round_order(round) {
-                match path {
-                    Path::Engine => mine.push(pingpong(false, size, iters)?),
-                    Path::FiPingpong => theirs.push(fi(fi_size, iters)?),
-                    Path::Bare => bare.push(pingpong(true, size, iters)?),
-                }
-            }
-        }
-        let key = |p: &Pingpong| if latency { p.usec_per_xfer } else { p.mb_per_s };
-        let (engine, fi_pingpong, raw) = (
-            median_by(mine, key),
-            median_by(theirs, key),
-            median_by(bare, key),
-        );
-        Ok(Compared {
-            size,
-            ratio: key(&engine) / key(&fi_pingpong),
-            over_raw: key(&engine) / key(&raw),
-            engine,
-            fi_pingpong,
-            raw,
-        })
-    };
+    let (mut two, fabric) = TwoProcesses::connect(args, provider, node, manual)?;
+    let rounds = two.rounds;
 
     // The engine's immediate-only write carries 4 bytes (the immediate): fi_pingpong's
     // 4-byte message is its counterpart.
-    let round_trip = compare(0, 4, true)?;
+    let round_trip = two.compare(0, 4, true)?;
     // The peer rests: both ends on this thread, no scheduler in the time.
     let config = fabric_config(&args.provider, node, false)?;
     let trips = if args.quick { 20_000 } else { 200_000 };
@@ -491,88 +427,13 @@ pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
     );
     let mut single = Vec::new();
     for &size in SINGLE {
-        single.push(compare(size, size, false)?);
+        single.push(two.compare(size, size, false)?);
     }
-
-    peer.send(&PeerCommand::Serve)?;
-    let mut streams = Vec::new();
-    for &size in SINGLE {
-        let count = (PAGED_BYTES * 4 / size).clamp(16, 4096) / if args.quick { 4 } else { 1 };
-        let runs = (0..rounds)
-            .map(|_| bench::stream(&engine, &buf, &hello.desc, size, count, WINDOW))
-            .collect::<Result<Vec<_>, _>>()?;
-        streams.push(median_by(runs, |s| s.mb_per_s));
-    }
-    peer.send(&PeerCommand::Rest)?;
-    // Paged rounds interleave and rotate the engine, fi_pingpong and the bare NIC as the
-    // ping-pongs do.
-    let mut paged = Vec::new();
-    for &page in PAGES {
-        let pages = PAGED_BYTES / page / if args.quick { 4 } else { 1 };
-        let (mut mine, mut bare, mut theirs) = (Vec::new(), Vec::new(), Vec::new());
-        for round in 0..rounds {
-            for path in round_order(round) {
-                match path {
-                    Path::Engine => {
-                        peer.send(&PeerCommand::Serve)?;
-                        let transfer = bench::paged(&engine, &buf, &hello.desc, page, pages as u32);
-                        peer.send(&PeerCommand::Rest)?;
-                        mine.push(transfer?);
-                    }
-                    Path::Bare => {
-                        peer.send(&PeerCommand::AbsorbRaw {
-                            parent: raw.address(),
-                            count: pages,
-                        })?;
-                        let streamed = raw.stream(page, pages, PAGED_WINDOW);
-                        let absorbed: Result<(), String> = peer.recv()?;
-                        absorbed.map_err(|e| anyhow!("the peer: {e}"))?;
-                        bare.push(streamed?);
-                    }
-                    Path::FiPingpong => {
-                        theirs.push(fi(page, iters_for(page, budget, args.quick))?);
-                    }
-                }
-            }
-        }
-        paged.push(PagedRow {
-            engine: median_by(mine, |s| s.mb_per_s),
-            fi_pingpong: median_by(theirs, |p| p.mb_per_s),
-            raw: median_by(bare, |s| s.mb_per_s),
-        });
-    }
-    drop(peer);
-
-    // Each target's bound: the bare NIC measured against the same fi_pingpong figure, so a
-    // target the provider's own RMA path misses shows as such.
-    let bare = |ratio: f64| Some(format!("bare NIC / fi_pingpong {ratio:.2}"));
-    let mut targets = vec![Target {
-        what: "immediate-only round trip, engine / fi_pingpong usec/xfer",
-        target: "<= 1.2",
-        measured: round_trip.ratio,
-        met: round_trip.ratio <= LATENCY_RATIO_TARGET,
-        bound: bare(round_trip.raw.usec_per_xfer / round_trip.fi_pingpong.usec_per_xfer),
-    }];
-    for c in &single {
-        targets.push(Target {
-            what: "single write >= 64 KiB, engine / fi_pingpong MB/s",
-            target: ">= 0.9",
-            measured: c.ratio,
-            met: c.ratio >= BANDWIDTH_RATIO_TARGET,
-            bound: bare(c.raw.mb_per_s / c.fi_pingpong.mb_per_s),
-        });
-    }
-    let (paged_min, paged_target) = paged_ratio_target(&provider);
-    for p in paged.iter().filter(|p| p.engine.size == 1024) {
-        let ratio = p.engine.mb_per_s / p.fi_pingpong.mb_per_s;
-        targets.push(Target {
-            what: "paged writes, 1 KiB pages, engine / fi_pingpong MB/s at 1 KiB",
-            target: paged_target,
-            measured: ratio,
-            met: ratio >= paged_min,
-            bound: bare(p.raw.mb_per_s / p.fi_pingpong.mb_per_s),
-        });
-    }
+    let streams = two.streams()?;
+    let paged = two.paged()?;
+    let latency_rounds = two.latency_rounds;
+    let targets = targets(&two.provider, &round_trip, &single, &paged);
+    drop(two);
     Ok(FabricBenchReport {
         machine: machine(),
         fabric,
