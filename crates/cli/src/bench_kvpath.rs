@@ -22,7 +22,9 @@ use std::time::Instant;
 
 use anyhow::{Result, anyhow, bail};
 use kvroute_kvstore::{BlockStore, StagingRegion};
-use kvroute_transport::{MrDesc, NetAddr, Progress, ProviderChoice};
+use kvroute_transport::{
+    MrDesc, NetAddr, Progress, ProviderChoice, RegisteredBuffer, TransferEngine,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::args::{KvPathBenchArgs, KvPathPeerArgs};
@@ -128,40 +130,7 @@ fn provider_and_node(provider: &str) -> Result<(String, Option<&'static str>)> {
 
 pub(crate) fn run(args: &KvPathBenchArgs) -> Result<KvPathReport> {
     let (provider, node) = provider_and_node(&args.provider)?;
-    let (mut store, _) = BlockStore::open_existing(&args.dir)?;
-    let layout = store.layout();
-    let keys: Vec<u64> = store
-        .keys()
-        .take(if args.blocks == 0 {
-            usize::MAX
-        } else {
-            args.blocks
-        })
-        .collect();
-    if keys.len() < 2 {
-        bail!(
-            "{} holds fewer than 2 blocks (kvroute store write first)",
-            args.dir.display()
-        );
-    }
-    let full = layout.full_bytes();
-    if keys.len().saturating_mul(full) > MAX_INBOX {
-        bail!(
-            "{} blocks of {full} bytes pass the {} GiB inbox: take fewer with --blocks",
-            keys.len(),
-            MAX_INBOX >> 30
-        );
-    }
-    let files: Vec<PathBuf> = keys.iter().map(|&k| store.path(k)).collect();
-    let (engine, _) = open(&provider, node, Progress::Thread)?;
-    let mut staging = StagingRegion::new(&engine, layout, 2)?;
-    let inbox = engine.alloc_mr(keys.len() * full)?;
-    // The store's checksums of each block, read once, untimed.
-    let mut reference = Vec::with_capacity(keys.len());
-    for &k in &keys {
-        staging.read(&engine, &mut store, k, 0)?;
-        reference.push(staging.crc(&engine, 0)?);
-    }
+    let mut pe = Pe::open(args, &provider, node)?;
     let dir = args
         .dir
         .to_str()
@@ -182,107 +151,25 @@ pub(crate) fn run(args: &KvPathBenchArgs) -> Result<KvPathReport> {
         bail!("the DE process did not say hello");
     };
     peer.send(&PeerCommand::Hello {
-        addr: engine.main_address(),
-        inbox: inbox.desc().clone(),
+        addr: pe.engine.main_address(),
+        inbox: pe.inbox.desc().clone(),
     })?;
-    let bytes = (keys.len() * full) as f64;
-    let pages = keys.len() as u64 * u64::from(layout.layers);
-    let (mut direct, mut de_path, mut hop, mut de_reads) = (vec![], vec![], vec![], vec![]);
-    let (mut checked, mut matched) = (0, 0);
+    let mut rates = Rates::default();
     let mut imm = 0u32;
     for round in 0..args.rounds.max(1) {
         // Rotate who goes first, so drift in the machine does not favour one path.
         for turn in 0..3 {
             match (round as usize + turn) % 3 {
-                0 => {
-                    drop_cache(&files)?;
-                    let started = Instant::now();
-                    for (i, &k) in keys.iter().enumerate() {
-                        staging.read(&engine, &mut store, k, i % 2)?;
-                    }
-                    direct.push(bytes / started.elapsed().as_secs_f64() / 1e6);
-                }
+                0 => rates.direct.push(pe.direct()?),
                 kind => {
-                    let read = kind == 1;
                     imm += 1;
-                    inbox.fill(0);
-                    if read {
-                        drop_cache(&files)?;
-                    }
-                    peer.send(&PeerCommand::Prepare {
-                        keys: keys.clone(),
-                        read,
-                        imm,
-                    })?;
-                    match peer.recv()? {
-                        PeerReply::Ready => {}
-                        PeerReply::Failed(e) => bail!("the DE process failed: {e}"),
-                        other => bail!("the DE process said {other:?}"),
-                    }
-                    let landed = engine.imm_count(imm, pages);
-                    let started = Instant::now();
-                    peer.send(&PeerCommand::Go)?;
-                    landed
-                        .wait()
-                        .map_err(|e| anyhow!("the DE's writes failed: {e}"))?;
-                    let rate = bytes / started.elapsed().as_secs_f64() / 1e6;
-                    match peer.recv()? {
-                        PeerReply::Done { read_s, .. } if read => {
-                            de_reads.push(bytes / read_s.max(1e-9) / 1e6);
-                            de_path.push(rate);
-                        }
-                        PeerReply::Done { .. } => hop.push(rate),
-                        PeerReply::Failed(e) => bail!("the DE process failed: {e}"),
-                        other => bail!("the DE process said {other:?}"),
-                    }
-                    for i in 0..keys.len() {
-                        let mut got = vec![0u8; full];
-                        inbox.read_at(i * full, &mut got)?;
-                        let want = if read { reference[i] } else { reference[i % 2] };
-                        checked += 1;
-                        matched += usize::from(crc32c::crc32c(&got) == want);
-                    }
+                    pe.through_the_de(&mut peer, kind == 1, imm, &mut rates)?;
                 }
             }
         }
     }
     drop(peer);
-    let paths = vec![
-        PathBand {
-            what: "storage -> PE (direct)".into(),
-            median_mb_s: median(&direct),
-            best_mb_s: direct.iter().copied().fold(0.0, f64::max),
-            rounds_mb_s: direct,
-        },
-        PathBand {
-            what: "storage -> DE -> PE (paged writes)".into(),
-            median_mb_s: median(&de_path),
-            best_mb_s: de_path.iter().copied().fold(0.0, f64::max),
-            rounds_mb_s: de_path,
-        },
-        PathBand {
-            what: "DE -> PE hop alone (blocks in memory)".into(),
-            median_mb_s: median(&hop),
-            best_mb_s: hop.iter().copied().fold(0.0, f64::max),
-            rounds_mb_s: hop,
-        },
-    ];
-    let report = KvPathReport {
-        machine: machine(),
-        dir: args.dir.display().to_string(),
-        provider,
-        blocks: keys.len(),
-        block_bytes: full,
-        layers: layout.layers,
-        de_read_mb_s: median(&de_reads),
-        de_path_ratio: paths[1].median_mb_s / paths[0].median_mb_s.max(1e-9),
-        de_path_ratio_best: paths[1].best_mb_s / paths[0].best_mb_s.max(1e-9),
-        checked,
-        matched,
-        implied_snic_gbps: paths[0].best_mb_s * 8e-3,
-        implied_cnic_gbps: paths[2].best_mb_s * 8e-3,
-        paths,
-    };
+    let report = pe.report(args, provider, rates);
     if report.matched != report.checked {
         print!("{report}");
         bail!(
@@ -292,6 +179,192 @@ pub(crate) fn run(args: &KvPathBenchArgs) -> Result<KvPathReport> {
         );
     }
     Ok(report)
+}
+
+/// The PE process's side of a run: the blocks it moves, from the store into its staging
+/// slots (the direct path) or from the DE into its inbox.
+struct Pe {
+    /// Where the DE writes every block of a pass, one after another.
+    inbox: RegisteredBuffer,
+    /// Two slots the direct path reads blocks into, in turn.
+    staging: StagingRegion,
+    engine: TransferEngine,
+    store: BlockStore,
+    /// The blocks moved each pass, and their files (whose pages are dropped from the cache
+    /// before each read).
+    keys: Vec<u64>,
+    files: Vec<PathBuf>,
+    /// The store's checksum of each block.
+    reference: Vec<u32>,
+    /// Bytes per block.
+    full: usize,
+    /// Layers per block.
+    layers: u32,
+}
+
+/// Each path's MB/s per round, and the blocks checked at the PE.
+#[derive(Default)]
+struct Rates {
+    direct: Vec<f64>,
+    de_path: Vec<f64>,
+    hop: Vec<f64>,
+    de_reads: Vec<f64>,
+    checked: usize,
+    matched: usize,
+}
+
+impl Pe {
+    /// Opens the store and the PE's engine, and reads every block once, untimed, for its
+    /// checksum.
+    fn open(args: &KvPathBenchArgs, provider: &str, node: Option<&str>) -> Result<Self> {
+        let (mut store, _) = BlockStore::open_existing(&args.dir)?;
+        let layout = store.layout();
+        let keys: Vec<u64> = store
+            .keys()
+            .take(if args.blocks == 0 {
+                usize::MAX
+            } else {
+                args.blocks
+            })
+            .collect();
+        if keys.len() < 2 {
+            bail!(
+                "{} holds fewer than 2 blocks (kvroute store write first)",
+                args.dir.display()
+            );
+        }
+        let full = layout.full_bytes();
+        if keys.len().saturating_mul(full) > MAX_INBOX {
+            bail!(
+                "{} blocks of {full} bytes pass the {} GiB inbox: take fewer with --blocks",
+                keys.len(),
+                MAX_INBOX >> 30
+            );
+        }
+        let files: Vec<PathBuf> = keys.iter().map(|&k| store.path(k)).collect();
+        let (engine, _) = open(provider, node, Progress::Thread)?;
+        let mut staging = StagingRegion::new(&engine, layout, 2)?;
+        let inbox = engine.alloc_mr(keys.len() * full)?;
+        // The store's checksums of each block, read once, untimed.
+        let mut reference = Vec::with_capacity(keys.len());
+        for &k in &keys {
+            staging.read(&engine, &mut store, k, 0)?;
+            reference.push(staging.crc(&engine, 0)?);
+        }
+        Ok(Self {
+            inbox,
+            staging,
+            engine,
+            store,
+            keys,
+            files,
+            reference,
+            full,
+            layers: layout.layers,
+        })
+    }
+
+    /// Bytes of a pass.
+    fn bytes(&self) -> f64 {
+        (self.keys.len() * self.full) as f64
+    }
+
+    /// One pass of the direct path, storage -> PE, from a cold cache: its MB/s.
+    fn direct(&mut self) -> Result<f64> {
+        drop_cache(&self.files)?;
+        let started = Instant::now();
+        for (i, &k) in self.keys.iter().enumerate() {
+            self.staging.read(&self.engine, &mut self.store, k, i % 2)?;
+        }
+        Ok(self.bytes() / started.elapsed().as_secs_f64() / 1e6)
+    }
+
+    /// One pass through the DE, with immediate `imm`: the whole path from a cold cache
+    /// (`read`) or the hop alone (two blocks the DE holds in memory), each landed block
+    /// checked.
+    fn through_the_de(
+        &mut self,
+        peer: &mut Peer,
+        read: bool,
+        imm: u32,
+        rates: &mut Rates,
+    ) -> Result<()> {
+        let bytes = self.bytes();
+        let pages = self.keys.len() as u64 * u64::from(self.layers);
+        self.inbox.fill(0);
+        if read {
+            drop_cache(&self.files)?;
+        }
+        peer.send(&PeerCommand::Prepare {
+            keys: self.keys.clone(),
+            read,
+            imm,
+        })?;
+        match peer.recv()? {
+            PeerReply::Ready => {}
+            PeerReply::Failed(e) => bail!("the DE process failed: {e}"),
+            other => bail!("the DE process said {other:?}"),
+        }
+        let landed = self.engine.imm_count(imm, pages);
+        let started = Instant::now();
+        peer.send(&PeerCommand::Go)?;
+        landed
+            .wait()
+            .map_err(|e| anyhow!("the DE's writes failed: {e}"))?;
+        let rate = bytes / started.elapsed().as_secs_f64() / 1e6;
+        match peer.recv()? {
+            PeerReply::Done { read_s, .. } if read => {
+                rates.de_reads.push(bytes / read_s.max(1e-9) / 1e6);
+                rates.de_path.push(rate);
+            }
+            PeerReply::Done { .. } => rates.hop.push(rate),
+            PeerReply::Failed(e) => bail!("the DE process failed: {e}"),
+            other => bail!("the DE process said {other:?}"),
+        }
+        for i in 0..self.keys.len() {
+            let mut got = vec![0u8; self.full];
+            self.inbox.read_at(i * self.full, &mut got)?;
+            let want = if read {
+                self.reference[i]
+            } else {
+                self.reference[i % 2]
+            };
+            rates.checked += 1;
+            rates.matched += usize::from(crc32c::crc32c(&got) == want);
+        }
+        Ok(())
+    }
+
+    /// The report of a run's `rates`.
+    fn report(&self, args: &KvPathBenchArgs, provider: String, rates: Rates) -> KvPathReport {
+        let band = |what: &str, rounds: Vec<f64>| PathBand {
+            what: what.into(),
+            median_mb_s: median(&rounds),
+            best_mb_s: rounds.iter().copied().fold(0.0, f64::max),
+            rounds_mb_s: rounds,
+        };
+        let paths = vec![
+            band("storage -> PE (direct)", rates.direct),
+            band("storage -> DE -> PE (paged writes)", rates.de_path),
+            band("DE -> PE hop alone (blocks in memory)", rates.hop),
+        ];
+        KvPathReport {
+            machine: machine(),
+            dir: args.dir.display().to_string(),
+            provider,
+            blocks: self.keys.len(),
+            block_bytes: self.full,
+            layers: self.layers,
+            de_read_mb_s: median(&rates.de_reads),
+            de_path_ratio: paths[1].median_mb_s / paths[0].median_mb_s.max(1e-9),
+            de_path_ratio_best: paths[1].best_mb_s / paths[0].best_mb_s.max(1e-9),
+            checked: rates.checked,
+            matched: rates.matched,
+            implied_snic_gbps: paths[0].best_mb_s * 8e-3,
+            implied_cnic_gbps: paths[2].best_mb_s * 8e-3,
+            paths,
+        }
+    }
 }
 
 /// `kvroute bench kvpath-peer`: the DE process.
