@@ -16,20 +16,21 @@
 //!   offered to the selector here.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use kvroute_costmodel::{Allowed, Primitive, Request};
 use kvroute_kernels::layout::D_QK;
-use kvroute_kernels::{Backend, Partial, merge_wire};
+use kvroute_kernels::{Partial, merge_wire};
 use kvroute_kvstore::ChunkId;
-use kvroute_kvstore::corpus::queries;
-use kvroute_remote::{Call, Requester, RequesterConfig};
+use kvroute_remote::{Call, Requester};
 use serde::Serialize;
 
 use crate::args::VerifyArgs;
-use crate::calibrate::{CalibrationSummary, calibrate, corpus_model};
-use crate::demo::{SCALE, fabric_engine_with, provider_for, spawn_holder, v2_lite_corpus};
+use crate::calibrate::CalibrationSummary;
+use crate::demo::provider_for;
+
+mod measure;
 
 /// Target: median absolute prediction error of each primitive, percent.
 pub(crate) const TARGET_ERROR_PCT: f64 = 15.0;
@@ -213,130 +214,10 @@ pub(crate) fn run(args: &VerifyArgs) -> Result<VerifyReport> {
     let mut calibrations = Vec::new();
     let mut points = Vec::new();
     for &ct in &args.ct {
-        let spec = v2_lite_corpus(ct, args.holders as u32, args.seed)?;
-        let procs = (0..args.holders)
-            .map(|h| {
-                spawn_holder(
-                    &spec,
-                    &provider,
-                    &[h as u32],
-                    &[
-                        "--progress".into(),
-                        args.progress.to_string(),
-                        "--max-requesters".into(),
-                        "2".into(),
-                        "--slot-bytes".into(),
-                        slot_bytes.to_string(),
-                        "--backend".into(),
-                        args.holder_backend.clone(),
-                    ],
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let addrs: Vec<_> = procs.iter().map(|p| p.addr).collect();
-        let (engine, name) = fabric_engine_with(&provider, args.progress)?;
-        provider_name = name;
-        let mut config = RequesterConfig::new(SCALE);
-        config.link_bytes = slot_bytes;
-        config.pool_pages = spec.layout().pages() as u32;
-        config.timeout = Duration::from_secs(30);
-        // Spin briefly, then sleep: a requester busy-polling through a long route takes a core
-        // from the holder's kernel on a small machine.
-        config.spin = Duration::from_millis(1);
-        let mut req = Requester::connect(engine, &addrs, config)?;
-        let rope = spec.rope()?;
-        let doc = spec.tokens() as i64;
-        let re_homed = |c: u32| -> Vec<i64> {
-            spec.positions(ChunkId(c))
-                .iter()
-                .map(|p| p + PREFIX)
-                .collect()
-        };
-        let probe_rows = queries(PROBE_MQ, doc, &rope, args.seed ^ 99);
-        let to0 = re_homed(0);
-        let mut cal = calibrate(&mut req, &spec, &probe_rows, Some((ChunkId(0), &to0)))
-            .with_context(|| format!("calibrating at ct = {ct}"))?;
-        let mut warm = Vec::new();
-        let grid: Vec<(u32, u32, Vec<u16>, Vec<i64>)> = args
-            .mq
-            .iter()
-            .enumerate()
-            .map(|(i, &mq)| {
-                let chunk = (i % args.holders) as u32;
-                let q = queries(mq as usize, PREFIX + doc, &rope, args.seed ^ u64::from(mq));
-                (mq, chunk, q, re_homed(chunk))
-            })
-            .collect();
-        // Predictions from the start-up calibration alone ("cold").
-        let cold = grid
-            .iter()
-            .map(|(mq, chunk, _, _)| decide(&req, &cal, *chunk, *mq, ct))
-            .collect::<Result<Vec<_>>>()?;
-        let bytes = corpus_model(&spec)?.chunk_bytes(ct, spec.layers);
-        let mut merged = Partial::empty(largest);
-        let mut samples = vec![Samples::default(); grid.len()];
-        // Passes of traffic the live system learns from (the selector refits the fabric and
-        // the pulls, the holders refit their kernels), then predictions are fixed and the next
-        // `reps` passes are what they are compared with.
-        let warm_passes = WARM.max(kvroute_sched::selector::LIVE_FIXED.div_ceil(grid.len()));
-        for rep in 0..warm_passes + args.reps {
-            for k in 0..grid.len() {
-                let i = if rep % 2 == 0 { k } else { grid.len() - 1 - k };
-                let (mq, chunk, q, to) = &grid[i];
-                let route = route_once(&mut req, *chunk, q, &mut merged)?;
-                let started = Instant::now();
-                let fetched = req
-                    .fetch(ChunkId(*chunk), to, rope, Backend::Cpu)
-                    .with_context(|| format!("fetching chunk {chunk}"))?;
-                let fetch_us = started.elapsed().as_secs_f64() * 1e6;
-                let now = cal.now_ms();
-                cal.selector.observe_route(
-                    *mq,
-                    route.total_us - route.kernel_us - route.merge_us,
-                    now,
-                );
-                cal.selector.observe_pull(bytes, fetched.transfer_us, now);
-                req.release(fetched)?;
-                if rep >= warm_passes {
-                    let s = &mut samples[i];
-                    s.route.push(route.total_us);
-                    s.kernel.push(route.kernel_us);
-                    s.fetch.push(fetch_us);
-                }
-            }
-            if rep + 1 == warm_passes {
-                cal.poll_holders(&mut req)?;
-                let _ = cal.selector.refit(cal.now_ms());
-                calibrations.push((ct, CalibrationSummary::of(&cal)?));
-                warm = grid
-                    .iter()
-                    .map(|(mq, chunk, _, _)| decide(&req, &cal, *chunk, *mq, ct))
-                    .collect::<Result<Vec<_>>>()?;
-            }
-        }
-        for (i, (mq, _, _, _)) in grid.iter().enumerate() {
-            let s = std::mem::take(&mut samples[i]);
-            let choice = &warm[i];
-            let mut p = point(
-                *mq,
-                ct,
-                choice.holder.unwrap_or(0),
-                choice.primitive,
-                (
-                    Measured::new(choice.decision.route.total_us, s.route),
-                    Measured::new(choice.decision.fetch.total_us, s.fetch),
-                ),
-            );
-            p.route_kernel = Measured::new(choice.decision.route.breakdown.compute_us, s.kernel);
-            p.cold = Cold {
-                route_predicted_us: cold[i].decision.route.total_us,
-                fetch_predicted_us: cold[i].decision.fetch.total_us,
-                choice: cold[i].primitive,
-            };
-            points.push(p);
-        }
-        drop(req);
-        drop(procs);
+        let at = measure::at_chunk_size(args, &provider, ct, slot_bytes, largest)?;
+        provider_name = at.provider;
+        calibrations.push((ct, at.calibration));
+        points.extend(at.points);
     }
     let summary = summarise(&points);
     let mut report = VerifyReport {
