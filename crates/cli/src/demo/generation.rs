@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail};
 use kvroute_costmodel::Primitive;
 use kvroute_decode::context::ContextSpec;
 use kvroute_decode::generate::{
-    GenerateConfig, GenerateReport, calibrated_stepper, generate, requester_config,
+    GenerateConfig, GenerateReport, TokenTiming, calibrated_stepper, generate, requester_config,
 };
 use kvroute_decode::held::prefill_chunk;
 use kvroute_kernels::Backend;
@@ -21,12 +21,14 @@ use kvroute_kvstore::ChunkId;
 use kvroute_model::{Model, ModelConfig};
 use kvroute_remote::Requester;
 use kvroute_remote::probe::ProbeConfig;
+use kvroute_remote::step::Stepper;
+use kvroute_transport::{ProviderChoice, TransferEngine};
 use serde::Serialize;
 
 use super::Served;
 use super::follow::{DirectoryReport, Follower};
 use super::holders::{
-    HolderProcess, directory_flags, provider_for, requester_engine, start_holder,
+    HolderProcess, StartingHolder, directory_flags, provider_for, requester_engine, start_holder,
 };
 use crate::args::{GenerateArgs, PrimitiveArg};
 use crate::calibrate::CalibrationSummary;
@@ -130,33 +132,21 @@ pub(crate) fn run(command: &str, args: &GenerateArgs) -> Result<GenerationReport
     // Every holder starts prefilling at once; the reference's chunks are prefilled here
     // meanwhile.
     let started = Instant::now();
-    let n = args.holders;
-    let context_json = serde_json::to_string(&context)?;
-    let starting = (0..n)
-        .map(|h| {
-            let chunks: Vec<u32> = (0..args.replicas)
-                .map(|r| ((h + n - r) % n) as u32)
-                .collect();
-            let mut extra = vec![
-                "--model".to_owned(),
-                dir.display().to_string(),
-                "--context".to_owned(),
-                context_json.clone(),
-                "--block-tokens".to_owned(),
-                g.block_tokens.to_string(),
-                "--backend".to_owned(),
-                backends[h % backends.len()].to_owned(),
-            ];
-            extra.extend(directory_flags(&args.directory));
-            extra.extend(holder_metrics.iter().cloned());
-            start_holder(&provider, &chunks, &extra)
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let starting = start_holders(
+        args,
+        &provider,
+        &HolderFlags {
+            model: &dir,
+            context: &context,
+            backends: &backends,
+            metrics: &holder_metrics,
+        },
+    )?;
     let chunks = (0..context.chunks)
         .map(|c| prefill_chunk(&model, &context, ChunkId(c)))
         .collect::<Result<Vec<_>, _>>()
         .context("prefilling the reference's chunks")?;
-    let mut procs: Vec<HolderProcess> = starting
+    let procs: Vec<HolderProcess> = starting
         .into_iter()
         .map(|s| s.ready())
         .collect::<Result<_>>()?;
@@ -170,22 +160,7 @@ pub(crate) fn run(command: &str, args: &GenerateArgs) -> Result<GenerationReport
 
     let (engine, provider_name) =
         requester_engine(&provider, Duration::from_millis(args.timeout_ms))?;
-    let config = requester_config(&model, &context, Duration::from_millis(args.timeout_ms));
-    let (req, mut follower) = match &args.directory.directory {
-        None => (Requester::connect(engine, &addrs, config)?, None),
-        Some(url) => {
-            let ttl = Duration::from_secs(args.directory.directory_ttl);
-            let wait = Duration::from_millis(args.timeout_ms.max(10_000));
-            let mut follower = Follower::open(url, ttl, wait)?;
-            let config = kvroute_remote::RequesterConfig {
-                max_holders: MAX_DIRECTORY_HOLDERS,
-                ..config
-            };
-            let mut req = Requester::connect(engine, &[], config)?;
-            follower.await_chunks(&mut req, context.chunks, 0)?;
-            (req, Some(follower))
-        }
-    };
+    let (req, follower) = connect(args, engine, &model, &context, &addrs)?;
     let force = args.force.map(|f| match f {
         PrimitiveArg::Route => Primitive::Route,
         PrimitiveArg::Fetch => Primitive::Fetch,
@@ -198,7 +173,13 @@ pub(crate) fn run(command: &str, args: &GenerateArgs) -> Result<GenerationReport
         c.backend = Backend::Cpu;
     })?;
     let calibration = CalibrationSummary::of(stepper.calibration())?;
-    let mut killed = false;
+    let mut between = BetweenTokens {
+        procs,
+        follower,
+        kill_at: g.kill_holder_at_token,
+        killed: false,
+        chunks: context.chunks,
+    };
     let report = generate(
         &model,
         &mut stepper,
@@ -208,41 +189,17 @@ pub(crate) fn run(command: &str, args: &GenerateArgs) -> Result<GenerationReport
             new_tokens: g.new_tokens,
             block_tokens: g.block_tokens,
         },
-        &mut |step, generated, last, stepper| {
-            let mut said = None;
-            if !killed && g.kill_holder_at_token == Some(generated) {
-                killed = true;
-                let p = &mut procs[0];
-                p.child
-                    .kill()
-                    .map_err(|e| format!("killing holder 0: {e}"))?;
-                let _ = p.child.wait();
-                // SIGKILL leaves its shm regions behind; it is reaped, so they are garbage.
-                let _ = kvroute_transport::fabric::remove_shm_regions_of_dead_process(p.child.id());
-                said = Some(format!("holder 0 ({}) killed", p.addr));
-            }
-            if let Some(f) = follower.as_mut() {
-                for &h in last.map_or(&[][..], |t| &t.holders) {
-                    f.served(h);
-                }
-                let req = stepper.requester();
-                for h in 0..req.holders() {
-                    if !req.is_alive(h) {
-                        f.dead(h, "a route or fetch to it failed");
-                    }
-                }
-                f.await_chunks(req, context.chunks, step as u32)
-                    .map_err(|e| e.to_string())?;
-            }
-            Ok(said)
-        },
+        &mut |step, generated, last, stepper| between.act(step, generated, last, stepper),
     )?;
     let served = Served::by_live_holders(stepper.requester());
+    let BetweenTokens {
+        procs, follower, ..
+    } = between;
     drop(procs);
     Ok(GenerationReport {
         command: command.to_owned(),
         provider: provider_name,
-        holders: n,
+        holders: args.holders,
         replicas: args.replicas,
         model: ModelSummary {
             source: match &g.model {
@@ -259,6 +216,125 @@ pub(crate) fn run(command: &str, args: &GenerateArgs) -> Result<GenerationReport
         directory: follower.map(|f| f.report),
         metrics,
     })
+}
+
+/// What every holder process is started with besides its chunks and the provider.
+struct HolderFlags<'a> {
+    /// The checkpoint directory.
+    model: &'a Path,
+    context: &'a ContextSpec,
+    /// Kernel backends, one per holder in turn.
+    backends: &'a [&'a str],
+    /// `--metrics-listen` and its address, or nothing.
+    metrics: &'a [String],
+}
+
+/// Starts the holder processes (prefilling as they start): holder `h` serves chunk `h` and
+/// the `replicas - 1` chunks before it.
+fn start_holders(
+    args: &GenerateArgs,
+    provider: &ProviderChoice,
+    flags: &HolderFlags<'_>,
+) -> Result<Vec<StartingHolder>> {
+    let n = args.holders;
+    let context_json = serde_json::to_string(flags.context)?;
+    (0..n)
+        .map(|h| {
+            let chunks: Vec<u32> = (0..args.replicas)
+                .map(|r| ((h + n - r) % n) as u32)
+                .collect();
+            let mut extra = vec![
+                "--model".to_owned(),
+                flags.model.display().to_string(),
+                "--context".to_owned(),
+                context_json.clone(),
+                "--block-tokens".to_owned(),
+                args.generation.block_tokens.to_string(),
+                "--backend".to_owned(),
+                flags.backends[h % flags.backends.len()].to_owned(),
+            ];
+            extra.extend(directory_flags(&args.directory));
+            extra.extend(flags.metrics.iter().cloned());
+            start_holder(provider, &chunks, &extra)
+        })
+        .collect()
+}
+
+/// Connects the requester on `engine` to the holders at `addrs`, or (with a directory) to the
+/// holders the directory names once it covers every chunk, with a follower of the directory.
+fn connect(
+    args: &GenerateArgs,
+    engine: TransferEngine,
+    model: &Model,
+    context: &ContextSpec,
+    addrs: &[SocketAddr],
+) -> Result<(Requester, Option<Follower>)> {
+    let config = requester_config(model, context, Duration::from_millis(args.timeout_ms));
+    Ok(match &args.directory.directory {
+        None => (Requester::connect(engine, addrs, config)?, None),
+        Some(url) => {
+            let ttl = Duration::from_secs(args.directory.directory_ttl);
+            let wait = Duration::from_millis(args.timeout_ms.max(10_000));
+            let mut follower = Follower::open(url, ttl, wait)?;
+            let config = kvroute_remote::RequesterConfig {
+                max_holders: MAX_DIRECTORY_HOLDERS,
+                ..config
+            };
+            let mut req = Requester::connect(engine, &[], config)?;
+            follower.await_chunks(&mut req, context.chunks, 0)?;
+            (req, Some(follower))
+        }
+    })
+}
+
+/// What the generation does between tokens: kills holder 0 at `--kill-holder-at-token`, and
+/// with a directory, tells the follower which holders served and which died and waits for
+/// the directory to cover the context's `chunks` again.
+struct BetweenTokens {
+    procs: Vec<HolderProcess>,
+    follower: Option<Follower>,
+    kill_at: Option<usize>,
+    killed: bool,
+    chunks: u32,
+}
+
+impl BetweenTokens {
+    /// Acts before step `step` (`generated` tokens so far, `last` the previous step's
+    /// timing): what it did, if worth saying.
+    fn act(
+        &mut self,
+        step: usize,
+        generated: usize,
+        last: Option<&TokenTiming>,
+        stepper: &mut Stepper,
+    ) -> Result<Option<String>, String> {
+        let mut said = None;
+        if !self.killed && self.kill_at == Some(generated) {
+            self.killed = true;
+            let p = &mut self.procs[0];
+            p.child
+                .kill()
+                .map_err(|e| format!("killing holder 0: {e}"))?;
+            let _ = p.child.wait();
+            // SIGKILL leaves its shm regions behind; it is reaped, so they are garbage.
+            let _ = kvroute_transport::fabric::remove_shm_regions_of_dead_process(p.child.id());
+            said = Some(format!("holder 0 ({}) killed", p.addr));
+        }
+        if let Some(f) = self.follower.as_mut() {
+            for &h in last.map_or(&[][..], |t| &t.holders) {
+                f.served(h);
+            }
+            let req = stepper.requester();
+            for h in 0..req.holders() {
+                if !req.is_alive(h) {
+                    f.dead(h, "a route or fetch to it failed");
+                }
+            }
+            f.await_chunks(req, self.chunks, step as u32)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(said)
+    }
 }
 
 impl fmt::Display for GenerationReport {
