@@ -131,6 +131,17 @@ pub struct DemoReport {
 
 impl fmt::Display for DemoReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.write_setup(f)?;
+        self.write_decisions(f)?;
+        self.write_timings(f)?;
+        self.write_served(f)?;
+        self.write_checks(f)
+    }
+}
+
+impl DemoReport {
+    /// What ran, the probe sweep and its fit, and the selector's calibration.
+    fn write_setup(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
             "kvroute {}: {} holder processes over libfabric {}, DeepSeek-V2-Lite corpus of {} chunks x {} tokens x {} layers, {} requests a step",
@@ -162,7 +173,11 @@ impl fmt::Display for DemoReport {
             "{how} T_probe = {:.1} us, BW = {:.2} GB/s",
             self.fitted.0, self.fitted.1
         )?;
-        write!(f, "{}", self.calibration)?;
+        write!(f, "{}", self.calibration)
+    }
+
+    /// The selector's decisions, one line per kind with every step and request it covers.
+    fn write_decisions(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let c = &self.checked;
         writeln!(f, "decisions (request, chunk):")?;
         for d in &c.decisions {
@@ -183,6 +198,12 @@ impl fmt::Display for DemoReport {
                 d.reason
             )?;
         }
+        Ok(())
+    }
+
+    /// Predicted against measured times: per step and kind, then each kind's median error.
+    fn write_timings(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.checked;
         if !c.timings.is_empty() {
             writeln!(
                 f,
@@ -230,6 +251,12 @@ impl fmt::Display for DemoReport {
                 errors.len()
             )?;
         }
+        Ok(())
+    }
+
+    /// The step API's counters, gathers, failures, the directory and what each holder served.
+    fn write_served(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.checked;
         let s = &self.stats;
         writeln!(
             f,
@@ -259,6 +286,12 @@ impl fmt::Display for DemoReport {
                 s.holder, s.rows, s.gpu_rows, s.fetches
             )?;
         }
+        Ok(())
+    }
+
+    /// Every check against single-instance attention, and the verdict.
+    fn write_checks(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.checked;
         writeln!(
             f,
             "checks (max abs of o against single-instance attention over the same context):"

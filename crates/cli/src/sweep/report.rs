@@ -4,16 +4,37 @@ use std::fmt;
 
 use super::SweepReport;
 
+/// Microseconds to one decimal, `-` for none.
+fn us(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.1}")
+    } else {
+        "-".to_owned()
+    }
+}
+
+/// A percentage to one decimal, `-` for none.
+fn pct(m: Option<f64>) -> String {
+    m.map_or("-".to_owned(), |m| format!("{m:.1}%"))
+}
+
 impl fmt::Display for SweepReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let us = |x: f64| {
-            if x.is_finite() {
-                format!("{x:.1}")
-            } else {
-                "-".to_owned()
-            }
-        };
-        let pct = |m: Option<f64>| m.map_or("-".to_owned(), |m| format!("{m:.1}%"));
+        self.write_route(f)?;
+        self.write_fits(f)?;
+        self.write_fetch(f)?;
+        self.write_concurrency(f)?;
+        self.write_decode(f)?;
+        for p in &self.plots {
+            writeln!(f, "wrote {}", p.display())?;
+        }
+        writeln!(f, "raw samples: {}", self.json.display())
+    }
+}
+
+impl SweepReport {
+    /// The heading and the route table: every Mq's route beside its baseline and model.
+    fn write_route(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
             "kvroute sweep over {} ({} progress), one holder process and this requester",
@@ -78,7 +99,11 @@ impl fmt::Display for SweepReport {
             f,
             "routed partials against the local kernel: max |o| difference {:.2e} (bf16 wire)",
             self.route_max_abs
-        )?;
+        )
+    }
+
+    /// The cost model's fits to route - kernel and to the raw write.
+    fn write_fits(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for (name, fit) in [("route - kernel", &self.fit), ("raw write", &self.raw_fit)] {
             match fit {
                 Some(fit) => writeln!(
@@ -103,6 +128,11 @@ impl fmt::Display for SweepReport {
                 )?,
             }
         }
+        Ok(())
+    }
+
+    /// The fetch table and its fit, if fetches were measured.
+    fn write_fetch(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if !self.fetch.is_empty() {
             writeln!(
                 f,
@@ -129,6 +159,11 @@ impl fmt::Display for SweepReport {
                 writeln!(f, "fit: {fixed:.1} us + bytes / {bw:.2} GB/s")?;
             }
         }
+        Ok(())
+    }
+
+    /// The holder-capacity table, if measured.
+    fn write_concurrency(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if !self.concurrency.is_empty() {
             writeln!(
                 f,
@@ -160,6 +195,11 @@ impl fmt::Display for SweepReport {
                 )?;
             }
         }
+        Ok(())
+    }
+
+    /// The decode point: route, fetch and local there.
+    fn write_decode(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let d = &self.decode;
         writeln!(
             f,
@@ -172,10 +212,6 @@ impl fmt::Display for SweepReport {
             d.fetch_us.map_or("-".to_owned(), us),
             us(d.local_model_us),
             d.route_bytes_saved * 100.0
-        )?;
-        for p in &self.plots {
-            writeln!(f, "wrote {}", p.display())?;
-        }
-        writeln!(f, "raw samples: {}", self.json.display())
+        )
     }
 }
