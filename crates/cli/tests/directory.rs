@@ -190,7 +190,66 @@ fn holders_join_die_and_etcd_restarts_under_a_running_requester() {
     );
 
     let mut h: Vec<HolderProc> = (0..3).map(|c| holder(&url, &c.to_string(), 0)).collect();
-    let listed = list(&url);
+    three_holders_and_two_skipped_are_listed(&url);
+
+    let req = RunningRequester::start(&url);
+    wait_for(&req.log, &["selector calibrated"], Duration::from_secs(120));
+
+    // A fourth holder joins with a second copy of chunk 1.
+    let h3 = holder(&url, "1", 1);
+    wait_for(
+        &req.log,
+        &[&format!("({}) joined", h3.addr)],
+        Duration::from_secs(30),
+    );
+
+    // The first copy of chunk 1 dies without a word: its lease runs out within the TTL.
+    let mut victim = h.remove(1);
+    let killed_unix_ms = kill_and_see_it_unregistered(&url, &mut victim);
+    // And the requester sees it go.
+    let gone = format!("({}): registration gone", victim.addr);
+    wait_for(&req.log, &[&gone], Duration::from_secs(30));
+
+    // etcd restarts (same data): the requester keeps its last view meanwhile and says so.
+    etcd.kill(0);
+    wait_for(
+        &req.log,
+        &["directory unreachable"],
+        Duration::from_secs(15),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    etcd.restart(0).expect("restarting etcd");
+    wait_for(
+        &req.log,
+        &["directory reachable again"],
+        Duration::from_secs(30),
+    );
+
+    let (json, text) = req.passed_report();
+    let checks = json["checks"].as_array().map_or(0, Vec::len);
+    assert_eq!(checks, 61 * 3, "every step checked: {text}");
+    // Every holder was used; the dead one stopped being used, the late one took its chunk.
+    each_holder_was_used_until_it_died(
+        &json["directory"],
+        &h3.addr,
+        &victim.addr,
+        killed_unix_ms,
+        &h,
+    );
+    // The holders kept their registrations through the restart.
+    let after = list(&url);
+    assert_eq!(
+        after["holders"].as_object().map(|o| o.len()),
+        Some(3),
+        "{after}"
+    );
+    drop((h, victim, h3));
+}
+
+/// The directory at `url` lists three holders, each with a lease of at most the TTL left,
+/// and skips the two records no holder wrote.
+fn three_holders_and_two_skipped_are_listed(url: &str) {
+    let listed = list(url);
     assert_eq!(
         listed["holders"].as_object().map(|o| o.len()),
         Some(3),
@@ -209,61 +268,87 @@ fn holders_join_die_and_etcd_restarts_under_a_running_requester() {
         let ttl = holder["ttl_left_ms"].as_u64().unwrap_or(0);
         assert!((1..=TTL * 1000).contains(&ttl), "{holder}");
     }
+}
 
-    let mut req = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(["--json", "requester", "--provider", "shm"])
-        .args(CORPUS)
-        .args(["--directory", &url, "--directory-ttl", &TTL.to_string()])
-        // One request a step: three checked layers each.
-        .args([
-            "--steps",
-            "60",
-            "--batch",
-            "1",
-            "--pause-ms",
-            "400",
-            "--force",
-            "route",
-        ])
-        .env("RUST_LOG", "kvroute_cli=info,kvroute_remote::step=info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting the requester");
-    let stdout = {
-        let mut r = req.stdout.take().expect("piped stdout");
-        std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = r.read_to_string(&mut text);
-            text
-        })
-    };
-    let log = collect(req.stderr.take().expect("piped stderr"));
-    wait_for(&log, &["selector calibrated"], Duration::from_secs(120));
+/// A `kvroute requester` following the directory over 60 paced steps, its report and its log
+/// collected as they come.
+struct RunningRequester {
+    child: Child,
+    /// Its stdout, read to the end.
+    stdout: std::thread::JoinHandle<String>,
+    /// Its stderr (the log) so far.
+    log: Arc<Mutex<String>>,
+}
 
-    // A fourth holder joins with a second copy of chunk 1.
-    let h3 = holder(&url, "1", 1);
-    wait_for(
-        &log,
-        &[&format!("({}) joined", h3.addr)],
-        Duration::from_secs(30),
-    );
+impl RunningRequester {
+    /// Starts the requester on the directory at `url`.
+    fn start(url: &str) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["--json", "requester", "--provider", "shm"])
+            .args(CORPUS)
+            .args(["--directory", url, "--directory-ttl", &TTL.to_string()])
+            // One request a step: three checked layers each.
+            .args([
+                "--steps",
+                "60",
+                "--batch",
+                "1",
+                "--pause-ms",
+                "400",
+                "--force",
+                "route",
+            ])
+            .env("RUST_LOG", "kvroute_cli=info,kvroute_remote::step=info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting the requester");
+        let stdout = {
+            let mut r = child.stdout.take().expect("piped stdout");
+            std::thread::spawn(move || {
+                let mut text = String::new();
+                let _ = r.read_to_string(&mut text);
+                text
+            })
+        };
+        let log = collect(child.stderr.take().expect("piped stderr"));
+        Self { child, stdout, log }
+    }
 
-    // The first copy of chunk 1 dies without a word: its lease runs out within the TTL.
-    let mut victim = h.remove(1);
-    let victim_addr = victim.addr.clone();
+    /// Waits for the requester to exit (at most `HANG`): its report, which must say that
+    /// every check passed, and the report's text.
+    fn passed_report(mut self) -> (serde_json::Value, String) {
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("waiting for the requester") {
+                break status;
+            }
+            assert!(started.elapsed() < HANG, "the requester hung");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let text = self.stdout.join().unwrap_or_default();
+        let log = self.log.lock().map(|t| t.clone()).unwrap_or_default();
+        assert!(status.success(), "requester failed:\n{text}\n{log}");
+        let json: serde_json::Value = serde_json::from_str(&text).expect("the report");
+        assert_eq!(json["passed"], true, "{text}");
+        (json, text)
+    }
+}
+
+/// Kills `victim` without a word and waits for the directory at `url` to stop offering it,
+/// which it must within the TTL after its last renewal (plus etcd's expiry pass and one
+/// listing): when it was killed, Unix milliseconds.
+fn kill_and_see_it_unregistered(url: &str, victim: &mut HolderProc) -> u64 {
     let killed = Instant::now();
     let killed_unix_ms = unix_ms();
     victim.child.kill().expect("killing holder 1");
     let _ = victim.child.wait();
     let _ = kvroute_transport::fabric::remove_shm_regions_of_dead_process(victim.child.id());
-    // The directory stops offering it within the TTL after its last renewal (plus etcd's
-    // expiry pass and one listing).
     loop {
-        let now = list(&url);
+        let now = list(url);
         if !now["holders"]
             .as_object()
-            .is_some_and(|o| o.contains_key(&victim_addr))
+            .is_some_and(|o| o.contains_key(&victim.addr))
         {
             break;
         }
@@ -278,39 +363,19 @@ fn holders_join_die_and_etcd_restarts_under_a_running_requester() {
         expired_after <= Duration::from_millis(TTL * 1000 + 1500),
         "the dead holder stayed registered {expired_after:?}"
     );
-    // And the requester sees it go.
-    let gone = format!("({victim_addr}): registration gone");
-    wait_for(&log, &[&gone], Duration::from_secs(30));
+    killed_unix_ms
+}
 
-    // etcd restarts (same data): the requester keeps its last view meanwhile and says so.
-    etcd.kill(0);
-    wait_for(&log, &["directory unreachable"], Duration::from_secs(15));
-    std::thread::sleep(Duration::from_millis(500));
-    etcd.restart(0).expect("restarting etcd");
-    wait_for(
-        &log,
-        &["directory reachable again"],
-        Duration::from_secs(30),
-    );
-
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = req.try_wait().expect("waiting for the requester") {
-            break status;
-        }
-        assert!(started.elapsed() < HANG, "the requester hung");
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let text = stdout.join().unwrap_or_default();
-    let log = log.lock().map(|t| t.clone()).unwrap_or_default();
-    assert!(status.success(), "requester failed:\n{text}\n{log}");
-    let json: serde_json::Value = serde_json::from_str(&text).expect("the report");
-    assert_eq!(json["passed"], true, "{text}");
-    let checks = json["checks"].as_array().map_or(0, Vec::len);
-    assert_eq!(checks, 61 * 3, "every step checked: {text}");
-
-    // Every holder was used; the dead one stopped being used, the late one took its chunk.
-    let dir = &json["directory"];
+/// The requester's directory report `dir`: the late holder (`late`) served, the dead one
+/// (`dead`, killed at `killed_unix_ms`) was dropped within the TTL and unregistered, the
+/// `others` served throughout, and the two foreign records were skipped.
+fn each_holder_was_used_until_it_died(
+    dir: &serde_json::Value,
+    late: &str,
+    dead: &str,
+    killed_unix_ms: u64,
+    others: &[HolderProc],
+) {
     let holders = dir["holders"].as_array().cloned().unwrap_or_default();
     assert_eq!(holders.len(), 4, "{dir}");
     let by_addr = |a: &str| {
@@ -320,9 +385,9 @@ fn holders_join_die_and_etcd_restarts_under_a_running_requester() {
             .cloned()
             .unwrap_or_else(|| panic!("{a} not in {dir}"))
     };
-    let late = by_addr(&h3.addr);
+    let late = by_addr(late);
     assert!(late["served"].as_u64().unwrap_or(0) > 0, "{late}");
-    let dead = by_addr(&victim_addr);
+    let dead = by_addr(dead);
     // Not chosen from the step after the kill (its control connection closed), well within
     // the TTL.
     let dropped_at = dead["dropped"][0].as_u64().unwrap_or(u64::MAX);
@@ -332,19 +397,11 @@ fn holders_join_die_and_etcd_restarts_under_a_running_requester() {
     );
     assert!(!dead["unregistered_unix_ms"].is_null(), "{dead}");
     assert_eq!(dir["skipped"].as_array().map(Vec::len), Some(2), "{dir}");
-    for other in &h {
+    for other in others {
         let used = by_addr(&other.addr);
         assert!(used["dropped"].is_null(), "{used}");
         assert!(used["served"].as_u64().unwrap_or(0) > 0, "{used}");
     }
-    // The holders kept their registrations through the restart.
-    let after = list(&url);
-    assert_eq!(
-        after["holders"].as_object().map(|o| o.len()),
-        Some(3),
-        "{after}"
-    );
-    drop((h, victim, h3));
 }
 
 #[test]
