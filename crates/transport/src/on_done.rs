@@ -156,6 +156,8 @@ const FAILED: u8 = 2;
 pub struct DoneFlag {
     state: AtomicU8,
     error: Mutex<Option<TransferError>>,
+    /// The thread to unpark when the flag is set ([`DoneFlag::wake_when_set`]).
+    waiter: Mutex<Option<std::thread::Thread>>,
 }
 
 impl DoneFlag {
@@ -173,6 +175,33 @@ impl DoneFlag {
             }
         };
         self.state.store(state, Ordering::Release);
+        let waiter = self
+            .waiter
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(thread) = waiter {
+            thread.unpark();
+        }
+    }
+
+    /// Unparks `thread` when the flag is set, or at once if it is already: a waiter can
+    /// `park_timeout` between looks instead of polling. One waiter at a time (a later call
+    /// replaces it); it may also be woken for other reasons, as parking allows.
+    pub fn wake_when_set(&self, thread: std::thread::Thread) {
+        *self.waiter.lock().unwrap_or_else(PoisonError::into_inner) = Some(thread);
+        // Either `set` took the waiter after it was stored, or its state is visible here
+        // (it stored the state before taking the lock this store released).
+        if self.is_done() {
+            let waiter = self
+                .waiter
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let Some(thread) = waiter {
+                thread.unpark();
+            }
+        }
     }
 
     /// Whether the transfer finished (either way).
@@ -287,6 +316,34 @@ impl Future for TransferFuture {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_parked_waiter_is_woken_when_its_flag_is_set_and_at_once_if_it_was() {
+        let flag = DoneFlag::new();
+        let waiter = {
+            let flag = flag.clone();
+            std::thread::spawn(move || {
+                let started = std::time::Instant::now();
+                flag.wake_when_set(std::thread::current());
+                while !flag.is_done() && started.elapsed() < std::time::Duration::from_secs(20) {
+                    std::thread::park_timeout(std::time::Duration::from_secs(20));
+                }
+                started.elapsed()
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        flag.set(Ok(()));
+        let waited = waiter.join().unwrap_or_default();
+        assert!(
+            waited < std::time::Duration::from_secs(10),
+            "the waiter slept {waited:?} past its flag"
+        );
+        // Registered after the flag was set: woken at once, so its park returns.
+        let started = std::time::Instant::now();
+        flag.wake_when_set(std::thread::current());
+        std::thread::park_timeout(std::time::Duration::from_secs(20));
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    }
 
     fn finish(done: OnDone, outcome: Outcome) {
         done.finish(outcome, |f, o| f(o));

@@ -30,6 +30,10 @@ mod directory;
 mod exchange;
 mod fetch;
 mod route;
+mod wait;
+
+use wait::closed;
+pub(crate) use wait::{Unfinished, wait_all};
 
 pub use directory::{DirectorySync, UNREACHABLE_FIRST_WAIT, UNREACHABLE_LONGEST_WAIT};
 pub use fetch::{Fetched, GatherPart, Gathered};
@@ -169,89 +173,6 @@ impl std::fmt::Debug for Requester {
             .field("holders", &self.links.len())
             .field("chunks", &self.registry.len())
             .finish_non_exhaustive()
-    }
-}
-
-/// How often a wait on a holder looks at its control connection.
-const CONTROL_LOOK: Duration = Duration::from_millis(1);
-
-/// Why [`wait_all`] gave up.
-#[derive(Debug)]
-pub(crate) enum Unfinished {
-    /// Flag `.0` (the first not set) was not set by the deadline.
-    Late(usize),
-    /// The holder's control connection closed or failed: its process ended, or it closed
-    /// the session. What was awaited will not come.
-    Closed(String),
-}
-
-impl Unfinished {
-    /// Why the wait failed, in words: `awaited[i]` names flag `i`, `timeout` the wait's
-    /// length.
-    pub(crate) fn describe(self, awaited: &[&str], timeout: Duration) -> String {
-        match self {
-            Self::Late(i) => format!("no {} within {timeout:?}", awaited[i]),
-            Self::Closed(why) => why,
-        }
-    }
-}
-
-/// Waits for every flag or the deadline. Polls (yielding the core) for `spin`, then sleeps
-/// 50 us between looks. With `control`, the holder's control connection is looked at every
-/// [`CONTROL_LOOK`] of waiting, so a holder whose process died mid-request fails the wait at
-/// once rather than at the deadline.
-pub(crate) fn wait_all(
-    engine: &TransferEngine,
-    flags: &[&Arc<DoneFlag>],
-    deadline: Instant,
-    spin: Duration,
-    control: Option<&TcpStream>,
-) -> Result<(), Unfinished> {
-    let started = Instant::now();
-    let mut next_look = started + CONTROL_LOOK;
-    loop {
-        let Some(pending) = flags.iter().position(|f| !f.is_done()) else {
-            return Ok(());
-        };
-        let now = Instant::now();
-        if now > deadline {
-            return Err(Unfinished::Late(pending));
-        }
-        if let Some(stream) = control
-            && now >= next_look
-        {
-            next_look = now + CONTROL_LOOK;
-            if let Some(why) = closed(stream) {
-                return Err(Unfinished::Closed(why));
-            }
-        }
-        if engine.manual_progress() {
-            engine.progress();
-        }
-        if now.duration_since(started) < spin {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
-    }
-}
-
-/// Whether the other end closed `stream`, or the socket failed: a look that takes nothing
-/// from it (bytes waiting, or none yet, mean it is open). The socket is non-blocking only
-/// for the look.
-fn closed(stream: &TcpStream) -> Option<String> {
-    use std::io::ErrorKind::{Interrupted, WouldBlock};
-    let look = stream
-        .set_nonblocking(true)
-        .and_then(|()| stream.peek(&mut [0u8; 1]));
-    let restored = stream.set_nonblocking(false);
-    match (look, restored) {
-        (Ok(0), _) => Some("the holder closed its control connection".to_owned()),
-        (Err(e), _) if !matches!(e.kind(), WouldBlock | Interrupted) => {
-            Some(format!("control connection: {e}"))
-        }
-        (_, Err(e)) => Some(format!("control connection: {e}")),
-        _ => None,
     }
 }
 

@@ -111,8 +111,13 @@ pub struct FabricConfig {
     /// Bytes per send buffer.
     pub send_buffer_len: usize,
     /// `None`: an idle worker keeps polling (lowest latency, a core per worker, as RDMA
-    /// engines run). `Some(d)`: an idle worker parks and polls every `d` (for machines with
-    /// more engines than cores; adds up to `d` to the first message after an idle spell).
+    /// engines run). `Some(d)`: an idle worker parks between polls (for machines with more
+    /// engines than cores), every `d` at first and, the longer nothing has completed or been
+    /// posted, every eighth of that time, up to [`IDLE_POLL_MAX`] (or `d` if longer). What
+    /// arrives after an idle spell waits at most the longer of `d` and the shorter of an
+    /// eighth of the spell and `IDLE_POLL_MAX`; an engine idle for seconds wakes a thousand
+    /// times a second rather than every `d` (many processes polling every 50 us starve the
+    /// one that has work on a host with few cores).
     pub idle_poll: Option<Duration>,
     /// How long a posted write or send may wait for its completion before it fails with
     /// [`crate::TransferError::TimedOut`]. Bounds what a dead or refusing peer costs.
@@ -148,6 +153,10 @@ impl Default for FabricConfig {
         }
     }
 }
+
+/// The longest an idle worker with [`FabricConfig::idle_poll`] set parks between polls (when
+/// `idle_poll` itself is shorter).
+pub const IDLE_POLL_MAX: Duration = Duration::from_millis(1);
 
 impl FabricConfig {
     /// A config for `provider` with everything else default.

@@ -190,6 +190,9 @@ pub struct FabricDomain {
     by_fi_addr: HashMap<fi::fi_addr_t, PeerId>,
     bounce: Option<Bounce>,
     idle_poll: Option<Duration>,
+    /// When an operation was last posted or completed: how long the domain has been idle,
+    /// which its idle poll period grows with.
+    last_active: Instant,
     op_timeout: Duration,
     next_sweep: Instant,
     /// Polls since the clock was last read for the sweep (reading it every poll costs more

@@ -79,6 +79,7 @@ impl FabricDomain {
             by_fi_addr: HashMap::new(),
             bounce: None,
             idle_poll: config.idle_poll,
+            last_active: Instant::now(),
             op_timeout: config.op_timeout,
             next_sweep: Instant::now(),
             polls_since_sweep: 0,

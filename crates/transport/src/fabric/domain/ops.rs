@@ -214,6 +214,9 @@ impl Domain for FabricDomain {
     }
 
     fn post_writes(&mut self, wrs: &[WriteWr]) -> Result<usize, TransportError> {
+        if self.idle_poll.is_some() {
+            self.last_active = Instant::now();
+        }
         for (i, wr) in wrs.iter().enumerate() {
             match self.post_write(wr) {
                 Ok(true) => {}
@@ -238,6 +241,7 @@ impl Domain for FabricDomain {
     unsafe fn post_send(&mut self, wr: &SendWr) -> Result<bool, TransportError> {
         let dest = self.peer_addr(wr.peer)?;
         let now = Instant::now();
+        self.last_active = now;
         self.check_alive(wr.peer)?;
         let len = wr.len as usize;
         let (buf, desc, bounce) = match self.bounce.as_mut() {
@@ -367,6 +371,10 @@ impl Domain for FabricDomain {
         if out.len() - start < max {
             self.sweep(out);
         }
+        // The clock is read only when something completed, and only for a parking worker.
+        if out.len() > start && self.idle_poll.is_some() {
+            self.last_active = Instant::now();
+        }
         out.len() - start
     }
 
@@ -375,7 +383,10 @@ impl Domain for FabricDomain {
     }
 
     fn next_deadline(&self) -> Option<Instant> {
-        self.idle_poll.map(|d| Instant::now() + d)
+        let first = self.idle_poll?;
+        let now = Instant::now();
+        let idle = now.saturating_duration_since(self.last_active);
+        Some(now + idle_period(first, idle))
     }
 
     fn may_park(&self) -> bool {
@@ -416,5 +427,31 @@ impl Drop for FabricDomain {
             }
             self.lib.freeinfo(self.info);
         }
+    }
+}
+
+/// How long a parking worker waits before its next poll after `idle` with nothing posted or
+/// completed: `first`, growing to an eighth of the idle time, up to `IDLE_POLL_MAX` (never
+/// below `first`). The delay it adds to the first arrival after a spell is thus bounded by
+/// an eighth of the spell and by `IDLE_POLL_MAX`.
+pub(super) fn idle_period(first: Duration, idle: Duration) -> Duration {
+    (idle / 8).clamp(first, crate::fabric::IDLE_POLL_MAX.max(first))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::idle_period;
+
+    #[test]
+    fn the_idle_poll_period_grows_with_an_eighth_of_the_spell_up_to_its_cap() {
+        let us = Duration::from_micros;
+        assert_eq!(idle_period(us(50), us(0)), us(50));
+        assert_eq!(idle_period(us(50), us(400)), us(50));
+        assert_eq!(idle_period(us(50), us(4_000)), us(500));
+        assert_eq!(idle_period(us(50), Duration::from_secs(3)), us(1_000));
+        // A first period above the cap is kept as it is.
+        assert_eq!(idle_period(us(5_000), Duration::from_secs(3)), us(5_000));
     }
 }
