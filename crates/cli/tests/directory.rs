@@ -6,8 +6,7 @@
 
 #![allow(clippy::expect_used)]
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -110,42 +109,6 @@ fn wait_for(text: &Mutex<String>, needles: &[&str], limit: Duration) -> Duration
 
 /// A raw put through etcd's JSON gateway (`/v3/kv/put`, keys and values base64): contents no
 /// kvroute process would write.
-fn gateway_put(endpoint: &str, key: &str, value: &[u8]) {
-    let body = format!(
-        "{{\"key\":\"{}\",\"value\":\"{}\"}}",
-        base64(key.as_bytes()),
-        base64(value)
-    );
-    let mut s = TcpStream::connect(endpoint).expect("connecting to etcd");
-    write!(
-        s,
-        "POST /v3/kv/put HTTP/1.0\r\nHost: {endpoint}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("writing the put");
-    let mut reply = String::new();
-    let _ = s.read_to_string(&mut reply);
-    assert!(reply.contains("200 OK"), "etcd refused the put: {reply}");
-}
-
-fn base64(bytes: &[u8]) -> String {
-    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for c in bytes.chunks(3) {
-        let n = (u32::from(c[0]) << 16)
-            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
-            | u32::from(*c.get(2).unwrap_or(&0));
-        for i in 0..4 {
-            if i <= c.len() {
-                out.push(A[(n >> (18 - 6 * i)) as usize & 63] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
 /// A `--json` run's report and its text, after checking that it exited 0 and passed.
 fn passed_report(out: &std::process::Output) -> (serde_json::Value, String) {
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -180,14 +143,11 @@ fn holders_join_die_and_etcd_restarts_under_a_running_requester() {
     }
     let mut etcd = EtcdCluster::start(1).expect("starting etcd");
     let url = etcd.url();
-    let endpoint = etcd.endpoints()[0].clone();
     // Contents no holder wrote: skipped by every reader, named in the listing.
-    gateway_put(&endpoint, "/kvroute/v1/holders/garbage", b"{not json");
-    gateway_put(
-        &endpoint,
-        "/kvroute/v1/holders/10.0.0.1:1",
-        b"{\"schema\":99}",
-    );
+    etcd.put_raw("/kvroute/v1/holders/garbage", b"{not json")
+        .expect("planting garbage");
+    etcd.put_raw("/kvroute/v1/holders/10.0.0.1:1", b"{\"schema\":99}")
+        .expect("planting a record of another schema");
 
     let mut h: Vec<HolderProc> = (0..3).map(|c| holder(&url, &c.to_string(), 0)).collect();
     three_holders_and_two_skipped_are_listed(&url);
@@ -534,7 +494,6 @@ fn hostile_directory_records_cost_no_step_more_than_twice_a_clean_run() {
     }
     let etcd = EtcdCluster::start(1).expect("starting etcd");
     let url = etcd.url();
-    let endpoint = etcd.endpoints()[0].clone();
     let h: Vec<HolderProc> = (0..3).map(|c| holder(&url, &c.to_string(), 0)).collect();
     let clean = requester_step_ms(&url);
 
@@ -561,7 +520,8 @@ fn hostile_directory_records_cost_no_step_more_than_twice_a_clean_run() {
     }
     let junk = vec![b'x'; 1_400_000];
     for i in 0..4 {
-        gateway_put(&endpoint, &format!("/kvroute/v1/holders/junk-{i}"), &junk);
+        etcd.put_raw(&format!("/kvroute/v1/holders/junk-{i}"), &junk)
+            .expect("planting junk");
     }
     let silent: Vec<std::net::TcpListener> = (0..3)
         .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("binding"))
