@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_kvstore::ChunkId;
 use kvroute_kvstore::directory::{self, Directory, HolderRecord, Registration, SCHEMA};
-use kvroute_remote::RequesterConfig;
+use kvroute_remote::{Requester, RequesterConfig};
 use kvroute_testkit::etcd::EtcdCluster;
 use kvroute_transport::{MrDesc, OnDone, RegisteredBuffer, TransferEngine};
 
@@ -114,7 +114,15 @@ pub(crate) fn hostile(provider: &str, holder: &str, reference: &str) -> Result<(
     let mut rng = Rng::seeded();
     let two_faced = start_holder(engine(provider)?)?;
     let holders = [holder.parse()?, two_faced.addr()];
-    let mut req = connect_or_exit(provider, &holders, requester_config())?;
+    let mut req = match Requester::connect(engine(provider)?, &holders, requester_config()) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("connect: {e}");
+            // Its own holder's engine closes its shm regions when dropped; `exit` would not.
+            drop(two_faced);
+            std::process::exit(ERRORED);
+        }
+    };
     let given = req
         .reply_region(1)
         .ok_or("the requester gave the second holder no reply region")?
