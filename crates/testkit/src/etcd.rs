@@ -232,18 +232,6 @@ fn base64(bytes: &[u8]) -> String {
     out
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn base64_pads_as_the_standard_does() {
-        assert_eq!(super::base64(b""), "");
-        assert_eq!(super::base64(b"f"), "Zg==");
-        assert_eq!(super::base64(b"fo"), "Zm8=");
-        assert_eq!(super::base64(b"foo"), "Zm9v");
-        assert_eq!(super::base64(b"foob"), "Zm9vYg==");
-    }
-}
-
 impl Drop for EtcdCluster {
     fn drop(&mut self) {
         for i in 0..self.members.len() {
@@ -269,4 +257,16 @@ fn health(port: u16) -> std::io::Result<bool> {
     let mut body = String::new();
     s.read_to_string(&mut body)?;
     Ok(body.contains("\"health\":\"true\""))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn base64_pads_as_the_standard_does() {
+        assert_eq!(super::base64(b""), "");
+        assert_eq!(super::base64(b"f"), "Zg==");
+        assert_eq!(super::base64(b"fo"), "Zm8=");
+        assert_eq!(super::base64(b"foo"), "Zm9v");
+        assert_eq!(super::base64(b"foob"), "Zm9vYg==");
+    }
 }
