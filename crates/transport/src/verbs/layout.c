@@ -1,4 +1,4 @@
-/* The sizes, offsets and enum values of rdma-core's verbs.h that verbs/hw.rs mirrors: its
+/* The sizes, offsets and enum values of rdma-core's verbs.h that verbs/hw/abi.rs mirrors: its
  * `layouts_match_verbs_h` test records what this prints. Run it against the headers of the
  * machine the verbs domain will run on (libibverbs-dev, or rdma-core's include/) and compare:
  *
