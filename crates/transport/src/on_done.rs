@@ -175,6 +175,11 @@ impl DoneFlag {
             }
         };
         self.state.store(state, Ordering::Release);
+        self.wake_waiter();
+    }
+
+    /// Unparks and forgets the registered waiter, if there is one.
+    fn wake_waiter(&self) {
         let waiter = self
             .waiter
             .lock()
@@ -193,14 +198,7 @@ impl DoneFlag {
         // Either `set` took the waiter after it was stored, or its state is visible here
         // (it stored the state before taking the lock this store released).
         if self.is_done() {
-            let waiter = self
-                .waiter
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take();
-            if let Some(thread) = waiter {
-                thread.unpark();
-            }
+            self.wake_waiter();
         }
     }
 

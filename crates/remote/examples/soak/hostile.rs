@@ -209,29 +209,25 @@ pub(crate) fn follower(provider: &str, url: &str, reference: &str) -> Result<(),
 
 /// What the supervisor planted in the directory and keeps alive for the soak's length.
 pub(crate) struct Poison {
-    _etcd: EtcdCluster,
+    etcd: EtcdCluster,
     _registrations: Vec<Box<dyn Registration>>,
     _silent: Vec<TcpListener>,
-    pub(crate) url: String,
     pub(crate) planted: BTreeMap<&'static str, usize>,
 }
 
-/// Starts etcd and returns it with its URL, for the holder that registers there.
-pub(crate) fn start_directory() -> Result<(EtcdCluster, String), Error> {
-    let etcd = EtcdCluster::start(1)?;
-    let url = etcd.url();
-    Ok((etcd, url))
+impl Poison {
+    /// The poisoned directory's URL (what a follower is given).
+    pub(crate) fn url(&self) -> String {
+        self.etcd.url()
+    }
 }
 
 /// Poisons the directory around `honest` (a control address registered there): 16 records
 /// naming its control address with another engine, under ids that sort before its own;
 /// 4 junk values of 1.4 MB (together past the etcd client's 4 MiB answer); 3 records whose
 /// control address accepts connections and never answers.
-pub(crate) fn plant(
-    etcd: EtcdCluster,
-    url: String,
-    honest: std::net::SocketAddr,
-) -> Result<Poison, Error> {
+pub(crate) fn plant(etcd: EtcdCluster, honest: std::net::SocketAddr) -> Result<Poison, Error> {
+    let url = etcd.url();
     let dir: Arc<dyn Directory> = directory::open(&url, TTL)?;
     let watch = dir.watch()?;
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -281,10 +277,9 @@ pub(crate) fn plant(
     }
     let planted = BTreeMap::from([("poisoned", 16), ("oversized", 4), ("black-hole", 3)]);
     Ok(Poison {
-        _etcd: etcd,
+        etcd,
         _registrations: registrations,
         _silent: silent,
-        url,
         planted,
     })
 }

@@ -13,7 +13,9 @@ use kvroute_transport::{MemFabric, TransferEngine};
 
 use crate::children::start_holder;
 use crate::common::{Error, digest, footprint, shm_entries, shm_entries_of};
-use crate::hostile::{Poison, plant, start_directory};
+use kvroute_testkit::etcd::EtcdCluster;
+
+use crate::hostile::{Poison, plant};
 use crate::{ERRORED, HANG, LIVE, QUERIES, Rng, WRONG, calls, queries};
 
 /// 20-60 silent control connections at once, held for 1-8 s: a newcomer must still get in.
@@ -192,7 +194,7 @@ impl Soak {
         let mut cmd = Command::new(&self.me);
         let (provider, target) = match (kind, &self.poison) {
             // A follower finds the main shm holder, the one registered, through the directory.
-            (Kind::Follower, Some(poison)) => ("shm", poison.url.clone()),
+            (Kind::Follower, Some(poison)) => ("shm", poison.url()),
             _ => (provider, addr.to_string()),
         };
         match kind {
@@ -411,7 +413,7 @@ pub(crate) fn supervise(minutes: f64) -> Result<(), Error> {
     let mut holders = Vec::new();
     let mut pids = HashSet::new();
     let directory = if kvroute_testkit::etcd::etcd_available() {
-        Some(start_directory()?)
+        Some(EtcdCluster::start(1)?)
     } else {
         println!("soak: no etcd binary here (cargo xtask deps installs it): no directory poison");
         None
@@ -420,8 +422,8 @@ pub(crate) fn supervise(minutes: f64) -> Result<(), Error> {
         let url = directory
             .as_ref()
             .filter(|_| provider == "shm")
-            .map(|(_, url)| url.as_str());
-        let main = HolderProc::start(&me, provider, url)?;
+            .map(EtcdCluster::url);
+        let main = HolderProc::start(&me, provider, url.as_deref())?;
         let victim = HolderProc::start(&me, provider, None)?;
         pids.extend([main.child.id(), victim.child.id()]);
         holders.push((
@@ -432,11 +434,11 @@ pub(crate) fn supervise(minutes: f64) -> Result<(), Error> {
         ));
     }
     let poison = match directory {
-        Some((etcd, url)) => Some(plant(etcd, url, holders[0].1.addr)?),
+        Some(etcd) => Some(plant(etcd, holders[0].1.addr)?),
         None => None,
     };
     if let Some(p) = &poison {
-        println!("soak: directory {} poisoned with {:?}", p.url, p.planted);
+        println!("soak: directory {} poisoned with {:?}", p.url(), p.planted);
     }
     let mut soak = Soak {
         me,

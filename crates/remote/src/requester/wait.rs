@@ -47,6 +47,7 @@ pub(crate) fn wait_all(
     let started = Instant::now();
     let mut next_look = started + CONTROL_LOOK;
     let mut parking = false;
+    let manual = engine.manual_progress();
     loop {
         let Some(pending) = flags.iter().position(|f| !f.is_done()) else {
             return Ok(());
@@ -63,12 +64,12 @@ pub(crate) fn wait_all(
                 return Err(Unfinished::Closed(why));
             }
         }
-        if engine.manual_progress() {
+        if manual {
             engine.progress();
         }
         if now.duration_since(started) < spin {
             std::thread::yield_now();
-        } else if engine.manual_progress() {
+        } else if manual {
             std::thread::sleep(Duration::from_micros(50));
         } else {
             if !parking {
