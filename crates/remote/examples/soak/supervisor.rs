@@ -2,7 +2,7 @@
 //! the malformed and flooding control connections it opens itself, its tally, and the checks
 //! at the end (memory and fds flat, no exact step missing, no region left in `/dev/shm`).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -155,6 +155,8 @@ struct Soak {
     rng: Rng,
     tally: Tally,
     pids: HashSet<u32>,
+    /// What each of them was, and how it ended: named when one leaves a region behind.
+    roles: HashMap<u32, String>,
     running: Vec<Running>,
     /// Per provider: main and victim holders, and when the victim dies next.
     holders: Vec<(&'static str, HolderProc, HolderProc, Instant)>,
@@ -210,6 +212,8 @@ impl Soak {
             .stderr(Stdio::piped())
             .spawn()?;
         self.pids.insert(child.id());
+        self.roles
+            .insert(child.id(), format!("{provider} {kind:?} requester"));
         let now = Instant::now();
         let signal_at = match kind {
             Kind::Killed => Some(now + self.rng.millis(0, 2500)),
@@ -286,6 +290,9 @@ impl Soak {
         entry.0 += 1;
         entry.1 += steps;
         let pid = r.child.id();
+        if let Some(role) = self.roles.get_mut(&pid) {
+            role.push_str(&format!(", {status}"));
+        }
         match (status.code(), status.signal()) {
             (Some(0), _) => {}
             (Some(ERRORED), _) => {
@@ -334,6 +341,8 @@ impl Soak {
             let provider = self.holders[h].0;
             let fresh = HolderProc::start(&self.me, provider, None)?;
             self.pids.insert(fresh.child.id());
+            self.roles
+                .insert(fresh.child.id(), format!("{provider} victim holder"));
             let next = now + self.rng.millis(10_000, 30_000);
             let (_, _, victim, due) = &mut self.holders[h];
             let mut old = std::mem::replace(victim, fresh);
@@ -412,6 +421,7 @@ pub(crate) fn supervise(minutes: f64) -> Result<(), Error> {
     let mut rng = Rng::seeded();
     let mut holders = Vec::new();
     let mut pids = HashSet::new();
+    let mut roles = HashMap::new();
     let directory = if kvroute_testkit::etcd::etcd_available() {
         Some(EtcdCluster::start(1)?)
     } else {
@@ -426,6 +436,8 @@ pub(crate) fn supervise(minutes: f64) -> Result<(), Error> {
         let main = HolderProc::start(&me, provider, url.as_deref())?;
         let victim = HolderProc::start(&me, provider, None)?;
         pids.extend([main.child.id(), victim.child.id()]);
+        roles.insert(main.child.id(), format!("{provider} main holder"));
+        roles.insert(victim.child.id(), format!("{provider} victim holder"));
         holders.push((
             provider,
             main,
@@ -446,6 +458,7 @@ pub(crate) fn supervise(minutes: f64) -> Result<(), Error> {
         rng,
         tally: Tally::default(),
         pids,
+        roles,
         running: Vec::new(),
         holders,
         poison,
@@ -523,11 +536,10 @@ pub(crate) fn supervise(minutes: f64) -> Result<(), Error> {
     let left: Vec<String> = std::fs::read_dir("/dev/shm")?
         .flatten()
         .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| {
-            n.split(':')
-                .next()
-                .and_then(|p| p.parse::<u32>().ok())
-                .is_some_and(|p| soak.pids.contains(&p))
+        .filter_map(|n| {
+            let pid = n.split(':').next()?.parse::<u32>().ok()?;
+            let role = soak.roles.get(&pid)?;
+            Some(format!("{n} ({role})"))
         })
         .collect();
     println!(

@@ -3,15 +3,15 @@
 //! records whose holders never answer cost one wait together, not one each, and, with
 //! [`Requester::sync_in_background`], none at all of the caller's steps.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvroute_kvstore::{ChunkId, DirectoryView};
-use kvroute_transport::NetAddr;
+use kvroute_transport::{NetAddr, TransferEngine};
 
-use super::{Opened, Requester, open_session};
+use super::{Opened, Requester, connect_control, open_session_over};
 use crate::error::RemoteError;
 
 /// How long a registered holder whose session could not be opened is left alone before
@@ -30,6 +30,58 @@ const PARALLEL_OPENS: usize = 16;
 pub(super) struct Opening {
     control: SocketAddr,
     thread: JoinHandle<Result<Opened, RemoteError>>,
+    state: Arc<Mutex<OpeningState>>,
+}
+
+/// What an opening thread and a requester being dropped share. The thread takes the engine
+/// only once its control connection is made, recording a handle to it; a requester being
+/// dropped takes the engine back from a thread still connecting, and shuts the connection
+/// of one past it, which then fails at once. So no thread keeps the engine (its endpoints,
+/// and their `shm` regions) past the requester's drop, however slow a holder is to answer.
+struct OpeningState {
+    engine: Option<TransferEngine>,
+    control: Option<TcpStream>,
+    cancelled: bool,
+}
+
+impl Opening {
+    /// Ends the opening for a requester being dropped: a thread still connecting is left
+    /// to fail on its own without the engine; one past that is stopped and waited for.
+    pub(super) fn cancel(self) {
+        let engaged = {
+            let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            state.cancelled = true;
+            drop(state.engine.take());
+            match state.control.take() {
+                Some(control) => {
+                    let _ = control.shutdown(Shutdown::Both);
+                    true
+                }
+                None => false,
+            }
+        };
+        if engaged {
+            // Whatever it opened is closed as it drops here.
+            let _ = self.thread.join();
+        }
+    }
+}
+
+/// The engine for an opening thread whose control connection is `control`, recording a
+/// handle to the connection; `None` once the requester is being dropped.
+fn engage(state: &Mutex<OpeningState>, control: &TcpStream) -> std::io::Result<TransferEngine> {
+    let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
+    let dropped = || {
+        std::io::Error::new(
+            std::io::ErrorKind::Interrupted,
+            "the requester was dropped while this session opened",
+        )
+    };
+    if state.cancelled {
+        return Err(dropped());
+    }
+    state.control = Some(control.try_clone()?);
+    state.engine.take().ok_or_else(dropped)
 }
 
 /// What [`Requester::sync_with`] changed.
@@ -86,8 +138,9 @@ impl Requester {
     /// [`Requester::poll_directory`] (or sync) after it opened. A decode loop calls this when
     /// a new view arrives and `poll_directory` before each step, so that no record, however
     /// slow its holder is to answer, costs a step its wait. A requester dropped while
-    /// sessions are being opened leaves their threads to finish on their own (each within a
-    /// few timeouts); the sessions they open are closed, and the engine goes with the last.
+    /// sessions are being opened stops them: a session past its connect fails at once and
+    /// is waited for, and a thread still connecting finishes later on its own, without the
+    /// engine. The engine thus goes with the requester, as it does without a directory.
     pub fn sync_in_background(&mut self, view: &DirectoryView) -> DirectorySync {
         self.follow_view(view, false)
     }
@@ -132,7 +185,9 @@ impl Requester {
             let mut i = 0;
             while i < self.opening.len() {
                 if wait || self.opening[i].thread.is_finished() {
-                    let Opening { control, thread } = self.opening.swap_remove(i);
+                    let Opening {
+                        control, thread, ..
+                    } = self.opening.swap_remove(i);
                     let opened = thread
                         .join()
                         .unwrap_or_else(|p| std::panic::resume_unwind(p));
@@ -216,9 +271,15 @@ impl Requester {
                 continue;
             }
 
-            let (engine, config) = (self.engine.clone(), self.config.clone());
+            let config = self.config.clone();
             let pool = self.pool_mem.desc().clone();
             let view = Arc::clone(view);
+            let state = Arc::new(Mutex::new(OpeningState {
+                engine: Some(self.engine.clone()),
+                control: None,
+                cancelled: false,
+            }));
+            let shared = Arc::clone(&state);
             let thread = std::thread::Builder::new()
                 .name("kvroute-open".into())
                 .spawn(move || {
@@ -227,11 +288,21 @@ impl Requester {
                             .values()
                             .any(|x| x.record.control == control && x.record.engine == *engine)
                     };
-                    open_session(&engine, (&config, &pool), control, &listed)
+                    let stream = connect_control(control, config.timeout)?;
+                    let engine =
+                        engage(&shared, &stream).map_err(|source| RemoteError::Control {
+                            peer: control,
+                            source,
+                        })?;
+                    open_session_over(&engine, (stream, control), (&config, &pool), &listed)
                 });
             match thread {
                 Ok(thread) => {
-                    self.opening.push(Opening { control, thread });
+                    self.opening.push(Opening {
+                        control,
+                        thread,
+                        state,
+                    });
                     started += 1;
                 }
                 Err(e) => {

@@ -194,6 +194,16 @@ impl LinkImms {
     }
 }
 
+impl Drop for Requester {
+    fn drop(&mut self) {
+        // Sessions still opening in the background hold the engine; see
+        // `Requester::sync_in_background`.
+        for opening in self.opening.drain(..) {
+            opening.cancel();
+        }
+    }
+}
+
 impl Drop for LinkImms {
     fn drop(&mut self) {
         self.engine.release_imm(self.reply);
@@ -222,11 +232,25 @@ fn open_session(
     addr: SocketAddr,
     listed: &(dyn Fn(&NetAddr) -> bool + Sync),
 ) -> Result<Opened, RemoteError> {
-    let unreachable = |source| RemoteError::Unreachable {
+    let control = connect_control(addr, config.timeout)?;
+    open_session_over(engine, (control, addr), (config, pool), listed)
+}
+
+/// The control connection to the holder at `addr`, within `timeout`.
+fn connect_control(addr: SocketAddr, timeout: Duration) -> Result<TcpStream, RemoteError> {
+    TcpStream::connect_timeout(&addr, timeout).map_err(|source| RemoteError::Unreachable {
         holder: addr,
         source,
-    };
-    let control = TcpStream::connect_timeout(&addr, config.timeout).map_err(unreachable)?;
+    })
+}
+
+/// [`open_session`] over a control connection already made.
+fn open_session_over(
+    engine: &TransferEngine,
+    (control, addr): (TcpStream, SocketAddr),
+    (config, pool): (&RequesterConfig, &MrDesc),
+    listed: &(dyn Fn(&NetAddr) -> bool + Sync),
+) -> Result<Opened, RemoteError> {
     let io = |source| RemoteError::Control { peer: addr, source };
     control.set_nodelay(true).map_err(io)?;
     control

@@ -321,6 +321,50 @@ fn a_dropped_requester_takes_its_engine_with_it() -> Result<()> {
     Ok(())
 }
 
+/// A requester dropped while it opens sessions in the background, three of them with
+/// holders that never answer, takes its engine with it at once: the sessions past their
+/// connect are shut and waited for, none keeps the engine for its 5 s timeout. (The threads
+/// kept a clone of the engine until they gave up; a process that exited meanwhile left its
+/// `shm` regions behind.)
+#[test]
+fn a_requester_dropped_while_sessions_open_takes_its_engine_with_it() -> Result<()> {
+    use kvroute_kvstore::directory::{Directory, InProcessDirectory};
+    let fabric = MemFabric::new();
+    let dir = InProcessDirectory::new();
+    let watch = dir.watch()?;
+    let honest = holder(&fabric, &[0, 1], 8)?;
+    let (record, chunks) = honest.directory_records(0);
+    let mut regs = vec![dir.register(record.clone(), chunks)?];
+    let elsewhere = TransferEngine::mem(&fabric, 1)?;
+    let silent = silent_records(&dir, &record, &elsewhere, "0-silent", &mut regs)?;
+    let nics = fabric.len();
+    let mut req = Requester::connect(
+        TransferEngine::mem(&fabric, 1)?,
+        &[],
+        RequesterConfig {
+            max_holders: 4,
+            link_bytes: 1 << 20,
+            timeout: Duration::from_secs(5),
+            ..RequesterConfig::new(SCALE)
+        },
+    )?;
+    assert_eq!(fabric.len(), nics + 1);
+    let sync = req.sync_in_background(&*latest(&watch)?);
+    assert_eq!(sync.opening.len(), 4, "{sync:?}");
+    // Until the silent holders' connections are made (at once: they listen).
+    std::thread::sleep(Duration::from_millis(100));
+    let started = std::time::Instant::now();
+    drop(req);
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(fabric.len(), nics, "the requester's engine outlived it");
+    drop((regs, silent));
+    Ok(())
+}
+
 /// Three listeners that accept connections and never answer, each registered in `dir` as
 /// `record` with its address, another engine (`elsewhere`'s) and the id `{prefix}-{i}`.
 fn silent_records(
@@ -346,7 +390,9 @@ fn silent_records(
     Ok(silent)
 }
 
-/// A requester with no holders yet, room for 4 and a 300 ms timeout, to follow a directory.
+/// A requester with no holders yet, room for 4 and a 1 s timeout, to follow a directory.
+/// (A silent holder's welcome is waited for 1 s at least whatever the timeout; a shorter one
+/// would only fail routes and data paths on a loaded machine.)
 fn following_requester(fabric: &MemFabric) -> Result<Requester> {
     Ok(Requester::connect(
         TransferEngine::mem(fabric, 1)?,
@@ -354,7 +400,7 @@ fn following_requester(fabric: &MemFabric) -> Result<Requester> {
         RequesterConfig {
             max_holders: 4,
             link_bytes: 1 << 20,
-            timeout: Duration::from_millis(300),
+            timeout: Duration::from_secs(1),
             ..RequesterConfig::new(SCALE)
         },
     )?)
