@@ -171,7 +171,9 @@ fn round_order(round: usize) -> [Path; 3] {
     std::array::from_fn(|i| PATHS[(round + i) % 3])
 }
 
-fn median_by<T: Clone>(mut runs: Vec<T>, key: impl Fn(&T) -> f64) -> T {
+/// The run at the middle rank by `key` (the upper of the two middle ones): a whole run to
+/// report, not a statistic of the keys.
+fn middle_run_by<T: Clone>(mut runs: Vec<T>, key: impl Fn(&T) -> f64) -> T {
     runs.sort_by(|a, b| key(a).total_cmp(&key(b)));
     runs[runs.len() / 2].clone()
 }
@@ -419,7 +421,7 @@ pub(crate) fn run(args: &FabricBenchArgs) -> Result<FabricBenchReport> {
     // The peer rests: both ends on this thread, no scheduler in the time.
     let config = fabric_config(&args.provider, node, false)?;
     let trips = if args.quick { 20_000 } else { 200_000 };
-    let one_thread = median_by(
+    let one_thread = middle_run_by(
         (0..rounds)
             .map(|_| bench::one_thread(&config, trips))
             .collect::<Result<Vec<_>, _>>()?,

@@ -470,10 +470,9 @@ fn requester_step_ms(url: &str) -> Vec<f64> {
         .unwrap_or_default()
 }
 
+/// The workspace's one median ([`kvroute_costmodel::fit::median`]); NaN for no values.
 fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    kvroute_costmodel::fit::median(&mut v.to_vec()).unwrap_or(f64::NAN)
 }
 
 /// A requester following a directory that also holds 16 records naming an honest holder's

@@ -45,8 +45,7 @@ fn median_after_idle_us(
         call()?;
         times.push(start.elapsed().as_secs_f64() * 1e6);
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    Ok(kvroute_costmodel::fit::median(&mut times).unwrap_or(f64::NAN))
 }
 
 fn main() -> Result<(), KernelError> {

@@ -106,8 +106,7 @@ pub fn median_us(min_iters: usize, min_time: Duration, mut f: impl FnMut()) -> f
         f();
         samples.push(t.elapsed().as_secs_f64() * 1e6);
     }
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
+    kvroute_costmodel::fit::median(&mut samples).unwrap_or(f64::NAN)
 }
 
 /// How long each measurement runs: at least `iters` calls and `time`.
@@ -629,8 +628,7 @@ fn time_launches(gpu: &Gpu, quick: bool, mut launch: impl FnMut() -> Result<()>)
     let mut t: Vec<f64> = (0..reps)
         .map(|_| gpu.time_us(iters, &mut launch))
         .collect::<Result<_>>()?;
-    t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
+    Ok(kvroute_costmodel::fit::median(&mut t).unwrap_or(f64::NAN))
 }
 
 /// The batched kernels at FlashMLA's shapes on `gpu`, each beside the roofline measured in

@@ -76,10 +76,7 @@ fn main() -> Result<(), ModelError> {
         rest.push(rest_s + t.elapsed().as_secs_f64());
         attn.push(attn_s);
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2] * 1e3
-    };
+    let median = |v: &mut Vec<f64>| kvroute_costmodel::fit::median(v).unwrap_or(f64::NAN) * 1e3;
     println!(
         "decode step, {batch} requests (median of {steps}): non-attention {:.3} ms, \
          attention over {chunk} rows {:.3} ms",

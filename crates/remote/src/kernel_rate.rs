@@ -141,6 +141,8 @@ impl KernelRate {
             // than half the fastest call it is part of.
             Some(l) if shapes.len() >= MIN_SHAPES && l.slope > 0.0 => {
                 let fixed = l.intercept.clamp(0.0, 0.5 * fastest);
+                // The upper middle ratio, not the median: a scale one call was served at,
+                // never a blend of two row counts' (see the table test below).
                 let mut ratios: Vec<f64> = points.iter().map(|p| (p.1 - fixed) / p.0).collect();
                 ratios.sort_by(f64::total_cmp);
                 (fixed, ratios[ratios.len() / 2])

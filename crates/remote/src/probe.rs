@@ -178,13 +178,15 @@ fn within(fabric: Fabric, config: &ProbeConfig) -> Result<Fabric, RemoteError> {
     Ok(fabric)
 }
 
-/// The median of each point's samples, in the order of `mq`.
+/// The median of each point's samples, in the order of `mq` (NaN for a point without any).
 fn medians(mq: &[u32], samples: &[(u32, f64)]) -> Vec<(u32, f64)> {
     mq.iter()
         .map(|&m| {
             let mut v: Vec<f64> = samples.iter().filter(|s| s.0 == m).map(|s| s.1).collect();
-            v.sort_by(f64::total_cmp);
-            (m, v.get(v.len() / 2).copied().unwrap_or(f64::NAN))
+            (
+                m,
+                kvroute_costmodel::fit::median(&mut v).unwrap_or(f64::NAN),
+            )
         })
         .collect()
 }

@@ -256,13 +256,12 @@ impl FabricEstimator {
             .filter(|s| s.live || live_fixed == 0)
             .map(|s| (line.intercept + line.slope * s.bytes - s.us).abs() / s.us)
             .collect();
-        residuals.sort_by(f64::total_cmp);
         Ok(LineFit {
             fixed_us: line.intercept,
             bw_gbps,
             samples: points.len(),
             live_fixed,
-            median_residual_pct: 100.0 * residuals[residuals.len() / 2],
+            median_residual_pct: 100.0 * median(&mut residuals).unwrap_or(f64::NAN),
             fitted_at_ms: now_ms,
             fits: self.fit.map_or(1, |f| f.fits + 1),
         })
@@ -531,9 +530,8 @@ impl Selector {
             .filter(|s| s.us > fixed)
             .map(|s| s.bytes / ((s.us - fixed) * 1e3))
             .collect();
-        if !rates.is_empty() {
-            rates.sort_by(f64::total_cmp);
-            return Some((fixed, rates[rates.len() / 2]));
+        if let Some(rate) = median(&mut rates) {
+            return Some((fixed, rate));
         }
         let mut pulls: Vec<(f64, f64)> = self.pull.window.iter().map(|s| (s.us, s.bytes)).collect();
         pulls.sort_by(|a, b| a.0.total_cmp(&b.0));

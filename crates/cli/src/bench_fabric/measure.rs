@@ -10,7 +10,7 @@ use kvroute_transport::{FabricReport, RegisteredBuffer, TransferEngine};
 use super::{
     BANDWIDTH_RATIO_TARGET, BUFFER, Compared, Hello, LATENCY_RATIO_TARGET, LATENCY_ROUNDS,
     PAGED_BYTES, PAGED_WINDOW, PAGES, PINGPONG_PORT, PagedRow, Path, Peer, PeerCommand, SINGLE,
-    WINDOW, fabric_config, iters_for, median_by, open, paged_ratio_target, progress_of,
+    WINDOW, fabric_config, iters_for, middle_run_by, open, paged_ratio_target, progress_of,
     round_order,
 };
 use crate::args::FabricBenchArgs;
@@ -134,9 +134,9 @@ impl TwoProcesses {
         }
         let key = |p: &Pingpong| if latency { p.usec_per_xfer } else { p.mb_per_s };
         let (engine, fi_pingpong, raw) = (
-            median_by(mine, key),
-            median_by(theirs, key),
-            median_by(bare, key),
+            middle_run_by(mine, key),
+            middle_run_by(theirs, key),
+            middle_run_by(bare, key),
         );
         Ok(Compared {
             size,
@@ -167,7 +167,7 @@ impl TwoProcesses {
                     )
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            streams.push(median_by(runs, |s| s.mb_per_s));
+            streams.push(middle_run_by(runs, |s| s.mb_per_s));
         }
         self.peer.send(&PeerCommand::Rest)?;
         Ok(streams)
@@ -194,9 +194,9 @@ impl TwoProcesses {
                 }
             }
             paged.push(PagedRow {
-                engine: median_by(mine, |s| s.mb_per_s),
-                fi_pingpong: median_by(theirs, |p| p.mb_per_s),
-                raw: median_by(bare, |s| s.mb_per_s),
+                engine: middle_run_by(mine, |s| s.mb_per_s),
+                fi_pingpong: middle_run_by(theirs, |p| p.mb_per_s),
+                raw: middle_run_by(bare, |s| s.mb_per_s),
             });
         }
         Ok(paged)

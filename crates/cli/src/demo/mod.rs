@@ -243,12 +243,11 @@ impl DemoReport {
                 .filter(|t| t.kind == kind)
                 .map(|t| (100.0 * (t.predicted_us - t.measured_us) / t.measured_us).abs())
                 .collect();
-            errors.sort_by(f64::total_cmp);
+            let count = errors.len();
             writeln!(
                 f,
-                "  {kind}: median |error| {:.0}% over {}",
-                errors[errors.len() / 2],
-                errors.len()
+                "  {kind}: median |error| {:.0}% over {count}",
+                kvroute_costmodel::fit::median(&mut errors).unwrap_or(f64::NAN),
             )?;
         }
         Ok(())
