@@ -421,7 +421,9 @@ impl TransferEngine {
     }
 
     /// An engine with one host group of `nics` NICs, each a verbs domain on a device of the
-    /// in-process [`crate::verbs::fake::FakeFabric`] (what the verbs domain is tested on).
+    /// in-process [`crate::verbs::fake::FakeFabric`] (what the verbs domain is tested on;
+    /// with the `fake-verbs` feature).
+    #[cfg(feature = "fake-verbs")]
     pub fn verbs_fake(
         fabric: &crate::verbs::fake::FakeFabric,
         nics: usize,

@@ -36,9 +36,9 @@ use crate::domain::Notify;
 mod switch;
 
 /// The status number an injected failure completes with.
-pub const INJECTED_STATUS: u32 = 0xFA17;
+pub const INJECTED_STATUS: u32 = super::INJECTED_STATUS;
 /// Bytes of global routing header in front of every UD receive.
-pub const GRH_BYTES: u32 = 40;
+pub const GRH_BYTES: u32 = super::GRH_BYTES;
 /// How long a request waits before retrying when the receiver has no buffer posted.
 const RNR_DELAY: Duration = Duration::from_micros(200);
 

@@ -7,11 +7,12 @@
 //! The domain ([`VerbsDomain`]) speaks to the NIC through the [`Verbs`] trait, a typed mirror of
 //! the ibverbs calls it makes. Two implementations:
 //!
-//! - [`fake::FakeFabric`]: in-process devices whose queue pairs, completion queues, shared
-//!   receive queues and memory regions enforce what hardware enforces (QP states and their
-//!   transitions, rkeys, bounds and access, receive-not-ready, a dead peer's retry-exceeded),
-//!   and can delay, reorder and fail work requests from a seed. The transport's shared domain
-//!   suite runs over it.
+//! - `fake::FakeFabric` (with the `fake-verbs` feature, which this crate's own tests turn
+//!   on): in-process devices whose queue pairs, completion queues, shared receive queues and
+//!   memory regions enforce what hardware enforces (QP states and their transitions, rkeys,
+//!   bounds and access, receive-not-ready, a dead peer's retry-exceeded), and can delay,
+//!   reorder and fail work requests from a seed. The transport's shared domain suite runs
+//!   over it.
 //! - [`HwVerbs`]: a real device through `libibverbs.so.1` loaded at run time (nothing is
 //!   linked, no RDMA headers are needed to build; [`sys`] says what is missing where it cannot
 //!   open). Its struct layouts are checked against rdma-core's `verbs.h`; nothing of this
@@ -20,6 +21,7 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod domain;
+#[cfg(feature = "fake-verbs")]
 pub mod fake;
 mod hw;
 pub mod sys;
@@ -33,6 +35,11 @@ use crate::error::TransportError;
 
 /// The provider name of verbs addresses.
 pub const PROVIDER: &str = "verbs";
+
+/// The status number a fake device's injected failure completes with (no real device's).
+pub(crate) const INJECTED_STATUS: u32 = 0xFA17;
+/// Bytes of global routing header in front of every UD receive.
+pub(crate) const GRH_BYTES: u32 = 40;
 
 /// A queue pair's state (`enum ibv_qp_state`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -66,7 +66,7 @@ impl<V: Verbs> VerbsDomain<V> {
         if matches!(wc.opcode, WcOpcode::Recv) {
             let slot = wc.wr_id as usize;
             if wc.status == WcStatus::Success && slot < HS_RECVS {
-                let start = slot * HS_SLOT + crate::verbs::fake::GRH_BYTES as usize;
+                let start = slot * HS_SLOT + crate::verbs::GRH_BYTES as usize;
                 let end = (slot * HS_SLOT + wc.byte_len as usize).min((slot + 1) * HS_SLOT);
                 if let Some(msg) = self.hs.get(start..end).and_then(Handshake::decode) {
                     after.handshakes.push(msg);
@@ -147,9 +147,7 @@ impl<V: Verbs> VerbsDomain<V> {
         // request (a forged rkey) does not cut the peer off.
         let fatal = !matches!(
             wc.status,
-            WcStatus::Success
-                | WcStatus::Flushed
-                | WcStatus::Other(crate::verbs::fake::INJECTED_STATUS)
+            WcStatus::Success | WcStatus::Flushed | WcStatus::Other(crate::verbs::INJECTED_STATUS)
         );
         if let Some(id) = peer.filter(|_| fatal)
             && !after.broken.contains(&id)
@@ -252,7 +250,7 @@ impl<V: Verbs> VerbsDomain<V> {
             WcStatus::RemoteInvalidRequest | WcStatus::LocalLength => {
                 Err(TransferError::RemoteBufferTooSmall)
             }
-            WcStatus::Other(crate::verbs::fake::INJECTED_STATUS) => Err(TransferError::Injected),
+            WcStatus::Other(crate::verbs::INJECTED_STATUS) => Err(TransferError::Injected),
             other => Err(TransferError::Provider(format!(
                 "verbs completion {other:?}"
             ))),
