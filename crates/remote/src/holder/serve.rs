@@ -18,13 +18,39 @@ use crate::error::RemoteError;
 use crate::session::HolderStats;
 use crate::wire::{self, Request, SegmentKind, Status};
 
-/// The batching key of segments that move bytes (fetch, gather) rather than attend: each is
-/// served on its own.
-pub(super) const TRANSFER_KEY: (u32, u32) = (u32::MAX, u32::MAX);
+/// What batches segments: those with one key are served by one kernel call (on a GPU, one
+/// launch serves every group of a scale). Groups are served in key order: by chunk and layer,
+/// then dense before sparse before transfers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct GroupKey {
+    chunk: u32,
+    layer: u16,
+    kind: GroupKind,
+    /// The request's softmax scale, as bits (a group has one scale).
+    scale_bits: u32,
+}
 
-/// (chunk, layer, (k, rows per token) or (0, 0) for dense, scale bits): segments that one
-/// kernel call serves together (on a GPU, one launch serves every group of a scale).
-type GroupKey = (u32, u16, (u32, u32), u32);
+/// How a group's segments are served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum GroupKind {
+    /// Dense partial attention over the whole chunk.
+    Dense,
+    /// Sparse partial attention over `k` selected tokens per query token, each shared by
+    /// `rows_per_token` rows (the heads).
+    Sparse { k: u32, rows_per_token: u32 },
+    /// Moving bytes (fetch, gather) rather than attending: each segment served on its own.
+    Transfer,
+}
+
+impl GroupKind {
+    /// The sparse selection's (k, rows per token), as the kernels take it; `None` for dense.
+    fn selection(self) -> Option<(usize, usize)> {
+        match self {
+            Self::Sparse { k, rows_per_token } => Some((k as usize, rows_per_token as usize)),
+            Self::Dense | Self::Transfer => None,
+        }
+    }
+}
 
 /// The servable segments of a batch by what serves them: (request, segment) pairs.
 type Groups = BTreeMap<GroupKey, Vec<(usize, usize)>>;
@@ -36,13 +62,13 @@ type Slot<'a> = (usize, &'a Session, &'a [u8]);
 /// when they could be read, its seq and reply offset, to answer it at).
 type Parsed<'a> = Result<Request<'a>, (Status, Option<(u64, u64)>)>;
 
-/// A group of segments gathered for its kernel call: its chunk, layer, kind key and scale, its
+/// A group of segments gathered for its kernel call: its chunk, layer, kind and scale, its
 /// (request, segment) members, their query rows one after another (borrowed from the slot for
 /// a lone segment) and their indices.
 struct GroupWork<'a> {
     chunk: u32,
     layer: u16,
-    key: (u32, u32),
+    kind: GroupKind,
     scale: f32,
     segs: Vec<(usize, usize, &'a wire::Segment<'a>)>,
     queries: Cow<'a, [u16]>,
@@ -267,7 +293,7 @@ impl Shared {
         // The partial groups, gathered; transfers are served as they come.
         let mut work: Vec<GroupWork<'_>> = Vec::new();
         for (key, members) in &groups {
-            if key.2 == TRANSFER_KEY {
+            if key.kind == GroupKind::Transfer {
                 let at = (&slots[..], &requests[..]);
                 self.serve_transfers(key, members, at, (&mut layouts, &mut gathered), &mut stats);
             } else {
@@ -355,15 +381,20 @@ impl Shared {
                 } else if held.is_some_and(|c| u32::from(seg.layer) >= c.layout.layers) {
                     layout.statuses[s] = Status::BadLayer;
                 } else {
-                    let key = match seg.kind {
-                        SegmentKind::Dense => (0, 0),
-                        SegmentKind::Sparse { k, rows_per_token } => (k, rows_per_token),
-                        SegmentKind::Fetch | SegmentKind::Gather { .. } => TRANSFER_KEY,
+                    let kind = match seg.kind {
+                        SegmentKind::Dense => GroupKind::Dense,
+                        SegmentKind::Sparse { k, rows_per_token } => {
+                            GroupKind::Sparse { k, rows_per_token }
+                        }
+                        SegmentKind::Fetch | SegmentKind::Gather { .. } => GroupKind::Transfer,
                     };
-                    groups
-                        .entry((seg.chunk, seg.layer, key, req.scale.to_bits()))
-                        .or_default()
-                        .push((r, s));
+                    let key = GroupKey {
+                        chunk: seg.chunk,
+                        layer: seg.layer,
+                        kind,
+                        scale_bits: req.scale.to_bits(),
+                    };
+                    groups.entry(key).or_default().push((r, s));
                 }
             }
             layouts.push(layout);
@@ -375,7 +406,7 @@ impl Shared {
     /// each one's status noted in its request's layout.
     fn serve_transfers(
         &self,
-        &(chunk, layer, _, _): &GroupKey,
+        &GroupKey { chunk, layer, .. }: &GroupKey,
         members: &[(usize, usize)],
         (slots, requests): (&[Slot<'_>], &[Parsed<'_>]),
         (layouts, gathered): (&mut [ReplyLayout], &mut [usize]),
@@ -481,7 +512,7 @@ impl Shared {
             let GroupWork {
                 chunk,
                 layer,
-                key,
+                kind,
                 scale,
                 ref segs,
                 ref queries,
@@ -495,7 +526,7 @@ impl Shared {
                 .map_err(RemoteError::from)
                 .and_then(|runs| Ok(WireOut::new(runs)?))
                 .and_then(|mut out| {
-                    self.attend((chunk, layer), key, scale, queries, indices, &mut out)
+                    self.attend((chunk, layer), kind, scale, queries, indices, &mut out)
                 });
             stats.kernel_calls += 1;
             match result {
@@ -522,7 +553,7 @@ impl Shared {
                                 let q = seg.queries();
                                 self.attend(
                                     (chunk, layer),
-                                    key,
+                                    kind,
                                     scale,
                                     &q,
                                     &seg.indices(),
@@ -611,19 +642,21 @@ impl Shared {
                     chunk: kvroute_kvstore::ChunkId(w.chunk),
                     why: "not held".into(),
                 })?;
-        let (k, rows_per_token) = w.key;
         Ok(GroupCall {
             held,
             layer: u32::from(w.layer),
             q: Queries::new(&w.queries)?,
-            sel: (k > 0).then_some((w.indices.as_slice(), k as usize, rows_per_token as usize)),
+            sel: w
+                .kind
+                .selection()
+                .map(|(k, rows_per_token)| (w.indices.as_slice(), k, rows_per_token)),
         })
     }
 
     fn attend(
         &self,
         (chunk, layer): (u32, u16),
-        (k, rows_per_token): (u32, u32),
+        kind: GroupKind,
         scale: f32,
         queries: &[u16],
         indices: &[i32],
@@ -637,7 +670,9 @@ impl Shared {
                 why: "not held".into(),
             })?;
         let q = Queries::new(queries)?;
-        let sel = (k > 0).then_some((indices, k as usize, rows_per_token as usize));
+        let sel = kind
+            .selection()
+            .map(|(k, rows_per_token)| (indices, k, rows_per_token));
         self.compute.partial_wire(
             &self.chunks,
             held,
@@ -738,7 +773,12 @@ impl ReplyLayout {
 /// A partial group's segments, with their query rows one after another and their indices:
 /// a lone segment's rows borrowed straight from its slot, several gathered into one batch.
 fn group_work<'a>(
-    &(chunk, layer, key, scale): &GroupKey,
+    &GroupKey {
+        chunk,
+        layer,
+        kind,
+        scale_bits,
+    }: &GroupKey,
     members: &[(usize, usize)],
     requests: &'a [Parsed<'a>],
 ) -> GroupWork<'a> {
@@ -770,8 +810,8 @@ fn group_work<'a>(
     GroupWork {
         chunk,
         layer,
-        key,
-        scale: f32::from_bits(scale),
+        kind,
+        scale: f32::from_bits(scale_bits),
         segs,
         queries,
         indices,

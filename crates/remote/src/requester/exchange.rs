@@ -286,15 +286,24 @@ impl Requester {
     }
 }
 
+/// A reply checked against what was asked ([`decode_reply`]).
+pub(super) struct Reply<'a> {
+    /// One per segment sent.
+    pub(super) statuses: Vec<Status>,
+    /// The holder's kernel-time claim (unchecked: see [`wire::kernel_us_within`]).
+    pub(super) kernel_us: f32,
+    /// The partial rows, as many as the statuses promise, in their wire encoding.
+    pub(super) rows: &'a [u8],
+}
+
 /// Checks a reply against what was asked: magic, the request's seq, one status per segment,
-/// and as many rows as the statuses promise. Returns the statuses, the holder's kernel-time
-/// claim (unchecked: see [`wire::kernel_us_within`]) and the rows.
+/// and as many rows as the statuses promise.
 pub(super) fn decode_reply(
     holder: SocketAddr,
     seq: u64,
     bytes: &[u8],
     segments: usize,
-) -> Result<(Vec<Status>, f32, &[u8]), RouteError> {
+) -> Result<Reply<'_>, RouteError> {
     let bad = |why: &str| RouteError::BadReply {
         holder,
         why: why.to_owned(),
@@ -316,5 +325,9 @@ pub(super) fn decode_reply(
     let rows = bytes
         .get(start..start + header.rows * PARTIAL_ROW_BYTES)
         .ok_or_else(|| bad("rows past the reply"))?;
-    Ok((header.statuses, header.kernel_us, rows))
+    Ok(Reply {
+        statuses: header.statuses,
+        kernel_us: header.kernel_us,
+        rows,
+    })
 }

@@ -119,7 +119,7 @@ impl Requester {
         let seq = self.links[link].seq;
         let status = reply
             .and_then(|range| self.reply_bytes(holder, range))
-            .and_then(|bytes| decode_reply(holder, seq, bytes, 1).map(|(s, ..)| s));
+            .and_then(|bytes| decode_reply(holder, seq, bytes, 1).map(|r| r.statuses));
         match status {
             Ok(s) if s[0] == Status::Ok => {}
             Ok(s) => {
@@ -287,7 +287,7 @@ impl Requester {
             let seq = self.links[link].seq;
             let statuses = reply
                 .and_then(|range| self.reply_bytes(holder, range))
-                .and_then(|bytes| decode_reply(holder, seq, bytes, segments).map(|(s, ..)| s));
+                .and_then(|bytes| decode_reply(holder, seq, bytes, segments).map(|r| r.statuses));
             match statuses {
                 Ok(s) => {
                     if let Some(&status) = s.iter().find(|&&st| st != Status::Ok) {

@@ -155,9 +155,13 @@ impl<'r> StagedRoute<'r> {
                 let (holder, seq) = (l.addr, l.seq);
                 let (offset, len) = reply?;
                 let bytes = requester.reply_bytes(holder, (offset, len))?;
-                let (statuses, kernel_us, rows) = decode_reply(holder, seq, bytes, segs.len())?;
-                let start = offset + wire::reply_rows_offset(segs.len());
-                Ok((statuses, start, rows.len(), kernel_us))
+                let reply = decode_reply(holder, seq, bytes, segs.len())?;
+                Ok(ReplyRows {
+                    start: offset + wire::reply_rows_offset(segs.len()),
+                    len: reply.rows.len(),
+                    kernel_us: reply.kernel_us,
+                    statuses: reply.statuses,
+                })
             })
             .collect();
         let firsts: Vec<Vec<usize>> = seg_rows
@@ -170,25 +174,29 @@ impl<'r> StagedRoute<'r> {
             .map(|(c, at)| {
                 let (b, seg) = at?;
                 let holder = requester.links[prepared[b].link].addr;
-                let (statuses, start, len, kernel_us) =
-                    decoded[b].as_ref().map_err(Clone::clone)?;
-                if statuses[seg] != Status::Ok {
+                let reply = decoded[b].as_ref().map_err(Clone::clone)?;
+                if reply.statuses[seg] != Status::Ok {
                     return Err(RouteError::Refused {
                         holder,
-                        status: statuses[seg],
+                        status: reply.statuses[seg],
                     });
                 }
                 // Every segment's rows are at the place the request fixed, served or not
                 // (`wire::reply_row_layout`).
                 let from = firsts[b][seg] * PARTIAL_ROW_BYTES;
                 let n = rows[c] * PARTIAL_ROW_BYTES;
-                if from + n > *len {
+                if from + n > reply.len {
                     return Err(RouteError::BadReply {
                         holder,
                         why: "fewer rows than asked for".into(),
                     });
                 }
-                Ok((start + from, n, holder, *kernel_us))
+                Ok(CallRows {
+                    offset: reply.start + from,
+                    len: n,
+                    holder,
+                    kernel_us: reply.kernel_us,
+                })
             })
             .collect();
         requester.codec.decode_us += started.elapsed().as_secs_f64() * 1e6;
@@ -196,9 +204,28 @@ impl<'r> StagedRoute<'r> {
     }
 }
 
-/// A reply's segment statuses, where its rows start in the reply region, their bytes, and the
-/// holder's kernel-time claim.
-type ReplyRows = (Vec<Status>, usize, usize, f32);
+/// A request's reply as a route reads it.
+struct ReplyRows {
+    /// One per segment.
+    statuses: Vec<Status>,
+    /// Where its rows start in the reply region, and their bytes.
+    start: usize,
+    len: usize,
+    /// The holder's kernel-time claim.
+    kernel_us: f32,
+}
+
+/// Where one call's rows are.
+#[derive(Debug, Clone)]
+struct CallRows {
+    /// Their range in the reply region.
+    offset: usize,
+    len: usize,
+    /// The holder that wrote them.
+    holder: SocketAddr,
+    /// The kernel time its reply header claims.
+    kernel_us: f32,
+}
 
 /// What a [`StagedRoute`] brought back: each call's partial rows where they landed, in their
 /// wire encoding, or why the call failed. The rows stay valid (and unwritten) while this
@@ -206,9 +233,8 @@ type ReplyRows = (Vec<Status>, usize, usize, f32);
 /// the next request.
 pub struct Routed<'r> {
     requester: &'r mut Requester,
-    /// Per call: (offset, length) of its rows in the reply region, the holder that wrote them,
-    /// and the kernel time its reply header claims.
-    ranges: Vec<Result<(usize, usize, SocketAddr, f32), RouteError>>,
+    /// Per call: where its rows are, or why it failed.
+    ranges: Vec<Result<CallRows, RouteError>>,
 }
 
 impl std::fmt::Debug for Routed<'_> {
@@ -250,14 +276,15 @@ impl Routed<'_> {
     /// # Panics
     /// If `c` is not a call of this route.
     pub fn holder_kernel_us(&self, c: usize, round_trip_us: f64) -> Option<f64> {
-        let (.., claimed) = self.ranges[c].as_ref().ok()?;
-        Some(wire::kernel_us_within(*claimed, round_trip_us))
+        let claimed = self.ranges[c].as_ref().ok()?.kernel_us;
+        Some(wire::kernel_us_within(claimed, round_trip_us))
     }
 
     /// Call `c`'s rows and the holder that wrote them.
     fn rows(&self, c: usize) -> Result<(&[u8], SocketAddr), RouteError> {
-        let (offset, len, holder, _) = self.ranges[c].clone()?;
-        Ok((self.requester.reply_bytes(holder, (offset, len))?, holder))
+        let at = self.ranges[c].clone()?;
+        let bytes = self.requester.reply_bytes(at.holder, (at.offset, at.len))?;
+        Ok((bytes, at.holder))
     }
 }
 
