@@ -124,9 +124,30 @@ pub struct OwnedCall {
     pub layer: u16,
     /// Query rows `[mq, 576]` as bf16 bits.
     pub queries: Vec<u16>,
-    /// A sparse selection: chunk-local indices (-1 = padding), indices per query token, query
-    /// rows per query token; or dense.
-    pub sparse: Option<(Vec<i32>, u32, u32)>,
+    /// A sparse selection, or dense.
+    pub sparse: Option<OwnedSparse>,
+}
+
+/// A [`Sparse`] selection that owns its indices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnedSparse {
+    /// `mq / rows_per_token * k` chunk-local token indices, -1 = padding.
+    pub indices: Vec<i32>,
+    /// Indices per query token.
+    pub k: u32,
+    /// Query rows per query token.
+    pub rows_per_token: u32,
+}
+
+impl OwnedSparse {
+    /// The borrowed selection.
+    pub fn as_sparse(&self) -> Sparse<'_> {
+        Sparse {
+            indices: &self.indices,
+            k: self.k,
+            rows_per_token: self.rows_per_token,
+        }
+    }
 }
 
 impl OwnedCall {
@@ -136,14 +157,7 @@ impl OwnedCall {
             chunk: self.chunk,
             layer: self.layer,
             queries: &self.queries,
-            sparse: self
-                .sparse
-                .as_ref()
-                .map(|(indices, k, rows_per_token)| Sparse {
-                    indices,
-                    k: *k,
-                    rows_per_token: *rows_per_token,
-                }),
+            sparse: self.sparse.as_ref().map(OwnedSparse::as_sparse),
         }
     }
 }

@@ -43,7 +43,7 @@ pub mod step;
 #[allow(unsafe_code)]
 pub mod wire;
 
-pub use background::{BackgroundRequester, OwnedCall, Reply};
+pub use background::{BackgroundRequester, OwnedCall, OwnedSparse, Reply};
 pub use chunks::{HeldChunk, HeldChunks, Placement};
 pub use error::{RemoteError, RouteError};
 pub use holder::{Holder, HolderConfig};

@@ -13,6 +13,7 @@ use kvroute_kernels::{
 };
 use kvroute_kvstore::ChunkId;
 
+use crate::Sparse;
 use crate::chunks::{HeldChunk, HeldChunks};
 use crate::error::RemoteError;
 
@@ -27,12 +28,18 @@ struct Resident {
 }
 
 /// One (chunk, layer) group of a batched call: its held chunk, its layer, its query rows, and
-/// for sparse attention its indices, `k` and rows per token.
+/// for sparse attention its selection.
 pub(super) struct GroupCall<'a> {
     pub(super) held: &'a HeldChunk,
     pub(super) layer: u32,
     pub(super) q: Queries<'a>,
-    pub(super) sel: Option<(&'a [i32], usize, usize)>,
+    pub(super) sel: Option<Sparse<'a>>,
+}
+
+/// `sel` checked as the kernels take it, against `mq` query rows over `tokens` tokens.
+fn checked<'a>(sel: Sparse<'a>, mq: usize, tokens: usize) -> Result<Selection<'a>, RemoteError> {
+    let (k, per) = (sel.k as usize, sel.rows_per_token as usize);
+    Ok(Selection::new(sel.indices, k, per, mq, tokens)?)
 }
 
 /// A holder's kernels: its backend and, where that runs partials on a GPU, the chunks there.
@@ -141,12 +148,7 @@ impl Compute {
             .map(|((c, table), &n)| {
                 Ok(match c.sel {
                     None => DecodeRequest::dense(c.q, table, n),
-                    Some((indices, k, per)) => DecodeRequest::sparse(
-                        c.q,
-                        table,
-                        n,
-                        Selection::new(indices, k, per, c.q.len(), n)?,
-                    ),
+                    Some(sel) => DecodeRequest::sparse(c.q, table, n, checked(sel, c.q.len(), n)?),
                 })
             })
             .collect::<Result<Vec<_>, RemoteError>>()?;
@@ -155,13 +157,13 @@ impl Compute {
         Ok(calls
             .iter()
             .zip(&tokens)
-            .map(|(c, &n)| c.sel.map_or(n, |(_, k, _)| k))
+            .map(|(c, &n)| c.sel.map_or(n, |s| s.k as usize))
             .collect())
     }
 
     /// The partial of `q` over the first `tokens` tokens of layer `layer` of `held` (all of
-    /// them when serving; fewer when calibrating), dense or over `sel` (`indices`, `k` per
-    /// token, `rows_per_token`), written into `out`; returns the entries each row attended.
+    /// them when serving; fewer when calibrating), dense or over `sel`, written into `out`;
+    /// returns the entries each row attended.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn partial_wire(
         &self,
@@ -169,17 +171,13 @@ impl Compute {
         held: &HeldChunk,
         (layer, tokens): (u32, Option<usize>),
         q: &Queries<'_>,
-        sel: Option<(&[i32], usize, usize)>,
+        sel: Option<Sparse<'_>>,
         scale: f32,
         out: &mut WireOut<'_>,
     ) -> Result<usize, RemoteError> {
         let cache = chunks.layer_cache(held, layer, tokens)?;
         let tokens = cache.tokens();
-        let sel = sel
-            .map(|(indices, k, rows_per_token)| {
-                Selection::new(indices, k, rows_per_token, q.len(), tokens)
-            })
-            .transpose()?;
+        let sel = sel.map(|s| checked(s, q.len(), tokens)).transpose()?;
         let entries = sel.as_ref().map_or(tokens, Selection::k);
         if let Some(gpu) = self.gpu_for(q.len()) {
             let table = Self::table(gpu, held, layer, tokens)?;

@@ -13,7 +13,9 @@ use kvroute_kernels::{Queries, WireOut};
 use kvroute_transport::{MrDesc, OnDone, TransportError, UnexpectedImms};
 
 use super::compute::GroupCall;
+use super::transfer::GatherStaging;
 use super::{Session, Shared, Use, lock};
+use crate::Sparse;
 use crate::error::RemoteError;
 use crate::session::HolderStats;
 use crate::wire::{self, Request, SegmentKind, Status};
@@ -43,10 +45,14 @@ enum GroupKind {
 }
 
 impl GroupKind {
-    /// The sparse selection's (k, rows per token), as the kernels take it; `None` for dense.
-    fn selection(self) -> Option<(usize, usize)> {
+    /// The sparse selection of `indices`; `None` for dense.
+    fn selection(self, indices: &[i32]) -> Option<Sparse<'_>> {
         match self {
-            Self::Sparse { k, rows_per_token } => Some((k as usize, rows_per_token as usize)),
+            Self::Sparse { k, rows_per_token } => Some(Sparse {
+                indices,
+                k,
+                rows_per_token,
+            }),
             Self::Dense | Self::Transfer => None,
         }
     }
@@ -421,7 +427,11 @@ impl Shared {
             let status = match ok.map(|seg| (seg, seg.kind)) {
                 Some((seg, SegmentKind::Fetch)) => self.fetch(session, chunk, &seg.pages(), seg),
                 Some((seg, SegmentKind::Gather { first })) => self.gather(
-                    (*slot, session, &mut gathered[r]),
+                    GatherStaging {
+                        slot: *slot,
+                        session,
+                        used: &mut gathered[r],
+                    },
                     (chunk, layer),
                     first,
                     &seg.indices(),
@@ -646,10 +656,7 @@ impl Shared {
             held,
             layer: u32::from(w.layer),
             q: Queries::new(&w.queries)?,
-            sel: w
-                .kind
-                .selection()
-                .map(|(k, rows_per_token)| (w.indices.as_slice(), k, rows_per_token)),
+            sel: w.kind.selection(&w.indices),
         })
     }
 
@@ -670,9 +677,7 @@ impl Shared {
                 why: "not held".into(),
             })?;
         let q = Queries::new(queries)?;
-        let sel = kind
-            .selection()
-            .map(|(k, rows_per_token)| (indices, k, rows_per_token));
+        let sel = kind.selection(indices);
         self.compute.partial_wire(
             &self.chunks,
             held,

@@ -15,6 +15,14 @@ use crate::wire::{self, Segment, Status};
 /// A write of a fetch or gather: source offset, destination offset in the pool, length.
 type PoolWrite = (u64, u64, u64);
 
+/// Where a gather packs its rows: the session's slot, the session, and the bytes of its
+/// gather staging earlier segments of the same request took (advanced by each gather).
+pub(super) struct GatherStaging<'a> {
+    pub(super) slot: usize,
+    pub(super) session: &'a Session,
+    pub(super) used: &'a mut usize,
+}
+
 /// The descriptors a segment's windows name, with where each starts in the pool, if each
 /// lies inside `pool` and carries one key per NIC of it: the NICs are the pool's (the
 /// requester's own, proven at the hello), so a window can only ever name the requester's
@@ -169,7 +177,11 @@ impl Shared {
     /// takes one write ([`wire::gather_writes`]), not one write per row.
     pub(super) fn gather(
         &self,
-        (slot, session, used): (usize, &Session, &mut usize),
+        GatherStaging {
+            slot,
+            session,
+            used,
+        }: GatherStaging<'_>,
         (chunk, layer): (u32, u16),
         first: u32,
         tokens: &[i32],

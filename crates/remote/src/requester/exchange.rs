@@ -28,14 +28,40 @@ pub(super) struct Prepared {
     pub(super) in_place: Result<Vec<usize>, RouteError>,
 }
 
+/// One request to send: its link, its segments and, per segment, how many arrivals of the
+/// link's fetch immediate it brings if the holder serves it (0 for a route's segments, which
+/// bring none).
+pub(super) struct Batch<'a> {
+    pub(super) link: usize,
+    pub(super) segments: Vec<SegmentSpec<'a>>,
+    pub(super) fetch_arrivals: Vec<u64>,
+}
+
+impl<'a> Batch<'a> {
+    /// A request of route segments only.
+    pub(super) fn routes(link: usize, segments: Vec<SegmentSpec<'a>>) -> Self {
+        let fetch_arrivals = vec![0; segments.len()];
+        Self {
+            link,
+            segments,
+            fetch_arrivals,
+        }
+    }
+
+    /// Adds a segment that brings `arrivals` fetch immediates if served.
+    pub(super) fn push(&mut self, segment: SegmentSpec<'a>, arrivals: u64) {
+        self.segments.push(segment);
+        self.fetch_arrivals.push(arrivals);
+    }
+}
+
 impl Requester {
-    /// Sends one request of `segments` to each `link` and waits for its reply and, for its
-    /// fetch and gather segments the holder served, their arrivals of the link's fetch
-    /// immediate (the third element: per segment, the arrivals it brings if served). Returns
+    /// Sends each batch's request and waits for its reply and, for its fetch and gather
+    /// segments the holder served, their arrivals of the link's fetch immediate. Returns
     /// where each reply landed: (offset, length) in `replies`.
     pub(super) fn exchange(
         &mut self,
-        batches: Vec<(usize, Vec<SegmentSpec<'_>>, Vec<u64>)>,
+        batches: Vec<Batch<'_>>,
     ) -> Vec<Result<(usize, usize), RouteError>> {
         let prepared = self.prepare(batches);
         self.send(&prepared)
@@ -43,12 +69,14 @@ impl Requester {
 
     /// Encodes each batch's request into its link's send staging (the first half of
     /// [`Requester::exchange`]); [`QueryRows::InPlace`] rows are left for the caller to write.
-    pub(super) fn prepare(
-        &mut self,
-        batches: Vec<(usize, Vec<SegmentSpec<'_>>, Vec<u64>)>,
-    ) -> Vec<Prepared> {
+    pub(super) fn prepare(&mut self, batches: Vec<Batch<'_>>) -> Vec<Prepared> {
         let mut out = Vec::with_capacity(batches.len());
-        for (link, segments, fetch_arrivals) in batches {
+        for Batch {
+            link,
+            segments,
+            fetch_arrivals,
+        } in batches
+        {
             let l = &mut self.links[link];
             l.seq += 1;
             let len = wire::request_len(&segments);

@@ -9,7 +9,7 @@ use kvroute_kvstore::{ChunkId, PAGE_BYTES, ROW_BYTES};
 use kvroute_transport::{Grant, MrDesc, TransferShape, TransportError};
 
 use super::Requester;
-use super::exchange::decode_reply;
+use super::exchange::{Batch, decode_reply};
 use crate::error::{RemoteError, RouteError};
 use crate::wire::{self, PoolWindow, QueryRows, SegmentKind, SegmentSpec, Status};
 
@@ -110,7 +110,12 @@ impl Requester {
                 .map(|p| write(u64::from(p.rows) * ROW_BYTES as u64))
                 .sum(),
         };
-        let reply = self.exchange(vec![(link, vec![seg], vec![arrivals])]).pop();
+        let batch = Batch {
+            link,
+            segments: vec![seg],
+            fetch_arrivals: vec![arrivals],
+        };
+        let reply = self.exchange(vec![batch]).pop();
         // Every write of the fetch was counted, or its link given up: from here no write of
         // the holder's lands in the pool.
         drop(windows);
@@ -231,7 +236,7 @@ impl Requester {
         let windows: Vec<Vec<PoolWindow<'_>>> = grants.iter().map(|g| windows(g)).collect();
         // link -> (segments, per segment the arrivals of its fetch immediate: one write per
         // page it touches, as the holder packs them, each maybe sharded over NICs)
-        let mut batches: Vec<(usize, Vec<SegmentSpec<'_>>, Vec<u64>)> = Vec::new();
+        let mut batches: Vec<Batch<'_>> = Vec::new();
         let mut segment_windows = windows.iter();
         let mut at = 0;
         for (p, &link) in parts.iter().zip(&links) {
@@ -257,26 +262,32 @@ impl Requester {
                         pages: &table[first_page..end_page],
                         windows: segment_windows.next().map_or(&[][..], Vec::as_slice),
                     };
-                    match batches.iter_mut().find(|(b, _, _)| *b == link) {
-                        Some((_, segs, counts)) => {
-                            segs.push(seg);
-                            counts.push(arrivals);
-                        }
-                        None => batches.push((link, vec![seg], vec![arrivals])),
+                    match batches.iter_mut().find(|b| b.link == link) {
+                        Some(batch) => batch.push(seg, arrivals),
+                        None => batches.push(Batch {
+                            link,
+                            segments: vec![seg],
+                            fetch_arrivals: vec![arrivals],
+                        }),
                     }
                 }
             }
             at += n;
         }
         // Each holder packs one request's gathered rows into staging it advertised.
-        for (link, segs, _) in &batches {
-            let bytes: usize = segs.iter().map(|s| s.indices.len() * ROW_BYTES).sum();
-            if bytes as u64 > self.links[*link].welcome.gather_bytes {
+        for batch in &batches {
+            let bytes: usize = batch
+                .segments
+                .iter()
+                .map(|s| s.indices.len() * ROW_BYTES)
+                .sum();
+            if bytes as u64 > self.links[batch.link].welcome.gather_bytes {
                 let _ = self.pool.release(&pages);
                 return Err(RouteError::TooLarge(bytes));
             }
         }
-        let asked: Vec<(usize, usize)> = batches.iter().map(|(l, s, _)| (*l, s.len())).collect();
+        let asked: Vec<(usize, usize)> =
+            batches.iter().map(|b| (b.link, b.segments.len())).collect();
         let replies = self.exchange(batches);
         // Every write was counted, or its link given up: from here none lands in the pool.
         drop(windows);

@@ -10,7 +10,7 @@ use kvroute_kernels::{Partial, WirePartial};
 use kvroute_kvstore::ChunkId;
 
 use super::Requester;
-use super::exchange::{Prepared, decode_reply};
+use super::exchange::{Batch, Prepared, decode_reply};
 use crate::error::RouteError;
 use crate::wire::{self, QueryRows, SegmentKind, SegmentSpec, Status};
 
@@ -405,8 +405,7 @@ impl Requester {
                         }
                     })
                     .collect::<Vec<_>>();
-                let none = vec![0; segs.len()];
-                (*link, segs, none)
+                Batch::routes(*link, segs)
             })
             .collect();
         let prepared = self.prepare(batches);
