@@ -33,6 +33,7 @@ use compute::Compute;
 
 mod compute;
 mod control;
+mod group;
 mod serve;
 mod transfer;
 

@@ -3,7 +3,6 @@
 //! one launch for every group of the batch) straight into the requests' reply staging, and
 //! answers each request with one write.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -13,50 +12,12 @@ use kvroute_kernels::{Queries, WireOut};
 use kvroute_transport::{MrDesc, OnDone, TransportError, UnexpectedImms};
 
 use super::compute::GroupCall;
+use super::group::{GroupKey, GroupKind, GroupWork, Member, group_work};
 use super::transfer::GatherStaging;
 use super::{Session, Shared, Use, lock};
-use crate::Sparse;
 use crate::error::RemoteError;
 use crate::session::HolderStats;
 use crate::wire::{self, Request, SegmentKind, Status};
-
-/// What batches segments: those with one key are served by one kernel call (on a GPU, one
-/// launch serves every group of a scale). Groups are served in key order: by chunk and layer,
-/// then dense before sparse before transfers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-struct GroupKey {
-    chunk: u32,
-    layer: u16,
-    kind: GroupKind,
-    /// The request's softmax scale, as bits (a group has one scale).
-    scale_bits: u32,
-}
-
-/// How a group's segments are served.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum GroupKind {
-    /// Dense partial attention over the whole chunk.
-    Dense,
-    /// Sparse partial attention over `k` selected tokens per query token, each shared by
-    /// `rows_per_token` rows (the heads).
-    Sparse { k: u32, rows_per_token: u32 },
-    /// Moving bytes (fetch, gather) rather than attending: each segment served on its own.
-    Transfer,
-}
-
-impl GroupKind {
-    /// The sparse selection of `indices`; `None` for dense.
-    fn selection(self, indices: &[i32]) -> Option<Sparse<'_>> {
-        match self {
-            Self::Sparse { k, rows_per_token } => Some(Sparse {
-                indices,
-                k,
-                rows_per_token,
-            }),
-            Self::Dense | Self::Transfer => None,
-        }
-    }
-}
 
 /// The servable segments of a batch by what serves them: (request, segment) pairs.
 type Groups = BTreeMap<GroupKey, Vec<(usize, usize)>>;
@@ -66,20 +27,7 @@ type Slot<'a> = (usize, &'a Session, &'a [u8]);
 
 /// A request as parsed from its slot: the request, or the status it is refused with (and,
 /// when they could be read, its seq and reply offset, to answer it at).
-type Parsed<'a> = Result<Request<'a>, (Status, Option<(u64, u64)>)>;
-
-/// A group of segments gathered for its kernel call: its chunk, layer, kind and scale, its
-/// (request, segment) members, their query rows one after another (borrowed from the slot for
-/// a lone segment) and their indices.
-struct GroupWork<'a> {
-    chunk: u32,
-    layer: u16,
-    kind: GroupKind,
-    scale: f32,
-    segs: Vec<(usize, usize, &'a wire::Segment<'a>)>,
-    queries: Cow<'a, [u16]>,
-    indices: Vec<i32>,
-}
+pub(super) type Parsed<'a> = Result<Request<'a>, (Status, Option<(u64, u64)>)>;
 
 impl Shared {
     /// The serving loop: take arrived immediates, answer pings, serve every complete request
@@ -468,7 +416,12 @@ impl Shared {
             let kernel_started = Instant::now();
             let result = members
                 .iter()
-                .flat_map(|&i| work[i].segs.iter().map(|&(r, s, seg)| run(r, s, seg.rows)))
+                .flat_map(|&i| {
+                    work[i]
+                        .segs
+                        .iter()
+                        .map(|m| run(m.request, m.segment, m.seg.rows))
+                })
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(RemoteError::from)
                 .and_then(|runs| Ok(WireOut::new(runs)?))
@@ -531,7 +484,7 @@ impl Shared {
             let kernel_started = Instant::now();
             let result = segs
                 .iter()
-                .map(|&(r, s, seg)| run(r, s, seg.rows))
+                .map(|m| run(m.request, m.segment, m.seg.rows))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(RemoteError::from)
                 .and_then(|runs| Ok(WireOut::new(runs)?))
@@ -555,7 +508,12 @@ impl Shared {
                 }
                 Err(e) => {
                     tracing::debug!(%e, "batched kernel call refused; retrying per segment");
-                    for &(r, s, seg) in segs {
+                    for &Member {
+                        request: r,
+                        segment: s,
+                        seg,
+                    } in segs
+                    {
                         let served = run(r, s, seg.rows)
                             .map_err(RemoteError::from)
                             .and_then(|bytes| Ok(WireOut::new([bytes])?))
@@ -772,53 +730,5 @@ impl ReplyLayout {
             rows_of,
             rows,
         }
-    }
-}
-
-/// A partial group's segments, with their query rows one after another and their indices:
-/// a lone segment's rows borrowed straight from its slot, several gathered into one batch.
-fn group_work<'a>(
-    &GroupKey {
-        chunk,
-        layer,
-        kind,
-        scale_bits,
-    }: &GroupKey,
-    members: &[(usize, usize)],
-    requests: &'a [Parsed<'a>],
-) -> GroupWork<'a> {
-    let segs: Vec<_> = members
-        .iter()
-        .filter_map(|&(r, s)| {
-            let seg = requests[r].as_ref().ok()?.segments[s].as_ref().ok()?;
-            Some((r, s, seg))
-        })
-        .collect();
-    let (queries, indices): (Cow<'_, [u16]>, Vec<i32>) = match segs.as_slice() {
-        [(_, _, seg)] => match seg.query_words() {
-            Some(words) => (Cow::Borrowed(words), seg.indices()),
-            None => (Cow::Owned(seg.queries()), seg.indices()),
-        },
-        _ => {
-            let mut q = Vec::new();
-            let mut idx = Vec::new();
-            for (_, _, seg) in &segs {
-                match seg.query_words() {
-                    Some(words) => q.extend_from_slice(words),
-                    None => q.extend(seg.queries()),
-                }
-                idx.extend(seg.indices());
-            }
-            (Cow::Owned(q), idx)
-        }
-    };
-    GroupWork {
-        chunk,
-        layer,
-        kind,
-        scale: f32::from_bits(scale_bits),
-        segs,
-        queries,
-        indices,
     }
 }
