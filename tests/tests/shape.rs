@@ -220,3 +220,135 @@ fn no_file_or_function_is_too_long_to_read() {
         long.join("\n")
     );
 }
+
+/// Top-level element counts of the tuple types in `text` (a signature or a field's type): each
+/// `(` that starts a type, after `:`, `->`, `<` or `&`; a pattern's `(` (after `(` or `,`) and
+/// a parameter list's (after the name or its generics) are not types.
+fn tuple_widths(text: &str) -> Vec<usize> {
+    let b = text.as_bytes();
+    let mut widths = Vec::new();
+    for (i, &c) in b.iter().enumerate() {
+        if c != b'(' {
+            continue;
+        }
+        let before = text[..i].trim_end();
+        if !(before.ends_with(':')
+            || before.ends_with("->")
+            || before.ends_with('<')
+            || before.ends_with('&')
+            || before.ends_with("&mut"))
+        {
+            continue;
+        }
+        let (mut depth, mut commas, mut empty) = (0usize, 0usize, true);
+        for &d in &b[i..] {
+            match d {
+                b'(' | b'<' | b'[' => depth += 1,
+                b')' | b']' => depth -= 1,
+                b'>' => depth = depth.saturating_sub(1),
+                b',' if depth == 1 => commas += 1,
+                _ if depth == 1 && !d.is_ascii_whitespace() => empty = false,
+                _ => {}
+            }
+            if depth == 0 {
+                break;
+            }
+        }
+        if !empty {
+            widths.push(commas + 1);
+        }
+    }
+    widths
+}
+
+/// Functions and fields visible outside their module (`pub`, `pub(crate)`, `pub(super)`) whose
+/// types hold a tuple of three or more elements, as `file:line: item`.
+fn wide_tuples_crossing_modules(src: &str) -> Vec<(usize, String)> {
+    let blanked = blank_literals(src);
+    let mut found = Vec::new();
+    let lines: Vec<&str> = blanked.lines().collect();
+    for (n, line) in lines.iter().enumerate() {
+        let t = line.trim_start();
+        let Some(rest) = t.strip_prefix("pub") else {
+            continue;
+        };
+        let rest = match rest.strip_prefix('(') {
+            Some(r) => match r.split_once(')') {
+                Some((_, after)) => after,
+                None => continue,
+            },
+            None => rest,
+        };
+        let rest = rest.trim_start();
+        let item = if let Some(f) = rest
+            .strip_prefix("fn ")
+            .or_else(|| rest.strip_prefix("unsafe fn "))
+            .or_else(|| rest.strip_prefix("const fn "))
+        {
+            // The signature, up to its body or semicolon.
+            let mut sig = f.to_owned();
+            let mut k = n + 1;
+            while !sig.contains('{') && !sig.contains(';') && k < lines.len() {
+                sig.push(' ');
+                sig.push_str(lines[k].trim());
+                k += 1;
+            }
+            let sig = sig.split(['{', ';']).next().unwrap_or_default().to_owned();
+            let name = sig.split(['(', '<']).next().unwrap_or_default().trim().to_owned();
+            (format!("fn {name}"), sig)
+        } else if let Some((name, ty)) = rest.split_once(':') {
+            let name = name.trim();
+            if name.is_empty() || !name.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_') {
+                continue;
+            }
+            (format!("field {name}"), format!(":{ty}"))
+        } else {
+            continue;
+        };
+        if tuple_widths(&item.1).iter().any(|&w| w >= 3) {
+            found.push((n + 1, item.0));
+        }
+    }
+    found
+}
+
+#[test]
+fn the_tuple_scanner_finds_wide_tuple_types_and_not_patterns() {
+    assert_eq!(tuple_widths("fn f(a: (u32, u16, f32)) -> u8"), [3]);
+    assert_eq!(tuple_widths("fn f((a, b, c): (u32, u16), x: Option<(A, B<C, D>, E)>)"), [2, 3]);
+    assert_eq!(tuple_widths("fn f() -> Result<(Vec<u8>, u32), E>"), [2]);
+    assert_eq!(tuple_widths("fn f(x: &mut (a, b, c))"), [3]);
+    assert_eq!(tuple_widths("fn f() -> ()"), Vec::<usize>::new());
+    let src = "pub(super) fn a(\n    x: (u8, u8, u8),\n) {}\nfn private(x: (u8, u8, u8)) {}\n\
+               pub struct S {\n    pub f: Vec<(u8, u8, u8)>,\n    g: (u8, u8, u8),\n}\n";
+    let found: Vec<String> = wide_tuples_crossing_modules(src)
+        .into_iter()
+        .map(|(n, item)| format!("{n}: {item}"))
+        .collect();
+    assert_eq!(found, ["1: fn a", "6: field f"]);
+}
+
+/// What crosses a module boundary in `kvroute-remote` is named: no function or field visible
+/// outside its module takes, returns or holds a tuple of three or more elements.
+#[test]
+fn no_wide_tuple_crosses_a_module_boundary_in_remote() {
+    let root = workspace_root();
+    // Public API of `HeldChunks` shared with `kvroute-decode`'s `PrefilledChunk`: both change
+    // together.
+    let allowed = ["crates/remote/src/chunks.rs: fn paged_from_layers"];
+    let mut wide = Vec::new();
+    for path in files_with(&root.join("crates/remote/src"), &["rs"]) {
+        let src = std::fs::read_to_string(&path).unwrap();
+        let shown = path.strip_prefix(&root).unwrap_or(&path).display().to_string();
+        for (line, item) in wide_tuples_crossing_modules(&src) {
+            if !allowed.contains(&format!("{shown}: {item}").as_str()) {
+                wide.push(format!("{shown}:{line}: {item}"));
+            }
+        }
+    }
+    assert!(
+        wide.is_empty(),
+        "tuples of three or more elements crossing a module boundary (name them with a struct):\n{}",
+        wide.join("\n")
+    );
+}
