@@ -12,7 +12,7 @@ use crate::error::DecodeError;
 
 /// One prefilled chunk: its id, every layer's cache rows (`[tokens, 576]` bf16) and the
 /// positions they were rotated at.
-pub type PrefilledChunk = (ChunkId, Vec<Vec<u16>>, Vec<i64>);
+pub type PrefilledChunk = kvroute_remote::ChunkRows;
 
 /// Prefills chunk `chunk` of `context` through `model` at its canonical positions.
 pub fn prefill_chunk(
@@ -29,7 +29,11 @@ pub fn prefill_chunk(
     let tokens = context.chunk_ids(chunk, model.config().vocab_size);
     let positions = context.canonical_positions(chunk);
     let rows = model.prefill(&tokens, &positions)?;
-    Ok((chunk, rows, positions))
+    Ok(PrefilledChunk {
+        id: chunk,
+        layers: rows,
+        positions,
+    })
 }
 
 /// Chunks `ids` of `context` prefilled through `model` and laid out in a fresh local-only

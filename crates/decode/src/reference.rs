@@ -28,14 +28,18 @@ impl Reference {
         chunks: &[PrefilledChunk],
         plans: &[RequestPlan],
     ) -> Result<Self, DecodeError> {
-        let by_id: BTreeMap<ChunkId, &PrefilledChunk> = chunks.iter().map(|c| (c.0, c)).collect();
+        let by_id: BTreeMap<ChunkId, &PrefilledChunk> = chunks.iter().map(|c| (c.id, c)).collect();
         let layers = model.config().num_hidden_layers;
         let rope = *model.rope();
         let mut rows = Vec::with_capacity(plans.len());
         for plan in plans {
             let mut per_layer = vec![Vec::new(); layers];
             for &(id, start) in &plan.chunks {
-                let (_, kv, positions) = by_id.get(&id).ok_or_else(|| {
+                let PrefilledChunk {
+                    layers: kv,
+                    positions,
+                    ..
+                } = by_id.get(&id).ok_or_else(|| {
                     DecodeError::Config(format!("{id} was not prefilled for the reference"))
                 })?;
                 let delta = start - positions.first().copied().unwrap_or(0);

@@ -154,6 +154,19 @@ impl HeldChunk {
     }
 }
 
+/// One chunk's KV as a model's prefill leaves it: its id, its cache rows per layer
+/// (`[tokens, 576]` bf16, every layer the same token count) and the position each token's
+/// RoPE band was rotated to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChunkRows {
+    /// The chunk.
+    pub id: ChunkId,
+    /// Per layer, its rows.
+    pub layers: Vec<Vec<u16>>,
+    /// Per token, its position.
+    pub positions: Vec<i64>,
+}
+
 impl HeldChunks {
     /// Serves `chunks` out of `store`. Refused: a region peers may write, no chunks, a chunk
     /// listed twice, a bad layout, a position count that is not the token count, negative
@@ -255,19 +268,21 @@ impl HeldChunks {
                     .chunks_exact(layout.layer_elems())
                     .map(|l| l[..layout.tokens as usize * D_QK].to_vec())
                     .collect();
-                Ok((id, layers, corpus.positions(id)))
+                Ok(ChunkRows {
+                    id,
+                    layers,
+                    positions: corpus.positions(id),
+                })
             })
             .collect::<Result<Vec<_>, RemoteError>>()?;
         Self::paged_from_layers(engine, chunks, corpus.rope_layout, block_tokens, seed)
     }
 
-    /// A fresh local-only paged cache of `block_tokens`-token blocks holding `chunks`: each
-    /// its id, its rows per layer (`[tokens, 576]` bf16, every layer the same token count)
-    /// and the position each token's RoPE band was rotated to. Blocks are placed in an order
-    /// drawn from `seed`.
+    /// A fresh local-only paged cache of `block_tokens`-token blocks holding `chunks`. Blocks
+    /// are placed in an order drawn from `seed`.
     pub fn paged_from_layers(
         engine: &TransferEngine,
-        chunks: Vec<(ChunkId, Vec<Vec<u16>>, Vec<i64>)>,
+        chunks: Vec<ChunkRows>,
         rope_layout: RopeLayout,
         block_tokens: usize,
         seed: u64,
@@ -278,7 +293,7 @@ impl HeldChunks {
             )));
         }
         let mut layouts = Vec::with_capacity(chunks.len());
-        for (id, layers, _) in &chunks {
+        for ChunkRows { id, layers, .. } in &chunks {
             let tokens = layers.first().map_or(0, |l| l.len() / D_QK);
             if layers.iter().any(|l| l.len() != tokens * D_QK) {
                 return Err(RemoteError::Chunks(format!(
@@ -299,7 +314,15 @@ impl HeldChunks {
         let order = scattered(total, seed);
         let mut next = 0;
         let mut held = Vec::with_capacity(chunks.len());
-        for ((id, layers, positions), (layout, blocks)) in chunks.into_iter().zip(layouts) {
+        for (
+            ChunkRows {
+                id,
+                layers,
+                positions,
+            },
+            (layout, blocks),
+        ) in chunks.into_iter().zip(layouts)
+        {
             let table: Vec<u32> = order[next..next + blocks].to_vec();
             next += blocks;
             let per_layer = blocks / layout.layers as usize;

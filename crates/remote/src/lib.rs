@@ -44,7 +44,7 @@ pub mod step;
 pub mod wire;
 
 pub use background::{BackgroundRequester, OwnedCall, OwnedSparse, Reply};
-pub use chunks::{HeldChunk, HeldChunks, Placement};
+pub use chunks::{ChunkRows, HeldChunk, HeldChunks, Placement};
 pub use error::{RemoteError, RouteError};
 pub use holder::{Holder, HolderConfig};
 pub use requester::{
