@@ -238,18 +238,10 @@ fn poisoned_and_silent_directory_records_neither_hide_a_holder_nor_stall_the_req
 /// that wait: the silent holders' welcome, 1 s.)
 #[test]
 fn a_view_followed_in_the_background_never_waits_on_a_silent_holder() -> Result<()> {
-    use kvroute_kvstore::directory::{Directory, InProcessDirectory};
-    use std::net::TcpListener;
     let fabric = MemFabric::new();
-    let dir = InProcessDirectory::new();
-    let watch = dir.watch()?;
-    let honest = holder(&fabric, &[0, 1], 8)?;
-    let (record, chunks) = honest.directory_records(0);
-    let mut regs = vec![dir.register(record.clone(), chunks)?];
-    let elsewhere = TransferEngine::mem(&fabric, 1)?;
-    let silent = silent_records(&dir, &record, &elsewhere, "0-silent", &mut regs)?;
+    let listed = SilentlyListed::new(&fabric)?;
     let mut req = following_requester(&fabric)?;
-    let view = latest(&watch)?;
+    let view = latest(&listed.watch)?;
     assert_eq!(view.holders.len(), 4);
     let started = std::time::Instant::now();
     let sync = req.sync_in_background(&view);
@@ -275,8 +267,9 @@ fn a_view_followed_in_the_background_never_waits_on_a_silent_holder() -> Result<
         }
     }
     assert!(slowest < Duration::from_millis(200), "{slowest:?}");
-    assert_eq!(added, [(0, honest.addr())]);
-    let silent_addrs: Vec<_> = silent
+    assert_eq!(added, [(0, listed.honest.addr())]);
+    let silent_addrs: Vec<_> = listed
+        .silent
         .iter()
         .map(TcpListener::local_addr)
         .collect::<Result<_, _>>()?;
@@ -291,7 +284,6 @@ fn a_view_followed_in_the_background_never_waits_on_a_silent_holder() -> Result<
         started.elapsed()
     );
     assert!(req.poll_directory().opening.is_empty());
-    drop((regs, silent));
     Ok(())
 }
 
@@ -328,28 +320,12 @@ fn a_dropped_requester_takes_its_engine_with_it() -> Result<()> {
 /// `shm` regions behind.)
 #[test]
 fn a_requester_dropped_while_sessions_open_takes_its_engine_with_it() -> Result<()> {
-    use kvroute_kvstore::directory::{Directory, InProcessDirectory};
     let fabric = MemFabric::new();
-    let dir = InProcessDirectory::new();
-    let watch = dir.watch()?;
-    let honest = holder(&fabric, &[0, 1], 8)?;
-    let (record, chunks) = honest.directory_records(0);
-    let mut regs = vec![dir.register(record.clone(), chunks)?];
-    let elsewhere = TransferEngine::mem(&fabric, 1)?;
-    let silent = silent_records(&dir, &record, &elsewhere, "0-silent", &mut regs)?;
+    let listed = SilentlyListed::new(&fabric)?;
     let nics = fabric.len();
-    let mut req = Requester::connect(
-        TransferEngine::mem(&fabric, 1)?,
-        &[],
-        RequesterConfig {
-            max_holders: 4,
-            link_bytes: 1 << 20,
-            timeout: Duration::from_secs(5),
-            ..RequesterConfig::new(SCALE)
-        },
-    )?;
+    let mut req = following_requester_timed(&fabric, Duration::from_secs(5))?;
     assert_eq!(fabric.len(), nics + 1);
-    let sync = req.sync_in_background(&*latest(&watch)?);
+    let sync = req.sync_in_background(&*latest(&listed.watch)?);
     assert_eq!(sync.opening.len(), 4, "{sync:?}");
     // Until the silent holders' connections are made (at once: they listen).
     std::thread::sleep(Duration::from_millis(100));
@@ -361,8 +337,40 @@ fn a_requester_dropped_while_sessions_open_takes_its_engine_with_it() -> Result<
         started.elapsed()
     );
     assert_eq!(fabric.len(), nics, "the requester's engine outlived it");
-    drop((regs, silent));
     Ok(())
+}
+
+/// An in-process directory listing an honest holder of chunks 0 and 1 and three records
+/// whose control addresses accept connections and never answer ([`silent_records`]), all
+/// registered while this lives.
+struct SilentlyListed {
+    honest: Holder,
+    silent: Vec<std::net::TcpListener>,
+    watch: kvroute_kvstore::directory::Watch,
+    _registrations: Vec<Box<dyn kvroute_kvstore::directory::Registration>>,
+    _elsewhere: TransferEngine,
+    _dir: kvroute_kvstore::directory::InProcessDirectory,
+}
+
+impl SilentlyListed {
+    fn new(fabric: &MemFabric) -> Result<Self> {
+        use kvroute_kvstore::directory::{Directory, InProcessDirectory};
+        let dir = InProcessDirectory::new();
+        let watch = dir.watch()?;
+        let honest = holder(fabric, &[0, 1], 8)?;
+        let (record, chunks) = honest.directory_records(0);
+        let mut regs = vec![dir.register(record.clone(), chunks)?];
+        let elsewhere = TransferEngine::mem(fabric, 1)?;
+        let silent = silent_records(&dir, &record, &elsewhere, "0-silent", &mut regs)?;
+        Ok(Self {
+            honest,
+            silent,
+            watch,
+            _registrations: regs,
+            _elsewhere: elsewhere,
+            _dir: dir,
+        })
+    }
 }
 
 /// Three listeners that accept connections and never answer, each registered in `dir` as
@@ -394,13 +402,18 @@ fn silent_records(
 /// (A silent holder's welcome is waited for 1 s at least whatever the timeout; a shorter one
 /// would only fail routes and data paths on a loaded machine.)
 fn following_requester(fabric: &MemFabric) -> Result<Requester> {
+    following_requester_timed(fabric, Duration::from_secs(1))
+}
+
+/// [`following_requester`] with another timeout.
+fn following_requester_timed(fabric: &MemFabric, timeout: Duration) -> Result<Requester> {
     Ok(Requester::connect(
         TransferEngine::mem(fabric, 1)?,
         &[],
         RequesterConfig {
             max_holders: 4,
             link_bytes: 1 << 20,
-            timeout: Duration::from_secs(1),
+            timeout,
             ..RequesterConfig::new(SCALE)
         },
     )?)
