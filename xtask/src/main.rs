@@ -402,6 +402,7 @@ fn library_alone() -> Result<()> {
 /// members), with its verification build: each crate must build from exactly the files it
 /// would publish, against its dependencies as published (the workspace's own as packaged).
 fn package() -> Result<()> {
+    forget_unpacked_packages()?;
     cargo_step(
         "package",
         &[
@@ -419,6 +420,63 @@ fn package() -> Result<()> {
         ],
         &[],
     )
+}
+
+/// Removes what an earlier `cargo package` unpacked of this workspace's crates.
+///
+/// Its verification builds each crate against the others as packaged: their tarballs are
+/// unpacked into `$CARGO_HOME/registry/src/<overlay>/<name>-<version>`, and cargo does not
+/// unpack a crate again where that directory is left from an earlier run (of another tree
+/// with the same versions). An earlier tree's sources would then be built in place of this
+/// one's, and a crate using something new in another would fail to verify.
+fn forget_unpacked_packages() -> Result<()> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let out = Command::new(&cargo)
+        .args(["metadata", "--no-deps", "--format-version", "1", "--locked"])
+        .current_dir(workspace_root())
+        .output()
+        .context("starting cargo metadata")?;
+    if !out.status.success() {
+        bail!(
+            "cargo metadata failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let meta: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("reading cargo metadata's output")?;
+    let ours: Vec<String> = meta["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| {
+            Some(format!(
+                "{}-{}",
+                p["name"].as_str()?,
+                p["version"].as_str()?
+            ))
+        })
+        .collect();
+    let home = match std::env::var_os("CARGO_HOME") {
+        Some(home) => PathBuf::from(home),
+        None => {
+            PathBuf::from(std::env::var_os("HOME").context("neither CARGO_HOME nor HOME is set")?)
+                .join(".cargo")
+        }
+    };
+    let src = home.join("registry").join("src");
+    let Ok(registries) = std::fs::read_dir(&src) else {
+        return Ok(());
+    };
+    for registry in registries.flatten() {
+        for name in &ours {
+            let unpacked = registry.path().join(name);
+            if unpacked.is_dir() {
+                std::fs::remove_dir_all(&unpacked)
+                    .with_context(|| format!("removing {}", unpacked.display()))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `soak [--minutes N]`: the holders-and-requesters soak (crates/remote/examples/soak.rs) for
