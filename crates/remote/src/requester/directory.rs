@@ -35,13 +35,13 @@ pub(super) struct Opening {
 
 /// What an opening thread and a requester being dropped share. The thread takes the engine
 /// only once its control connection is made, recording a handle to it; a requester being
-/// dropped takes the engine back from a thread still connecting, and shuts the connection
-/// of one past it, which then fails at once. So no thread keeps the engine (its endpoints,
-/// and their `shm` regions) past the requester's drop, however slow a holder is to answer.
+/// dropped takes the engine back from a thread still connecting (whoever takes it first has
+/// it), and shuts the connection of one past it, which then fails at once. So no thread
+/// keeps the engine (its endpoints, and their `shm` regions) past the requester's drop,
+/// however slow a holder is to answer.
 struct OpeningState {
     engine: Option<TransferEngine>,
     control: Option<TcpStream>,
-    cancelled: bool,
 }
 
 impl Opening {
@@ -50,7 +50,6 @@ impl Opening {
     pub(super) fn cancel(self) {
         let engaged = {
             let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            state.cancelled = true;
             drop(state.engine.take());
             match state.control.take() {
                 Some(control) => {
@@ -68,20 +67,18 @@ impl Opening {
 }
 
 /// The engine for an opening thread whose control connection is `control`, recording a
-/// handle to the connection; `None` once the requester is being dropped.
+/// handle to the connection; an error once the requester is being dropped.
 fn engage(state: &Mutex<OpeningState>, control: &TcpStream) -> std::io::Result<TransferEngine> {
     let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
-    let dropped = || {
+    let handle = control.try_clone()?;
+    let engine = state.engine.take().ok_or_else(|| {
         std::io::Error::new(
             std::io::ErrorKind::Interrupted,
             "the requester was dropped while this session opened",
         )
-    };
-    if state.cancelled {
-        return Err(dropped());
-    }
-    state.control = Some(control.try_clone()?);
-    state.engine.take().ok_or_else(dropped)
+    })?;
+    state.control = Some(handle);
+    Ok(engine)
 }
 
 /// What [`Requester::sync_with`] changed.
@@ -277,7 +274,6 @@ impl Requester {
             let state = Arc::new(Mutex::new(OpeningState {
                 engine: Some(self.engine.clone()),
                 control: None,
-                cancelled: false,
             }));
             let shared = Arc::clone(&state);
             let thread = std::thread::Builder::new()
