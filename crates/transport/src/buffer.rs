@@ -18,7 +18,7 @@ const ALIGN: usize = 4096;
 
 /// Zeroed, page-aligned host memory, freed when the last of its owners goes: the buffer and
 /// every [`Grant`] onto it, each of which deregisters before it lets go.
-struct Allocation {
+pub(crate) struct Allocation {
     ptr: NonNull<u8>,
     len: usize,
 }
@@ -40,6 +40,13 @@ impl Allocation {
         let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })
             .ok_or(TransportError::Domain("out of memory".to_owned()))?;
         Ok(Self { ptr, len })
+    }
+}
+
+impl Allocation {
+    /// The first byte.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
     }
 }
 
@@ -146,6 +153,12 @@ impl RegisteredBuffer {
         &self.handle
     }
 
+    /// The memory, shared: what keeps it allocated past the buffer's drop for as long as
+    /// a view or a write in flight still uses it.
+    pub(crate) fn memory(&self) -> Arc<Allocation> {
+        Arc::clone(&self.mem)
+    }
+
     /// The descriptor peers write through.
     pub fn desc(&self) -> &MrDesc {
         &self.desc
@@ -202,6 +215,32 @@ impl RegisteredBuffer {
                 out.len(),
             )
         };
+        Ok(())
+    }
+
+    /// Appends a copy of bytes `offset..offset + len` to `out`: what a reader of bytes a
+    /// peer writes takes, so that what it checks cannot change under it. No zeroing pass:
+    /// the bytes go straight into `out`'s spare capacity.
+    pub fn append_to(
+        &self,
+        offset: usize,
+        len: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<(), TransportError> {
+        check_range(Side::Source, self.mem.len as u64, offset as u64, len as u64)?;
+        out.reserve(len);
+        let spare = &mut out.spare_capacity_mut()[..len];
+        // SAFETY: the source range is inside the allocation (checked), the destination is
+        // `len` bytes of `out`'s spare capacity (reserved), and they cannot overlap (`out` is
+        // a `Vec` the caller owns); see the type's docs on concurrent peer writes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.mem.ptr.as_ptr().add(offset),
+                spare.as_mut_ptr().cast::<u8>(),
+                len,
+            );
+            out.set_len(out.len() + len);
+        }
         Ok(())
     }
 
@@ -314,6 +353,176 @@ impl Drop for RegisteredBuffer {
     }
 }
 
+impl RegisteredBuffer {
+    /// Gives up writing the buffer: what is in it now is what it holds until it is dropped,
+    /// so it can be read in place without `unsafe` ([`SealedBuffer`]). Refused where peers
+    /// may write it (its access is not [`Access::Local`]) or a grant onto it lives.
+    pub fn seal(mut self) -> Result<SealedBuffer, TransportError> {
+        if self.access != Access::Local {
+            return Err(TransportError::InvalidArgument(
+                "a buffer peers may write cannot be sealed",
+            ));
+        }
+        // Unique: no grant shares the memory (`get_mut` synchronizes with their drops).
+        if Arc::get_mut(&mut self.mem).is_none() {
+            return Err(TransportError::InvalidArgument(
+                "a buffer with a live grant cannot be sealed",
+            ));
+        }
+        Ok(SealedBuffer { buf: self })
+    }
+}
+
+/// A registered buffer nothing writes any more ([`RegisteredBuffer::seal`]): local only, no
+/// grant onto it, no method that writes it. It is still the source of writes (its handle),
+/// which read it; and it is read in place, as a held KV store is by attention.
+pub struct SealedBuffer {
+    buf: RegisteredBuffer,
+}
+
+impl std::fmt::Debug for SealedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SealedBuffer")
+            .field("buf", &self.buf)
+            .finish()
+    }
+}
+
+impl SealedBuffer {
+    /// The local handle (source of writes).
+    pub fn handle(&self) -> &MrHandle {
+        self.buf.handle()
+    }
+
+    /// The buffer's descriptor (local only: no peer can write through it).
+    pub fn desc(&self) -> &MrDesc {
+        self.buf.desc()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Whether the buffer is empty (never: buffers have a length).
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    /// Copies `out.len()` bytes from `offset` into `out`.
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), TransportError> {
+        self.buf.read_at(offset, out)
+    }
+
+    /// Bytes `offset..offset + len`, borrowed in place.
+    pub fn bytes(&self, offset: usize, len: usize) -> Result<&[u8], TransportError> {
+        // SAFETY: nothing writes a sealed buffer: no local method does, no peer can (local
+        // only, no grant lives and none can be made).
+        unsafe { self.buf.bytes(offset, len) }
+    }
+
+    /// Bytes `offset..offset + 2 * words` as `u16` words, borrowed in place; `offset` must be
+    /// even.
+    pub fn u16s(&self, offset: usize, words: usize) -> Result<&[u16], TransportError> {
+        // SAFETY: as in `bytes`.
+        unsafe { self.buf.u16s(offset, words) }
+    }
+
+    /// The buffer's address, for code that copies it to a device.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.buf.as_ptr()
+    }
+}
+
+/// Registered memory that peers write only through [`Grant`]s, each of just the bytes one
+/// transfer lands ([`TransferEngine::alloc_granted`]): local only, and its handle is never
+/// handed out, so it is the source of no write. It is read and written here only while no
+/// grant onto it lives (checked), and a grant needs `&mut self`, so no grant can be made
+/// while such a view lives: no peer write can land under one.
+pub struct GrantedBuffer {
+    buf: RegisteredBuffer,
+}
+
+impl std::fmt::Debug for GrantedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrantedBuffer")
+            .field("buf", &self.buf)
+            .finish()
+    }
+}
+
+impl GrantedBuffer {
+    pub(crate) fn new(buf: RegisteredBuffer) -> Self {
+        debug_assert_eq!(buf.access, Access::Local);
+        Self { buf }
+    }
+
+    /// The buffer's own descriptor: local only, so no peer can write through it.
+    pub fn desc(&self) -> &MrDesc {
+        self.buf.desc()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Whether the buffer is empty (never: buffers have a length).
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    /// A window peers may write through ([`RegisteredBuffer::grant`]).
+    pub fn grant(&mut self, offset: usize, len: usize) -> Result<Grant, TransportError> {
+        self.buf.grant(offset, len)
+    }
+
+    /// Whether a grant onto the buffer lives (a peer may be writing it).
+    pub fn granted(&self) -> bool {
+        Arc::strong_count(&self.buf.mem) > 1
+    }
+
+    fn quiet(&self) -> Result<(), TransportError> {
+        if self.granted() {
+            return Err(TransportError::InvalidArgument(
+                "the buffer is read only while no grant onto it lives",
+            ));
+        }
+        // Pairs with the release of the last grant's drop (after its deregistration), as
+        // `Arc`'s own drop does: whatever peers wrote through it is visible from here.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        Ok(())
+    }
+
+    /// Bytes `offset..offset + 2 * words` as `u16` words, borrowed in place; refused while a
+    /// grant lives. `offset` must be even.
+    pub fn u16s(&self, offset: usize, words: usize) -> Result<&[u16], TransportError> {
+        self.quiet()?;
+        // SAFETY: no peer can write: the registration is local only, no grant lives (checked)
+        // and none can be made while `&self` is borrowed (`grant` takes `&mut self`); no
+        // local write can: the only mutable view needs `&mut self`, and the handle is never
+        // handed out, so no write reads from it either.
+        unsafe { self.buf.u16s(offset, words) }
+    }
+
+    /// [`GrantedBuffer::u16s`], mutable.
+    pub fn u16s_mut(&mut self, offset: usize, words: usize) -> Result<&mut [u16], TransportError> {
+        self.quiet()?;
+        // SAFETY: as in `u16s`, and exclusive: `&mut self`.
+        unsafe { self.buf.u16s_mut(offset, words) }
+    }
+
+    /// Copies `out.len()` bytes from `offset` into `out`.
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), TransportError> {
+        self.buf.read_at(offset, out)
+    }
+
+    /// A copy of the whole buffer.
+    pub fn to_vec(&self) -> Vec<u8> {
+        self.buf.to_vec()
+    }
+}
+
 /// A window onto part of a [`RegisteredBuffer`] that peers may write through
 /// ([`RegisteredBuffer::grant`]); dropping it deregisters the window.
 pub struct Grant {
@@ -363,5 +572,48 @@ impl Drop for Grant {
         {
             tracing::warn!(%e, "deregistering a grant failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::MemFabric;
+
+    #[test]
+    fn only_a_local_buffer_without_grants_seals() {
+        let fabric = MemFabric::new();
+        let engine = TransferEngine::mem(&fabric, 1).unwrap();
+        assert!(
+            engine.alloc_mr(4096).unwrap().seal().is_err(),
+            "peers may write it"
+        );
+        let local = engine.alloc_mr_with(4096, Access::Local).unwrap();
+        let grant = local.grant(0, 64).unwrap();
+        let local = match local.seal() {
+            Err(_) => engine.alloc_mr_with(4096, Access::Local).unwrap(),
+            Ok(_) => panic!("sealed with a live grant"),
+        };
+        drop(grant);
+        local.write_at(8, &[1, 2, 3, 4]).unwrap();
+        let sealed = local.seal().unwrap();
+        assert_eq!(sealed.bytes(8, 4).unwrap(), &[1, 2, 3, 4]);
+        assert_eq!(
+            sealed.u16s(8, 2).unwrap(),
+            &[u16::from_ne_bytes([1, 2]), u16::from_ne_bytes([3, 4])]
+        );
+    }
+
+    #[test]
+    fn a_granted_buffer_is_read_only_while_no_grant_lives() {
+        let fabric = MemFabric::new();
+        let engine = TransferEngine::mem(&fabric, 1).unwrap();
+        let mut pool = engine.alloc_granted(8192).unwrap();
+        let grant = pool.grant(4096, 4096).unwrap();
+        assert!(pool.granted());
+        assert!(pool.u16s(0, 16).is_err(), "read under a live grant");
+        drop(grant);
+        pool.u16s_mut(0, 16).unwrap().fill(7);
+        assert_eq!(pool.u16s(0, 16).unwrap(), &[7; 16]);
     }
 }

@@ -144,6 +144,17 @@ pub enum TransportError {
     /// The submission queue is full and the engine is configured not to wait.
     #[error("the submission queue is full")]
     QueueFull,
+
+    /// Staging bytes asked for while lent out ([`crate::Staging`]).
+    #[error("staging bytes [{offset}, {offset}+{len}) are {why}")]
+    StagingBusy {
+        /// First byte asked for.
+        offset: usize,
+        /// Bytes asked for.
+        len: usize,
+        /// Why they are not free: a write still reads them, or another view holds them.
+        why: &'static str,
+    },
     /// The engine has shut down.
     #[error("the engine has shut down")]
     Shutdown,

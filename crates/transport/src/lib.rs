@@ -61,6 +61,7 @@ pub mod on_done;
 pub mod plan;
 pub(crate) mod recv_pool;
 pub mod request;
+mod staging;
 mod sync;
 pub(crate) mod transfer_state;
 pub mod verbs;
@@ -72,7 +73,7 @@ mod watcher;
 pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 pub use addr::{DomainAddr, MAX_NICS, NetAddr};
-pub use buffer::{Grant, RegisteredBuffer};
+pub use buffer::{Grant, GrantedBuffer, RegisteredBuffer, SealedBuffer};
 pub use cancel::CancellationToken;
 pub use domain::Domain;
 pub use engine::{
@@ -87,5 +88,6 @@ pub use mr::{Access, Device, MrDesc, MrHandle, RemoteKey};
 pub use on_done::{DoneCounter, DoneFlag, OnDone, Outcome, TransferFuture, block_on};
 pub use plan::TransferShape;
 pub use request::{Pages, ScatterDst};
+pub use staging::{StagedBytes, Staging};
 pub use verbs::{VerbsConfig, VerbsDomain};
 pub use watcher::WatchedWord;

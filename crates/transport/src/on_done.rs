@@ -42,6 +42,10 @@ pub type DoneCallback = Box<dyn FnOnce(Outcome) + Send + 'static>;
 pub struct OnDone {
     pub(crate) action: DoneAction,
     pub(crate) cancel: Option<CancellationToken>,
+    /// The staging bytes the transfer reads, held as being written out until it finishes
+    /// ([`crate::Staging::submit_write`]); released before the action runs, so whoever the
+    /// action tells may fill them again at once.
+    pub(crate) lease: Option<crate::staging::SendLease>,
 }
 
 pub(crate) enum DoneAction {
@@ -73,6 +77,7 @@ impl OnDone {
         Self {
             action,
             cancel: None,
+            lease: None,
         }
     }
 
@@ -84,7 +89,7 @@ impl OnDone {
 
     /// Whether finishing does nothing: no action, no cancellation token.
     pub(crate) fn reports_nothing(&self) -> bool {
-        matches!(self.action, DoneAction::Nothing) && self.cancel.is_none()
+        matches!(self.action, DoneAction::Nothing) && self.cancel.is_none() && self.lease.is_none()
     }
 
     /// Run `f` with the result on the engine's callback thread. `f` may call back into the
@@ -125,6 +130,7 @@ impl OnDone {
 
     /// Delivers `outcome`; callbacks are handed to `run_callback`.
     pub(crate) fn finish(self, outcome: Outcome, run_callback: impl FnOnce(DoneCallback, Outcome)) {
+        drop(self.lease);
         match self.action {
             DoneAction::Nothing => {}
             DoneAction::Callback(f) => run_callback(f, outcome),

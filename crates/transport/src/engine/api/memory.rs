@@ -4,12 +4,13 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use crate::buffer::RegisteredBuffer;
+use crate::buffer::{GrantedBuffer, RegisteredBuffer};
 use crate::engine::TransferEngine;
 use crate::engine::message::Command;
 use crate::engine::shared::{GroupShared, RegionEntry};
 use crate::error::TransportError;
 use crate::mr::{Access, Device, MrDesc, MrHandle};
+use crate::staging::Staging;
 use crate::watcher::WatchedWord;
 
 impl TransferEngine {
@@ -88,6 +89,23 @@ impl TransferEngine {
         access: Access,
     ) -> Result<RegisteredBuffer, TransportError> {
         RegisteredBuffer::new(self.clone(), len, access)
+    }
+
+    /// Allocates `len` bytes of registered, local-only staging to fill and write out of
+    /// ([`Staging`]): the engine tracks which bytes writes still read, so none is refilled
+    /// under a write in flight.
+    pub fn alloc_staging(&self, len: usize) -> Result<Staging, TransportError> {
+        Staging::new(self, len)
+    }
+
+    /// Allocates `len` bytes of registered memory that peers write only through grants
+    /// ([`GrantedBuffer`]), read and written here only while no grant lives.
+    pub fn alloc_granted(&self, len: usize) -> Result<GrantedBuffer, TransportError> {
+        Ok(GrantedBuffer::new(RegisteredBuffer::new(
+            self.clone(),
+            len,
+            Access::Local,
+        )?))
     }
 
     pub(super) fn local(
