@@ -18,7 +18,7 @@ use kvroute_kernels::{Cache, RopeLayout};
 use kvroute_kvstore::{
     BlockLayout, ChunkEntry, ChunkId, CorpusSpec, FullBlock, MAX_BLOCK_TOKENS, ROW_BYTES,
 };
-use kvroute_transport::{Access, NetAddr, RegisteredBuffer, TransferEngine};
+use kvroute_transport::{Access, NetAddr, RegisteredBuffer, SealedBuffer, TransferEngine};
 
 use crate::error::RemoteError;
 
@@ -61,7 +61,7 @@ pub struct HeldChunk {
 /// Chunks in one registered region, checked to lie inside it without overlapping.
 #[derive(Debug)]
 pub struct HeldChunks {
-    store: RegisteredBuffer,
+    store: SealedBuffer,
     chunks: Vec<HeldChunk>,
     by_id: BTreeMap<ChunkId, usize>,
 }
@@ -172,7 +172,9 @@ impl HeldChunks {
     /// listed twice, a bad layout, a position count that is not the token count, negative
     /// positions, a full block or a paged block outside the region, a block table of the
     /// wrong length, a full block offset that is not 2-byte aligned (rows are bf16), or two
-    /// chunks (or two blocks of one) sharing bytes.
+    /// chunks (or two blocks of one) sharing bytes. The region is sealed
+    /// ([`RegisteredBuffer::seal`]): a live grant onto it is refused too, and nothing writes
+    /// it from here on.
     pub fn new(store: RegisteredBuffer, chunks: Vec<HeldChunk>) -> Result<Self, RemoteError> {
         if store.access() != Access::Local {
             return Err(RemoteError::Chunks(
@@ -209,6 +211,9 @@ impl HeldChunks {
                 format!("{} and {} overlap in the region", w[0].2, w[1].2)
             }));
         }
+        let store = store
+            .seal()
+            .map_err(|e| RemoteError::Chunks(format!("the held region: {e}")))?;
         Ok(Self {
             store,
             chunks,
@@ -351,8 +356,8 @@ impl HeldChunks {
         &self.chunks
     }
 
-    /// The region.
-    pub fn store(&self) -> &RegisteredBuffer {
+    /// The region, sealed: nothing writes it while it is served.
+    pub fn store(&self) -> &SealedBuffer {
         &self.store
     }
 
@@ -402,8 +407,7 @@ impl HeldChunks {
             } => {
                 chunk.layout.layer_offset(layer)?;
                 let blocks = self.store.len() / (block_tokens * ROW_BYTES);
-                // SAFETY: as in `block`: the region is local only and nothing writes it.
-                let pool = unsafe { self.store.u16s(0, blocks * block_tokens * D_QK)? };
+                let pool = self.store.u16s(0, blocks * block_tokens * D_QK)?;
                 let per_layer = all.div_ceil(*block_tokens);
                 let at = layer as usize * per_layer;
                 Ok(Cache::paged_blocks(
@@ -439,17 +443,13 @@ impl HeldChunks {
                 why: "held in a paged cache, not as one full block".into(),
             });
         };
-        // SAFETY: the region is registered local only (checked in `new`), so no peer writes
-        // it; this crate never writes it; the caller that handed it over gave up its
-        // ownership with it. The range lies inside it (checked in `new`).
-        let elems = unsafe { self.store.u16s(offset, chunk.layout.full_elems())? };
+        let elems = self.store.u16s(offset, chunk.layout.full_elems())?;
         Ok(FullBlock::new(elems, chunk.layout)?)
     }
 
     /// `len` bytes of the region at `offset`, for packing gathered rows.
     pub(crate) fn bytes(&self, offset: usize, len: usize) -> Result<&[u8], RemoteError> {
-        // SAFETY: as in `block`: nothing writes the region.
-        Ok(unsafe { self.store.bytes(offset, len)? })
+        Ok(self.store.bytes(offset, len)?)
     }
 }
 

@@ -18,29 +18,27 @@
 //! into typed values or refused with a status or a [`RemoteError`], never a panic; a held
 //! region must be registered local only, so no peer write can land in the KV.
 
-// The registered memory this crate reads (a held chunk, a landed request or reply) is read
-// in a few places, each with a SAFETY comment naming the protocol step that makes it quiet.
-#![deny(unsafe_code)]
+// Registered memory is reached only through the transport's safe types: held chunks sealed
+// (`SealedBuffer`), the fetch pool written by peers through grants alone (`GrantedBuffer`),
+// staging lent out only while no write reads it (`Staging`), and what peers write copied
+// out before it is checked.
+#![forbid(unsafe_code)]
 
 mod background;
 pub mod checked;
-#[allow(unsafe_code)]
 mod chunks;
 mod control;
 pub mod dispatch;
 mod error;
-#[allow(unsafe_code)]
 mod holder;
 pub mod kernel_rate;
 #[cfg(feature = "measure")]
 pub mod measure;
 pub mod observe;
 pub mod probe;
-#[allow(unsafe_code)]
 mod requester;
 pub mod session;
 pub mod step;
-#[allow(unsafe_code)]
 pub mod wire;
 
 pub use background::{BackgroundRequester, OwnedCall, OwnedSparse, Reply};

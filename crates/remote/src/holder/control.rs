@@ -6,12 +6,13 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvroute_transport::NetAddr;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
 use super::{PROOF_FAILED, PROOF_OK, PROOF_PENDING, Session, Shared, check_hello, lock, new_token};
 use crate::error::RemoteError;
@@ -119,15 +120,8 @@ impl Shared {
     /// and releases each session when its connection ends, until the holder stops.
     pub(super) fn control(self: &Arc<Self>, listener: &TcpListener) {
         let mut conns: Vec<Conn> = Vec::new();
-        let mut fds: Vec<libc::pollfd> = Vec::new();
         while !self.stop.load(Ordering::Acquire) {
             self.close_unopened();
-            fds.clear();
-            fds.push(pollfd(listener.as_raw_fd(), libc::POLLIN));
-            for c in &conns {
-                let write = if c.wants_write() { libc::POLLOUT } else { 0 };
-                fds.push(pollfd(c.stream.as_raw_fd(), libc::POLLIN | write));
-            }
             let now = Instant::now();
             let wait = conns
                 .iter()
@@ -138,29 +132,21 @@ impl Shared {
                     _ => None,
                 })
                 .fold(TICK, Duration::min);
-            let ms = libc::c_int::try_from(wait.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
-            // SAFETY: `fds` holds `fds.len()` initialized pollfds of open descriptors.
-            let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-            if ready < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    tracing::warn!(%e, "poll failed");
-                    std::thread::sleep(Duration::from_millis(5));
-                }
+            let Some(revents) = poll_ready(listener, &conns, wait) else {
                 continue;
-            }
+            };
             self.take_proofs();
             let now = Instant::now();
             let mut i = 0;
             conns.retain_mut(|c| {
                 i += 1;
-                let keep = self.drive(c, fds[i].revents, now);
+                let keep = self.drive(c, revents[i], now);
                 if !keep {
                     self.end(c);
                 }
                 keep
             });
-            if fds[0].revents & libc::POLLIN != 0 {
+            if revents[0].contains(PollFlags::POLLIN) {
                 self.accept_ready(listener, &mut conns);
             }
         }
@@ -233,8 +219,10 @@ impl Shared {
     }
 
     /// Handles what `poll` reported for `c`; false when the connection is done.
-    fn drive(&self, c: &mut Conn, revents: libc::c_short, now: Instant) -> bool {
-        if revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 && !self.read_lines(c) {
+    fn drive(&self, c: &mut Conn, revents: PollFlags, now: Instant) -> bool {
+        if revents.intersects(PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR)
+            && !self.read_lines(c)
+        {
             return false;
         }
         self.answer_proof(c, now);
@@ -500,10 +488,34 @@ fn address_in_use(sessions: &[Option<Session>], addr: &NetAddr) -> bool {
     sessions.iter().flatten().any(|s| s.hello.addr == *addr)
 }
 
-fn pollfd(fd: std::os::fd::RawFd, events: libc::c_short) -> libc::pollfd {
-    libc::pollfd {
-        fd,
-        events,
-        revents: 0,
+/// Waits up to `wait` (at least 1 ms) for the listener to take a connection or a connection
+/// to read (or write, where it has output waiting); what happened to each, the listener
+/// first. `None` where the poll failed (after a short pause, unless a signal interrupted it).
+fn poll_ready(listener: &TcpListener, conns: &[Conn], wait: Duration) -> Option<Vec<PollFlags>> {
+    let mut fds = Vec::with_capacity(conns.len() + 1);
+    fds.push(PollFd::new(listener.as_fd(), PollFlags::POLLIN));
+    for c in conns {
+        let write = if c.wants_write() {
+            PollFlags::POLLOUT
+        } else {
+            PollFlags::empty()
+        };
+        fds.push(PollFd::new(c.stream.as_fd(), PollFlags::POLLIN | write));
+    }
+    let timeout =
+        PollTimeout::try_from(wait.max(Duration::from_millis(1))).unwrap_or(PollTimeout::MAX);
+    match poll(&mut fds, timeout) {
+        Ok(_) => Some(
+            fds.iter()
+                .map(|f| f.revents().unwrap_or(PollFlags::empty()))
+                .collect(),
+        ),
+        Err(e) => {
+            if e != nix::errno::Errno::EINTR {
+                tracing::warn!(%e, "poll failed");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            None
+        }
     }
 }

@@ -21,7 +21,7 @@ use kvroute_costmodel::HolderCompute;
 use kvroute_kernels::Backend;
 use kvroute_kvstore::ChunkEntry;
 use kvroute_kvstore::directory::{ChunkRecord, HolderRecord, SCHEMA};
-use kvroute_transport::{Access, NetAddr, RegisteredBuffer, TransferEngine};
+use kvroute_transport::{NetAddr, RegisteredBuffer, Staging, TransferEngine};
 
 use crate::chunks::HeldChunks;
 use crate::error::RemoteError;
@@ -218,6 +218,13 @@ enum Use {
     Ping,
 }
 
+/// How long serving waits for the completion of a session's previous write out of the
+/// staging its next answer goes in. That write has landed (the requester sent again after it
+/// arrived), so only this side's completion can lag, by a descheduled thread at most; a
+/// requester that sends before its answer arrives is the only one that can make serving wait
+/// this long, and then its answer fails.
+const STAGING_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// A session's proof has not arrived.
 const PROOF_PENDING: u8 = 0;
 /// A session's proof arrived from its hello's address.
@@ -278,9 +285,9 @@ struct Shared {
     chunks: HeldChunks,
     /// Where the partials run, and the chunks' copies on a GPU.
     compute: Compute,
-    staging: RegisteredBuffer,
+    staging: Staging,
     /// Per session, `gather_bytes` of packed gathered rows.
-    gather_staging: RegisteredBuffer,
+    gather_staging: Staging,
     entries: Vec<ChunkEntry>,
     sessions: Mutex<Vec<Option<Session>>>,
     /// Proof messages as the transport delivered them: (session, token, sender).
@@ -343,9 +350,8 @@ impl Holder {
         let entries = chunks.entries(&engine.main_address());
         let compute = Compute::new(&chunks, config.backend)?;
         let kernel = KernelRate::new(calibrate_on(&chunks, &compute)?);
-        let staging = engine.alloc_mr_with(staging_bytes(config.reply_bytes)?, Access::Local)?;
-        let gather_staging =
-            engine.alloc_mr_with(staging_bytes(config.gather_bytes)?.max(1), Access::Local)?;
+        let staging = engine.alloc_staging(staging_bytes(config.reply_bytes)?)?;
+        let gather_staging = engine.alloc_staging(staging_bytes(config.gather_bytes)?.max(1))?;
         // Arrivals straight from the progress pass: no callback-thread hop on the way to the
         // serving thread.
         let rx = engine.unexpected_imms();

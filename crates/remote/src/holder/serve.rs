@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use kvroute_kernels::layout::{D_QK, PARTIAL_ROW_BYTES};
 use kvroute_kernels::{Queries, WireOut};
-use kvroute_transport::{MrDesc, OnDone, TransportError, UnexpectedImms};
+use kvroute_transport::{MrDesc, OnDone, StagedBytes, TransportError, UnexpectedImms};
 
 use super::compute::GroupCall;
 use super::group::{GroupKey, GroupKind, GroupWork, Member, group_work};
 use super::transfer::GatherStaging;
-use super::{Session, Shared, Use, lock};
+use super::{STAGING_WAIT, Session, Shared, Use, lock};
 use crate::error::RemoteError;
 use crate::session::HolderStats;
 use crate::wire::{self, Request, SegmentKind, Status};
@@ -167,13 +167,14 @@ impl Shared {
         let source = slot * self.config.reply_bytes;
         if pong == wire::Pong::Written {
             let started = Instant::now();
-            // SAFETY: the slot's own reply staging (`len` is within it, checked above); no
-            // write from it is in flight, as the requester waits for each pong or reply
-            // before it sends again.
-            let written = unsafe { self.staging.bytes_mut(source, len) }.map(|out| {
-                let value = (len as u8) | 1;
-                out.fill(value);
-            });
+            // The slot's own reply staging (`len` is within it, checked above).
+            let written = self
+                .staging
+                .bytes_mut_within(source, len, STAGING_WAIT)
+                .map(|mut out| {
+                    let value = (len as u8) | 1;
+                    out.fill(value);
+                });
             let mut stats = lock(&self.stats);
             stats.pong_write_us += started.elapsed().as_secs_f64() * 1e6;
             if written.is_err() {
@@ -184,10 +185,9 @@ impl Shared {
         // Counted under the lock the pong is sent in: a reader that saw it land finds it
         // counted.
         let mut stats = lock(&self.stats);
-        let result = self.engine.submit_single_write(
-            len as u64,
+        let result = self.staging.submit_write(
+            (source, len),
             Some(session.hello.reply_imm),
-            (self.staging.handle(), source as u64),
             (&session.hello.reply, offset),
             OnDone::nothing(),
         );
@@ -200,18 +200,21 @@ impl Shared {
     pub(super) fn serve_batch(&self, ready: &[usize]) {
         let started = Instant::now();
         let admitted = self.admit(ready);
+        // Each request is copied out of its inbox before it is parsed: the requester may
+        // write its inbox whenever it likes, and what is checked must not change under the
+        // checks.
+        let copies: Vec<Option<Vec<u8>>> = admitted
+            .iter()
+            .map(|(_, session, len)| {
+                let mut bytes = Vec::new();
+                session.inbox.append_to(0, *len, &mut bytes).ok()?;
+                Some(bytes)
+            })
+            .collect();
         let slots: Vec<Slot<'_>> = admitted
             .iter()
-            .filter_map(|(slot, session, len)| {
-                // SAFETY: the requester writes its slot only after the reply to its previous
-                // request and before the immediate of this one (the protocol), so nothing
-                // writes it while this batch reads it; the range is inside this session's
-                // inbox. A requester that breaks the protocol changes only the values of its
-                // own request, never a bound: the parser reads every length, offset and
-                // count once, and slices are bounds-checked.
-                let bytes = unsafe { session.inbox.bytes(0, *len) }.ok()?;
-                Some((*slot, session, bytes))
-            })
+            .zip(&copies)
+            .filter_map(|((slot, session, _), bytes)| Some((*slot, session, bytes.as_deref()?)))
             .collect();
         let mut stats = HolderStats::default();
         let requests: Vec<Parsed<'_>> = slots
@@ -232,15 +235,13 @@ impl Shared {
                 layout.rows_at.iter().map(at).collect()
             })
             .collect();
+        // A segment's rows of its session's reply staging. The previous reply's write from
+        // them has landed (the requester sent this request after it arrived), but its
+        // completion may not have been seen here yet: waited for, briefly.
         let run = |r: usize, s: usize, rows: usize| {
             let at = starts[r][s];
-            // SAFETY: a session's staging range is written only by this serving thread, and
-            // the previous reply's write from it has completed (the requester sent this
-            // request after that reply arrived; a reply is read by the NIC before it lands).
-            // Each slot is in the batch once (deduplicated in `admit`) and a request's
-            // segments have disjoint row ranges ([`ReplyLayout::of`]), so no two live slices
-            // overlap. No peer writes staging (it is registered local only).
-            unsafe { self.staging.bytes_mut(at, rows * PARTIAL_ROW_BYTES) }
+            self.staging
+                .bytes_mut_within(at, rows * PARTIAL_ROW_BYTES, STAGING_WAIT)
         };
         // Per request: bytes of its session's gather staging used so far.
         let mut gathered = vec![0usize; slots.len()];
@@ -396,10 +397,10 @@ impl Shared {
     /// (chunk, layer) group as a request. Returns which groups were served; a refused batch
     /// (a bad index in one segment, say) leaves its groups to [`Shared::attend_each`], which
     /// names the segment.
-    fn attend_batched<'s>(
+    fn attend_batched(
         &self,
         work: &[GroupWork<'_>],
-        run: &dyn Fn(usize, usize, usize) -> Result<&'s mut [u8], TransportError>,
+        run: &dyn Fn(usize, usize, usize) -> Result<StagedBytes, TransportError>,
         stats: &mut HolderStats,
     ) -> Vec<bool> {
         let mut served = vec![false; work.len()];
@@ -424,8 +425,8 @@ impl Shared {
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(RemoteError::from)
-                .and_then(|runs| Ok(WireOut::new(runs)?))
-                .and_then(|mut out| {
+                .and_then(|mut runs| {
+                    let mut out = WireOut::new(runs.iter_mut().map(|r| &mut **r))?;
                     let calls = members
                         .iter()
                         .map(|&i| self.group_call(&work[i]))
@@ -458,11 +459,11 @@ impl Shared {
     /// One kernel call per group not `served` yet, writing every row straight into its
     /// request's reply staging; a group the kernel refuses is served again one segment at a
     /// time, so one bad segment (an index out of range) fails only itself (`Status::Kernel`).
-    fn attend_each<'s>(
+    fn attend_each(
         &self,
         work: &[GroupWork<'_>],
         served: &[bool],
-        run: &dyn Fn(usize, usize, usize) -> Result<&'s mut [u8], TransportError>,
+        run: &dyn Fn(usize, usize, usize) -> Result<StagedBytes, TransportError>,
         layouts: &mut [ReplyLayout],
         stats: &mut HolderStats,
     ) {
@@ -487,8 +488,8 @@ impl Shared {
                 .map(|m| run(m.request, m.segment, m.seg.rows))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(RemoteError::from)
-                .and_then(|runs| Ok(WireOut::new(runs)?))
-                .and_then(|mut out| {
+                .and_then(|mut runs| {
+                    let mut out = WireOut::new(runs.iter_mut().map(|r| &mut **r))?;
                     self.attend((chunk, layer), kind, scale, queries, indices, &mut out)
                 });
             stats.kernel_calls += 1;
@@ -514,20 +515,21 @@ impl Shared {
                         seg,
                     } in segs
                     {
-                        let served = run(r, s, seg.rows)
-                            .map_err(RemoteError::from)
-                            .and_then(|bytes| Ok(WireOut::new([bytes])?))
-                            .and_then(|mut out| {
-                                let q = seg.queries();
-                                self.attend(
-                                    (chunk, layer),
-                                    kind,
-                                    scale,
-                                    &q,
-                                    &seg.indices(),
-                                    &mut out,
-                                )
-                            });
+                        let served =
+                            run(r, s, seg.rows)
+                                .map_err(RemoteError::from)
+                                .and_then(|mut bytes| {
+                                    let mut out = WireOut::new([&mut *bytes])?;
+                                    let q = seg.queries();
+                                    self.attend(
+                                        (chunk, layer),
+                                        kind,
+                                        scale,
+                                        &q,
+                                        &seg.indices(),
+                                        &mut out,
+                                    )
+                                });
                         match served {
                             Ok(entries) => {
                                 stats.rows += seg.rows as u64;
@@ -668,28 +670,36 @@ impl Shared {
         let len = wire::reply_len(statuses.len(), rows);
         let staging = slot * self.config.reply_bytes;
         let encode_started = Instant::now();
-        // SAFETY: as the kernels' runs in `serve_batch`, whose slices are dropped by now; the
-        // length fits (checked against `reply_bytes` when the layout was made).
-        let encoded = unsafe { self.staging.bytes_mut(staging, len) }.map(|out| {
-            wire::encode_reply_header(out, (status, seq), statuses, rows, kernel_us as f32);
-            let base = wire::reply_rows_offset(statuses.len());
-            for (s, &st) in statuses.iter().enumerate() {
-                if st != Status::Ok {
-                    let at = base + layout.rows_at[s] * PARTIAL_ROW_BYTES;
-                    out[at..at + layout.rows_of[s] * PARTIAL_ROW_BYTES].fill(0);
+        // The kernels' views of the rows are dropped by now; the length fits (checked against
+        // `reply_bytes` when the layout was made).
+        let encoded = self
+            .staging
+            .bytes_mut_within(staging, len, STAGING_WAIT)
+            .map(|mut out| {
+                wire::encode_reply_header(
+                    &mut out,
+                    (status, seq),
+                    statuses,
+                    rows,
+                    kernel_us as f32,
+                );
+                let base = wire::reply_rows_offset(statuses.len());
+                for (s, &st) in statuses.iter().enumerate() {
+                    if st != Status::Ok {
+                        let at = base + layout.rows_at[s] * PARTIAL_ROW_BYTES;
+                        out[at..at + layout.rows_of[s] * PARTIAL_ROW_BYTES].fill(0);
+                    }
                 }
-            }
-        });
+            });
         stats.encode_us += encode_started.elapsed().as_secs_f64() * 1e6;
         let reply: &MrDesc = &session.hello.reply;
         let Some(_posting) = session.posting() else {
             return;
         };
         let result = encoded.map_err(RemoteError::from).and_then(|()| {
-            Ok(self.engine.submit_single_write(
-                len as u64,
+            Ok(self.staging.submit_write(
+                (staging, len),
                 Some(session.hello.reply_imm),
-                (self.staging.handle(), staging as u64),
                 (reply, reply_offset),
                 OnDone::nothing(),
             )?)

@@ -6,7 +6,7 @@
 //! descriptor, which takes no write.
 
 use kvroute_kvstore::{ChunkId, PAGE_BYTES, ROW_BYTES};
-use kvroute_transport::{MrDesc, MrHandle, OnDone, RemoteKey};
+use kvroute_transport::{MrDesc, MrHandle, OnDone, RemoteKey, Staging};
 
 use super::{Session, Shared};
 use crate::chunks::Placement;
@@ -125,7 +125,7 @@ impl Shared {
         };
         self.send_all(
             through_windows(writes, &windows),
-            self.chunks.store().handle(),
+            Source::Held(self.chunks.store().handle()),
             (session, session.hello.fetch_imm),
         )
     }
@@ -140,7 +140,7 @@ impl Shared {
     fn send_all(
         &self,
         writes: Option<Vec<(u64, &MrDesc, u64, u64)>>,
-        src: &MrHandle,
+        src: Source<'_>,
         (session, imm): (&Session, u32),
     ) -> Status {
         let Some(writes) = writes else {
@@ -151,13 +151,21 @@ impl Shared {
             return Status::FetchRefused;
         };
         for (n, &(from, window, to, len)) in writes.iter().enumerate() {
-            let sent = self.engine.submit_single_write(
-                len,
-                Some(imm),
-                (src, from),
-                (window, to),
-                OnDone::nothing(),
-            );
+            let sent = match src {
+                Source::Held(handle) => self.engine.submit_single_write(
+                    len,
+                    Some(imm),
+                    (handle, from),
+                    (window, to),
+                    OnDone::nothing(),
+                ),
+                Source::Staged(staging) => staging.submit_write(
+                    (from as usize, len as usize),
+                    Some(imm),
+                    (window, to),
+                    OnDone::nothing(),
+                ),
+            };
             if let Err(e) = sent {
                 tracing::debug!(%e, "fetch or gather write failed");
                 return if n == 0 {
@@ -211,12 +219,14 @@ impl Shared {
             return Status::FetchRefused;
         }
         let staged = slot * self.config.gather_bytes + *used;
-        // SAFETY: this session's staging range past `used` is written only here, by the one
-        // serving thread; the writes of the previous request from it have landed (the
-        // requester sends a request only after every write of the last one arrived).
-        let packed = unsafe { self.gather_staging.bytes_mut(staged, bytes) }
+        // The writes of the previous request from this range have landed (the requester
+        // sends a request only after every write of the last one arrived); their completions
+        // may not have been seen here yet: waited for, briefly.
+        let packed = self
+            .gather_staging
+            .bytes_mut_within(staged, bytes, super::STAGING_WAIT)
             .map_err(crate::RemoteError::from)
-            .and_then(|out| {
+            .and_then(|mut out| {
                 for (row, &t) in out.chunks_exact_mut(ROW_BYTES).zip(tokens) {
                     // `t` was checked against the layout above.
                     let at = held.row_offset(u32::from(layer), t as u32);
@@ -246,8 +256,16 @@ impl Shared {
             .collect();
         self.send_all(
             through_windows(writes, &windows),
-            self.gather_staging.handle(),
+            Source::Staged(&self.gather_staging),
             (session, session.hello.fetch_imm),
         )
     }
+}
+
+/// What a fetch or gather writes out of: the held chunks themselves (sealed: nothing writes
+/// them) or rows packed into a session's gather staging.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    Held(&'a MrHandle),
+    Staged(&'a Staging),
 }

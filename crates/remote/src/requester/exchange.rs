@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use kvroute_kernels::layout::PARTIAL_ROW_BYTES;
-use kvroute_transport::{CancellationToken, DoneFlag, OnDone, TransferShape};
+use kvroute_transport::{CancellationToken, DoneFlag, OnDone, StagedBytes, TransferShape};
 
 use super::{Requester, Unfinished, wait_all};
 use crate::error::RouteError;
@@ -23,9 +23,21 @@ pub(super) struct Prepared {
     /// Per segment: the fetch-immediate arrivals it brings if the holder serves it (fetch and
     /// gather; 0 for routed segments).
     pub(super) fetch_arrivals: Vec<u64>,
-    /// Per segment, where its in-place query rows go in the request; or why it was not
-    /// encoded.
+    /// Per segment, where its in-place query rows go in the request (bytes from `staged`);
+    /// or why it was not encoded.
     pub(super) in_place: Result<Vec<usize>, RouteError>,
+    /// The request's bytes of send staging, lent out until [`Prepared::seal`] (its in-place
+    /// rows are written through it); a request is sent only once it is given back.
+    pub(super) view: Option<StagedBytes>,
+}
+
+impl Prepared {
+    /// Gives the request's staging back, so it can be written out.
+    pub(super) fn seal(prepared: &mut [Prepared]) {
+        for p in prepared {
+            p.view = None;
+        }
+    }
 }
 
 /// One request to send: its link, its segments and, per segment, how many arrivals of the
@@ -63,7 +75,8 @@ impl Requester {
         &mut self,
         batches: Vec<Batch<'_>>,
     ) -> Vec<Result<(usize, usize), RouteError>> {
-        let prepared = self.prepare(batches);
+        let mut prepared = self.prepare(batches);
+        Prepared::seal(&mut prepared);
         self.send(&prepared)
     }
 
@@ -84,6 +97,7 @@ impl Requester {
             let limit = self.config.link_bytes.min(l.welcome.slot_bytes as usize);
             let stage = l.io.as_ref().map(|io| io.stage);
             let staged = stage.unwrap_or(0) * self.config.link_bytes;
+            let mut view = None;
             let encoded = if stage.is_none() {
                 Err(RouteError::HolderFailed {
                     holder: l.addr,
@@ -95,21 +109,23 @@ impl Requester {
                 Err(RouteError::TooLarge(len.max(reply_len)))
             } else {
                 let encode_started = Instant::now();
-                // SAFETY: this link's staging range is read only by this link's request write,
-                // and the previous one has completed (its completion was waited for; a link
-                // whose wait failed is dead and never sends again). No peer writes it (it is
-                // registered local only). In bounds: `len <= link_bytes` (checked).
-                let encoded = unsafe { self.send.bytes_mut(staged, len) }
-                    .map(|buf| {
-                        wire::encode_request_into(
-                            buf,
+                // A range taken over from a session that ended may still be read by that
+                // session's last write: waited for, up to the timeout.
+                let encoded = self
+                    .send
+                    .bytes_mut_within(staged, len, self.config.timeout)
+                    .map(|mut buf| {
+                        let offsets = wire::encode_request_into(
+                            &mut buf,
                             l.seq,
                             l.welcome.token,
                             // The reply lands at the start of this link's own region.
                             0,
                             self.config.scale,
                             &segments,
-                        )
+                        );
+                        view = Some(buf);
+                        offsets
                     })
                     .map_err(|e| RouteError::HolderFailed {
                         holder: l.addr,
@@ -125,6 +141,7 @@ impl Requester {
                 reply_len,
                 fetch_arrivals,
                 in_place: encoded,
+                view,
             });
         }
         out
@@ -137,6 +154,7 @@ impl Requester {
         prepared: &[Prepared],
     ) -> Vec<Result<(usize, usize), RouteError>> {
         let deadline = Instant::now() + self.config.timeout;
+        self.landed.clear();
         let mut waits = Vec::new();
         let mut out: Vec<Result<(usize, usize), RouteError>> = Vec::new();
         for p in prepared {
@@ -146,8 +164,6 @@ impl Requester {
                 continue;
             }
             let l = &self.links[p.link];
-            // Where the caller finds the reply: the link's own region (see `reply_at`).
-            let reply_offset = self.reply_name(p.link) as u64;
             let token = CancellationToken::new();
             let reply_flag = DoneFlag::new();
             let arrivals = self.engine.expected_arrivals(TransferShape::SingleWrite {
@@ -163,16 +179,19 @@ impl Requester {
                 .expected_arrivals(TransferShape::SingleWrite { len: p.len as u64 });
             let imm = wire::request_imm(l.welcome.session, shards);
             let sent_flag = DoneFlag::new();
-            let submitted = self.engine.submit_single_write(
-                p.len as u64,
+            let submitted = self.send.submit_write(
+                (p.staged, p.len),
                 Some(imm),
-                (self.send.handle(), p.staged as u64),
                 (&l.welcome.inbox, l.welcome.slot_offset),
                 OnDone::flag(&sent_flag),
             );
             match submitted {
                 Ok(()) => {
-                    out.push(Ok((reply_offset as usize, p.reply_len)));
+                    // Until its reply has landed and been copied out.
+                    out.push(Err(RouteError::HolderFailed {
+                        holder: l.addr,
+                        why: "no reply".into(),
+                    }));
                     waits.push(Some((sent_flag, reply_flag, token)));
                 }
                 Err(e) => {
@@ -213,7 +232,11 @@ impl Requester {
                         Some((Failure::WriteFailed, format!("request write failed: {e}")))
                     }
                     _ => self
-                        .await_fetch_writes(&prepared[i], deadline, &token)
+                        .copy_reply(&prepared[i])
+                        .and_then(|range| {
+                            out[i] = Ok(range);
+                            self.await_fetch_writes(&prepared[i], range, deadline, &token)
+                        })
                         .err()
                         .map(|why| (Failure::Fetch, why)),
                 },
@@ -241,6 +264,7 @@ impl Requester {
     fn await_fetch_writes(
         &self,
         p: &Prepared,
+        (at, len): (usize, usize),
         deadline: Instant,
         token: &CancellationToken,
     ) -> Result<(), String> {
@@ -248,9 +272,7 @@ impl Requester {
             return Ok(());
         }
         let l = &self.links[p.link];
-        // SAFETY: as in `reply_bytes`: the reply's immediate has been counted.
-        let bytes = unsafe { self.reply_at(self.reply_name(p.link), p.reply_len) }
-            .map_err(|e| format!("reading the reply: {e}"))?;
+        let bytes = &self.landed[at..at + len];
         let header = wire::decode_reply_header(bytes).filter(|h| h.seq == l.seq);
         let expected = wire::served_arrivals(header.as_ref(), &p.fetch_arrivals)?;
         if expected == 0 {
@@ -272,45 +294,35 @@ impl Requester {
         .map_err(|e| e.describe(&["fetch pages"], self.config.timeout))
     }
 
-    /// The bytes of a reply [`Requester::exchange`] reported, borrowed in place.
+    /// Copies link `p.link`'s reply, whose immediate has been counted, out of its region to
+    /// the end of the requester's landed replies; returns where it lies there. A copy, so the
+    /// holder (which may write its region whenever it likes) cannot change what is checked
+    /// and decoded from it.
+    fn copy_reply(&mut self, p: &Prepared) -> Result<(usize, usize), String> {
+        let io = self.links[p.link]
+            .io
+            .as_ref()
+            .ok_or_else(|| format!("the session of link {} has ended", p.link))?;
+        let at = self.landed.len();
+        io.reply
+            .append_to(0, p.reply_len, &mut self.landed)
+            .map_err(|e| format!("reading the reply: {e}"))?;
+        Ok((at, p.reply_len))
+    }
+
+    /// The bytes of a reply [`Requester::exchange`] reported: its copy in the landed replies.
     pub(super) fn reply_bytes(
         &self,
         holder: SocketAddr,
         (offset, len): (usize, usize),
     ) -> Result<&[u8], RouteError> {
-        // SAFETY: the reply's immediate has been counted, so its write has landed, and the
-        // holder writes this link's range again only after the next request. A holder that
-        // writes anyway changes the values decoded (which are validated), never the bounds.
-        unsafe { self.reply_at(offset, len) }.map_err(|e| RouteError::BadReply {
-            holder,
-            why: e.to_string(),
-        })
-    }
-
-    /// The offset that names the start of link `link`'s reply (see [`Requester::reply_at`]).
-    fn reply_name(&self, link: usize) -> usize {
-        link * self.config.link_bytes
-    }
-
-    /// `len` bytes at `at` of the replies, an offset that names a link and a place in its
-    /// reply: `at / link_bytes` is the link ([`Requester::reply_name`]) and `at % link_bytes`
-    /// the place in its own region, where its replies land from the start.
-    ///
-    /// # Safety
-    /// As `RegisteredBuffer::bytes`: no write to that range while the borrow lives (the
-    /// caller's reply has landed, and the holder writes again only after the next request).
-    unsafe fn reply_at(&self, at: usize, len: usize) -> Result<&[u8], String> {
-        let link_bytes = self.config.link_bytes;
-        let link = at / link_bytes;
-        let l = self
-            .links
-            .get(link)
-            .ok_or_else(|| format!("no link {link} for a reply"))?;
-        let io =
-            l.io.as_ref()
-                .ok_or_else(|| format!("the session of link {link} has ended"))?;
-        // SAFETY: the caller's contract.
-        unsafe { io.reply.bytes(at % link_bytes, len) }.map_err(|e| e.to_string())
+        offset
+            .checked_add(len)
+            .and_then(|end| self.landed.get(offset..end))
+            .ok_or_else(|| RouteError::BadReply {
+                holder,
+                why: format!("no landed reply at [{offset}, {offset}+{len})"),
+            })
     }
 }
 

@@ -143,15 +143,15 @@ impl Requester {
         }
         let transfer_us = started.elapsed().as_secs_f64() * 1e6;
         let started = Instant::now();
-        // SAFETY: no peer can write into the pool now: peers write only through grants, and
-        // every grant of this fetch (the only transfer in flight: the requester is used from
-        // one thread) was dropped, which deregistered it; no other view of the pool exists.
-        let pool = unsafe { self.pool_mem.u16s_mut(0, self.pool.bytes() / 2) }.map_err(|e| {
-            RouteError::HolderFailed {
+        // Every grant of this fetch was dropped (deregistered) above, so no peer can write
+        // the pool; the view is refused otherwise.
+        let pool = self
+            .pool_mem
+            .u16s_mut(0, self.pool.bytes() / 2)
+            .map_err(|e| RouteError::HolderFailed {
                 holder,
                 why: e.to_string(),
-            }
-        })?;
+            })?;
         let job = SpliceJob::in_place(
             layout.layers as usize,
             &entry.positions,
@@ -193,8 +193,9 @@ impl Requester {
             return Err(RouteError::TooLarge(0));
         }
         let ppl = rows.div_ceil(PAGE_TOKENS);
+        let first_holder = self.links[0].addr;
         let no_pool = |e: &dyn std::fmt::Display| RouteError::HolderFailed {
-            holder: self.links[0].addr,
+            holder: first_holder,
             why: format!("pool: {e}"),
         };
         let pages = self
@@ -363,9 +364,9 @@ impl Requester {
         let Some(table) = pages.get(layer * ppl..(layer + 1) * ppl) else {
             return Ok(None);
         };
-        // SAFETY: as in `fetch`: every write into these pages has been counted and no
-        // transfer into the pool is in flight while `self` is borrowed.
-        let pool = unsafe { self.pool_mem.u16s(0, self.pool.bytes() / 2)? };
+        // Refused while a grant lives; none does between calls (each fetch and gather drops
+        // its own), and none can be made while `self` is borrowed.
+        let pool = self.pool_mem.u16s(0, self.pool.bytes() / 2)?;
         Ok(Some(Cache::paged(pool, table, tokens)?))
     }
 
@@ -384,7 +385,7 @@ impl Requester {
     /// row `r % 64` of page `pages[r / 64]`): one per stretch of them contiguous in the pool,
     /// so a fetch into pages the pool handed out in order is one grant.
     fn grant_rows(
-        &self,
+        &mut self,
         pages: &[u32],
         first: usize,
         rows: usize,

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use kvroute_kvstore::directory::HolderRecord;
 use kvroute_kvstore::{ChunkEntry, ChunkId, ChunkRegistry, DirectoryView, PAGE_BYTES, PagedPool};
 use kvroute_transport::{
-    Access, CancellationToken, DoneFlag, MrDesc, NetAddr, OnDone, RegisteredBuffer, TransferEngine,
-    TransferShape,
+    CancellationToken, DoneFlag, GrantedBuffer, MrDesc, NetAddr, OnDone, RegisteredBuffer, Staging,
+    TransferEngine, TransferShape,
 };
 
 use crate::control::{recv_line, send_line};
@@ -147,8 +147,8 @@ pub struct CodecTimes {
 pub struct Requester {
     engine: TransferEngine,
     config: RequesterConfig,
-    send: RegisteredBuffer,
-    pool_mem: RegisteredBuffer,
+    send: Staging,
+    pool_mem: GrantedBuffer,
     pool: PagedPool,
     links: Vec<Link>,
     /// The most links this requester opens (its staging and reply regions hold this many).
@@ -165,6 +165,9 @@ pub struct Requester {
     /// The last directory view followed.
     view: Option<Arc<DirectoryView>>,
     codec: CodecTimes,
+    /// Copies of the last exchange's replies, out of the regions their holders write
+    /// ([`Requester::exchange`] returns where each lies here).
+    landed: Vec<u8>,
 }
 
 impl std::fmt::Debug for Requester {
@@ -309,11 +312,11 @@ impl Requester {
             .link_bytes
             .checked_mul(capacity)
             .ok_or_else(|| RemoteError::Config("link buffers larger than memory".into()))?;
-        let send = engine.alloc_mr_with(link_total, Access::Local)?;
+        let send = engine.alloc_staging(link_total)?;
         let pool = PagedPool::new(config.pool_pages.max(1), PAGE_BYTES)?;
         // No peer writes through the pool's own registration: each fetch and gather grants
         // its holder just the bytes it fills, for as long as it runs.
-        let pool_mem = engine.alloc_mr_with(pool.bytes(), Access::Local)?;
+        let pool_mem = engine.alloc_granted(pool.bytes())?;
         let mut requester = Self {
             engine,
             config,
@@ -328,6 +331,7 @@ impl Requester {
             opening: Vec::new(),
             view: None,
             codec: CodecTimes::default(),
+            landed: Vec::new(),
         };
         for &addr in holders {
             requester.open_link(addr, &|_| true)?;
@@ -557,9 +561,10 @@ impl Requester {
             len: request_len as u64,
         });
         let sent_flag = DoneFlag::new();
-        // SAFETY: as in `exchange`: this link's staging range, no write from it in flight.
-        let submitted = unsafe { self.send.bytes_mut(staged, wire::PING_HEADER) }
-            .map(|buf| {
+        let submitted = self
+            .send
+            .bytes_mut_within(staged, wire::PING_HEADER, self.config.timeout)
+            .map(|mut buf| {
                 let ping = wire::Ping {
                     reply_len: reply_len as u32,
                     // The start of this link's own reply region.
@@ -568,15 +573,14 @@ impl Requester {
                     token: l.welcome.token,
                     seq: l.seq,
                 };
-                wire::encode_ping(buf, &ping);
+                wire::encode_ping(&mut buf, &ping);
             })
             .map_err(|e| e.to_string())
             .and_then(|()| {
-                self.engine
-                    .submit_single_write(
-                        request_len as u64,
+                self.send
+                    .submit_write(
+                        (staged, request_len),
                         Some(wire::ping_imm(l.welcome.session, shards)),
-                        (self.send.handle(), staged as u64),
                         (&l.welcome.inbox, l.welcome.slot_offset),
                         OnDone::flag(&sent_flag),
                     )

@@ -77,13 +77,8 @@ impl<'r> StagedRoute<'r> {
     /// `route_into` or `route_wire`). Rows not written keep what staging held.
     pub fn queries_mut(&mut self, c: usize) -> Option<&mut [u16]> {
         let (b, seg) = *self.calls.get(c)?.as_ref().ok()?;
-        let p = &self.prepared[b];
-        let at = p.staged + p.in_place.as_ref().ok()?.get(seg)?;
-        // SAFETY: the range is this call's rows inside its link's request (encoded by
-        // `prepare`, in bounds of the staging); calls have disjoint rows and `&mut self`
-        // makes this the only view; the link's previous write has completed (see `prepare`)
-        // and no peer writes send staging (registered local only).
-        unsafe { self.requester.send.u16s_mut(at, self.rows[c] * D_QK) }.ok()
+        let rows = self.rows[c];
+        query_rows(&mut self.prepared[b], seg, rows)
     }
 
     /// Sends every request and decodes the replies into `out` (one partial per staged call,
@@ -118,21 +113,18 @@ impl<'r> StagedRoute<'r> {
             requester,
             rows,
             calls,
-            prepared,
+            mut prepared,
         } = self;
         if cfg!(target_endian = "big") {
             // `queries_mut` hands out native words; the wire is little-endian.
             for (c, at) in calls.iter().enumerate() {
                 let Ok((b, seg)) = at else { continue };
-                let p = &prepared[*b];
-                let Ok(offsets) = &p.in_place else { continue };
-                let start = p.staged + offsets[*seg];
-                // SAFETY: as in `queries_mut`; no other view lives now.
-                if let Ok(words) = unsafe { requester.send.u16s_mut(start, rows[c] * D_QK) } {
+                if let Some(words) = query_rows(&mut prepared[*b], *seg, rows[c]) {
                     words.iter_mut().for_each(|w| *w = w.to_le());
                 }
             }
         }
+        Prepared::seal(&mut prepared);
         let replies = requester.send(&prepared);
         let started = Instant::now();
         // Per request: the rows of each of its segments, in order (from the calls).
@@ -424,4 +416,14 @@ impl Requester {
             prepared,
         }
     }
+}
+
+/// Segment `seg`'s `rows` in-place query rows of request `p`, in its lent staging.
+fn query_rows(p: &mut Prepared, seg: usize, rows: usize) -> Option<&mut [u16]> {
+    let at = *p.in_place.as_ref().ok()?.get(seg)?;
+    if !at.is_multiple_of(2) {
+        return None;
+    }
+    let words = p.view.as_mut()?.u16s_mut().ok()?;
+    words.get_mut(at / 2..at / 2 + rows * D_QK)
 }

@@ -140,7 +140,7 @@ pub fn encode_request_into(
 /// integer type's `to_le_bytes`. On a little-endian host this is one `memcpy` (the query rows
 /// of a 256-row request are 288 KiB: the element-wise loop cost twice the copy,
 /// docs/perf.md).
-pub(crate) fn put_le<T: Copy, const N: usize>(
+pub(crate) fn put_le<T: bytemuck::NoUninit, const N: usize>(
     out: &mut [u8],
     words: &[T],
     le: fn(T) -> [u8; N],
@@ -148,11 +148,9 @@ pub(crate) fn put_le<T: Copy, const N: usize>(
     let n = words.len() * N;
     let out = &mut out[..n];
     if cfg!(target_endian = "little") && std::mem::size_of::<T>() == N {
-        // SAFETY: the callers pass integer slices (`le` is their `to_le_bytes`, so `T` is `N`
-        // bytes with no padding) and the source is `n` bytes long; `out` is exactly `n` bytes
-        // and cannot overlap a shared borrow.
-        let bytes = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), n) };
-        out.copy_from_slice(bytes);
+        // `T` is `N` bytes (checked above) with no padding (`NoUninit`), and `le` is its
+        // `to_le_bytes`: on a little-endian host its bytes are already the wire's.
+        out.copy_from_slice(bytemuck::cast_slice::<T, u8>(words));
     } else {
         for (d, &x) in out.chunks_exact_mut(N).zip(words) {
             d.copy_from_slice(&le(x));
@@ -234,9 +232,7 @@ impl Segment<'_> {
         if cfg!(target_endian = "big") {
             return None;
         }
-        // SAFETY: every bit pattern is a valid u16; `align_to` only returns the aligned middle.
-        let (head, words, tail) = unsafe { self.payload[..n].align_to::<u16>() };
-        (head.is_empty() && tail.is_empty()).then_some(words)
+        bytemuck::try_cast_slice::<u8, u16>(&self.payload[..n]).ok()
     }
 
     /// Sparse indices or gathered tokens (empty otherwise).

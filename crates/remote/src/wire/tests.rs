@@ -522,9 +522,7 @@ fn query_words_borrow_what_queries_copy() {
     // buffer (u64 storage), as in an inbox slot.
     let bytes = sample();
     let mut aligned = vec![0u64; bytes.len().div_ceil(8)];
-    // SAFETY: plain bytes into plain integers of the same total size or more.
-    let view =
-        unsafe { std::slice::from_raw_parts_mut(aligned.as_mut_ptr().cast::<u8>(), bytes.len()) };
+    let view = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut aligned)[..bytes.len()];
     view.copy_from_slice(&bytes);
     let req = Request::parse(view).unwrap();
     for seg in req.segments.iter().flatten() {
