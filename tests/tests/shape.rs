@@ -359,3 +359,14 @@ fn no_wide_tuple_crosses_a_module_boundary_in_remote() {
         wide.join("\n")
     );
 }
+
+/// Registered memory reaches `kvroute-remote` only through the transport's safe types
+/// (sealed, granted, staging, copies of what peers write); the attribute keeps it so.
+#[test]
+fn remote_forbids_unsafe_code() {
+    let lib = std::fs::read_to_string(workspace_root().join("crates/remote/src/lib.rs")).unwrap();
+    assert!(
+        lib.lines().any(|l| l.trim() == "#![forbid(unsafe_code)]"),
+        "crates/remote/src/lib.rs must forbid unsafe code"
+    );
+}

@@ -2,9 +2,9 @@
 //!
 //! - `deps [--check]`: check (and as root, install) the system packages the crates need, and
 //!   unpack the pinned NVRTC wheel into `target/nvrtc` (the CUDA compile test's compiler).
-//! - `test`: what CI runs: deps, rustfmt, clippy with warnings denied, every test, rustdoc with
-//!   warnings denied; it ends by counting and naming each test that skipped on this machine
-//!   (recorded through `crates/testkit`), grouped by reason.
+//! - `test`: what CI runs: deps, rustfmt, the perf page against its data, clippy with warnings
+//!   denied, every test, rustdoc with warnings denied; it ends by counting and naming each
+//!   test that skipped on this machine (recorded through `crates/testkit`), grouped by reason.
 //! - `loom`: the loom models of the transport's completion logic (each with a broken variant
 //!   it must catch), built with `--cfg kvroute_loom` in a target folder of their own.
 //! - `demo [ARGS]`: build and run the main job in release mode.
@@ -22,6 +22,9 @@
 //!   JSON, against the baseline committed in `api/` (`--bless` rewrites it); `test` checks it.
 //! - `package`: `cargo package` of every crate meant for crates.io, which checks that each
 //!   builds alone from the files it would publish; `test` runs it.
+//! - `perf [--check]`: render docs/perf.md from `docs/perf/figures.json` and the recorded bench
+//!   runs in `docs/perf/runs/` (`--check`: fail where the page differs); `perf --record FILE
+//!   ...` stores a bench's `--json` report as a component's last run; `test` checks the page.
 //! - `bindgen`: regenerate the checked-in libfabric bindings from the installed headers.
 
 mod api;
@@ -30,6 +33,7 @@ mod deps;
 mod fuzz;
 mod gpu_test;
 mod nvrtc;
+mod perf;
 mod python;
 
 use std::path::{Path, PathBuf};
@@ -43,9 +47,9 @@ const USAGE: &str = "usage: cargo xtask <command>
 commands:
   deps [--check]  check the system packages the workspace needs; install missing ones as root;
                   unpack the pinned NVRTC wheel into target/nvrtc (CUDA compile test)
-  test            what CI runs: deps, fmt --check, clippy -D warnings, the public-API check,
-                  tests, loom, 10 s of each fuzz target, a 1-minute soak, docs -D warnings,
-                  cargo package
+  test            what CI runs: deps, fmt --check, perf --check, clippy -D warnings, the
+                  public-API check, tests, loom, 10 s of each fuzz target, a 1-minute soak,
+                  docs -D warnings, cargo package
   loom            the loom models of the transport's completion logic
   demo [ARGS]     build in release mode and run the main job (ARGS are passed to it)
   bench [ARGS]    run the criterion benches (ARGS are passed to criterion)
@@ -64,6 +68,11 @@ commands:
                   command, prints the address and serves until stdin closes
   api [--bless]   check each library crate's public API against its baseline in api/ (one
                   item per line, from rustdoc JSON); --bless rewrites the baselines
+  perf [--check]  render docs/perf.md from docs/perf/figures.json and docs/perf/runs/;
+                  --check fails, naming the first differing line, where the page differs
+  perf --record FILE --component NAME --machine NAME --command CMD
+                  store a bench's --json report (FILE) as the component's last recorded run,
+                  then render the page
   package         cargo package (with its build check) of every crate meant for crates.io
   wheel           build the Python package's abi3 wheel (crates/python, maturin from PyPI in
                   target/py) into target/py/wheels
@@ -95,6 +104,7 @@ fn run(args: &[String]) -> Result<()> {
         "loom" => loom(),
         "api" => api::run(&workspace_root(), rest),
         "package" => package(),
+        "perf" => perf::run(&workspace_root(), rest),
         "fuzz" => fuzz::run(&workspace_root(), rest),
         "soak" => {
             deps::run(false)?;
@@ -195,6 +205,7 @@ fn test() -> Result<()> {
     deps::run(false)?;
     nvrtc::ensure(&root, false)?;
     cargo_step("fmt", &["fmt", "--all", "--check"], &[])?;
+    perf::check(&root)?;
     cargo_step(
         "clippy",
         &[

@@ -51,7 +51,7 @@ const LATENCY_RATIO_TARGET: f64 = 1.2;
 /// development VMs a whole round of shm ping-pongs runs at 0.27-0.45 us/xfer or at about
 /// 1.0-1.1 us, the same code either way, by where the host happens to run the two processors
 /// (drawn anew when a process wakes); with three rounds the engine's or fi_pingpong's median
-/// sometimes took the slow figure while the other paths' took the fast one (docs/perf.md).
+/// sometimes took the slow figure while the other paths' took the fast one (docs/history/perf.md).
 const LATENCY_ROUNDS: usize = 7;
 /// Paged writes of 1 KiB pages against fi_pingpong's MB/s at 1 KiB: 0.8x over shm, where
 /// fi_pingpong's messages go through shared memory at memory speed, and 1.0x elsewhere

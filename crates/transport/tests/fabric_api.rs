@@ -316,7 +316,7 @@ fn writes_to_a_vanished_tcp_peer_fail_in_bounded_time() {
 }
 
 /// Over tcp in this process. Over shm, engines created and dropped by the hundred in one
-/// process crash libfabric 1.17's shm (SIGSEGV in `fi_enable`, docs/perf.md): there the
+/// process crash libfabric 1.17's shm (SIGSEGV in `fi_enable`, docs/history/perf.md): there the
 /// same check runs with a process per peer (`holder_churn shm 150`, a step of `cargo xtask
 /// test`; without the release it fails at the 129th).
 #[test]

@@ -22,7 +22,7 @@ pub const MAX_LAYERS: u32 = ((HEADER_BYTES - CRC_TABLE - 4) / 4) as u32;
 /// announced to the kernel first (`POSIX_FADV_WILLNEED`), so the device reads ahead while the
 /// checksums run. (1, 2 and 4 MiB measured alike on a 2-core EPYC, 512 KiB slower; what moved
 /// the figure was the destination's alignment: a page-aligned one, as registered buffers are,
-/// read 1.3x faster than one 16 bytes past a page, docs/perf.md.)
+/// read 1.3x faster than one 16 bytes past a page, docs/history/perf.md.)
 const READ_PIECE: usize = 2 << 20;
 
 /// A block file's header, parsed and checked against the store's layout.
