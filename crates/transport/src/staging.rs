@@ -19,7 +19,7 @@ use crate::engine::TransferEngine;
 use crate::error::{Side, TransportError};
 use crate::mr::{Access, MrDesc, check_range};
 use crate::on_done::OnDone;
-use crate::sync::{Mutex, lock};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// Registered, local-only memory that is the source of writes: filled through
 /// [`Staging::bytes_mut`] views, written out through [`Staging::submit_write`]. No peer
@@ -80,6 +80,13 @@ impl Drop for SendLease {
     fn drop(&mut self) {
         Spans::remove(&mut lock(&self.spans).sending, self.id);
     }
+}
+
+/// Locks the spans, ignoring poisoning: no user code runs under the lock, and every unlock
+/// leaves the lists consistent. (Std's mutex, not the loom-switched one of `crate::sync`:
+/// staging is not part of the model-checked completion logic.)
+fn lock(spans: &Mutex<Spans>) -> MutexGuard<'_, Spans> {
+    spans.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn busy(range: &Range<usize>, why: &'static str) -> TransportError {
