@@ -41,7 +41,9 @@ mod transfer;
 /// of gather staging per requester (14,563 rows: top-2048 over 7 layers), CPU kernels,
 /// 200 us of polling after each batch, 10 s for a hello, 32 control connections (16 from one
 /// source address), 5 s for a session's proof, 30 s for its first request and 10 s of
-/// idleness before a waiting requester may take a session's slot. Staging is touched only as far as it is used.
+/// idleness before a waiting requester may take a session's slot. Each requester's reply
+/// staging is two replies long (consecutive answers alternate halves, so an answer never
+/// waits for the write of the one before it); staging is touched only as far as it is used.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HolderConfig {
     /// Concurrent requesters served; the next one is told busy (paper 000 section 6.3: ~8).
@@ -218,11 +220,14 @@ enum Use {
     Ping,
 }
 
-/// How long serving waits for the completion of a session's previous write out of the
-/// staging its next answer goes in. That write has landed (the requester sent again after it
-/// arrived), so only this side's completion can lag, by a descheduled thread at most; a
-/// requester that sends before its answer arrives is the only one that can make serving wait
-/// this long, and then its answer fails.
+/// How long serving waits for the completion of a session's earlier write out of the staging
+/// its next answer goes in. Reply staging alternates halves by the request's sequence number,
+/// so that write is the answer before last, which its requester has long had; gather staging
+/// is one range, whose last writes have landed (the requester sent again after they arrived)
+/// but whose completions may lag (over `shm` a write completes once its peer's progress has
+/// answered it, and an idle worker polls every millisecond at most). A requester that breaks
+/// the protocol is the only one that can make serving wait this long, and then its answer
+/// fails.
 const STAGING_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// A session's proof has not arrived.
@@ -350,7 +355,7 @@ impl Holder {
         let entries = chunks.entries(&engine.main_address());
         let compute = Compute::new(&chunks, config.backend)?;
         let kernel = KernelRate::new(calibrate_on(&chunks, &compute)?);
-        let staging = engine.alloc_staging(staging_bytes(config.reply_bytes)?)?;
+        let staging = engine.alloc_staging(staging_bytes(config.reply_bytes.saturating_mul(2))?)?;
         let gather_staging = engine.alloc_staging(staging_bytes(config.gather_bytes)?.max(1))?;
         // Arrivals straight from the progress pass: no callback-thread hop on the way to the
         // serving thread.

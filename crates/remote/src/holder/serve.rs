@@ -124,6 +124,13 @@ impl Shared {
         }
     }
 
+    /// Where the answer to `slot`'s request (or ping) `seq` is staged: the slot's half for
+    /// the parity of `seq`. Consecutive answers alternate halves, so the one being filled is
+    /// the answer before last's, whose write has completed (see [`STAGING_WAIT`]).
+    fn reply_staging(&self, slot: usize, seq: u64) -> usize {
+        (2 * slot + (seq % 2) as usize) * self.config.reply_bytes
+    }
+
     /// Answers a ping: the requested number of bytes from the session's staging into its
     /// reply region, with its reply immediate. No parsing beyond the 16-byte header, no kernel;
     /// for a [`wire::Pong::Written`] ping, every byte of the pong is written first (timed).
@@ -147,6 +154,7 @@ impl Shared {
             reply_len,
             reply_offset: offset,
             pong,
+            seq,
             ..
         }) = parsed.filter(|p| {
             session.admit(p.token, p.seq, Use::Ping)
@@ -164,7 +172,7 @@ impl Shared {
             return;
         };
         let len = reply_len as usize;
-        let source = slot * self.config.reply_bytes;
+        let source = self.reply_staging(slot, seq);
         if pong == wire::Pong::Written {
             let started = Instant::now();
             // The slot's own reply staging (`len` is within it, checked above).
@@ -228,16 +236,17 @@ impl Shared {
         let starts: Vec<Vec<usize>> = slots
             .iter()
             .zip(&layouts)
-            .map(|((slot, _, _), layout)| {
+            .zip(&requests)
+            .map(|(((slot, _, _), layout), request)| {
+                let seq = request.as_ref().map_or(0, |q| q.seq);
                 let rows =
-                    slot * self.config.reply_bytes + wire::reply_rows_offset(layout.statuses.len());
+                    self.reply_staging(*slot, seq) + wire::reply_rows_offset(layout.statuses.len());
                 let at = |first: &usize| rows + first * PARTIAL_ROW_BYTES;
                 layout.rows_at.iter().map(at).collect()
             })
             .collect();
-        // A segment's rows of its session's reply staging. The previous reply's write from
-        // them has landed (the requester sent this request after it arrived), but its
-        // completion may not have been seen here yet: waited for, briefly.
+        // A segment's rows of its session's reply staging: the half the reply before last was
+        // written out of, whose write completed long ago (waited for otherwise, briefly).
         let run = |r: usize, s: usize, rows: usize| {
             let at = starts[r][s];
             self.staging
@@ -414,8 +423,7 @@ impl Shared {
             if members.len() < 2 {
                 continue; // the per-group call is the same launch
             }
-            let kernel_started = Instant::now();
-            let result = members
+            let runs = members
                 .iter()
                 .flat_map(|&i| {
                     work[i]
@@ -423,17 +431,18 @@ impl Shared {
                         .iter()
                         .map(|m| run(m.request, m.segment, m.seg.rows))
                 })
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(RemoteError::from)
-                .and_then(|mut runs| {
-                    let mut out = WireOut::new(runs.iter_mut().map(|r| &mut **r))?;
-                    let calls = members
-                        .iter()
-                        .map(|&i| self.group_call(&work[i]))
-                        .collect::<Result<Vec<_>, RemoteError>>()?;
-                    self.compute
-                        .batch_wire(&calls, f32::from_bits(scale), &mut out)
-                });
+                .collect::<Result<Vec<_>, _>>();
+            // Timed from here: a wait for staging is not the kernel's.
+            let kernel_started = Instant::now();
+            let result = runs.map_err(RemoteError::from).and_then(|mut runs| {
+                let mut out = WireOut::new(runs.iter_mut().map(|r| &mut **r))?;
+                let calls = members
+                    .iter()
+                    .map(|&i| self.group_call(&work[i]))
+                    .collect::<Result<Vec<_>, RemoteError>>()?;
+                self.compute
+                    .batch_wire(&calls, f32::from_bits(scale), &mut out)
+            });
             stats.kernel_calls += 1;
             match result {
                 Ok(entries) => {
@@ -482,16 +491,16 @@ impl Shared {
                 ref queries,
                 ref indices,
             } = *w;
-            let kernel_started = Instant::now();
-            let result = segs
+            let runs = segs
                 .iter()
                 .map(|m| run(m.request, m.segment, m.seg.rows))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(RemoteError::from)
-                .and_then(|mut runs| {
-                    let mut out = WireOut::new(runs.iter_mut().map(|r| &mut **r))?;
-                    self.attend((chunk, layer), kind, scale, queries, indices, &mut out)
-                });
+                .collect::<Result<Vec<_>, _>>();
+            // Timed from here: a wait for staging is not the kernel's.
+            let kernel_started = Instant::now();
+            let result = runs.map_err(RemoteError::from).and_then(|mut runs| {
+                let mut out = WireOut::new(runs.iter_mut().map(|r| &mut **r))?;
+                self.attend((chunk, layer), kind, scale, queries, indices, &mut out)
+            });
             stats.kernel_calls += 1;
             match result {
                 Ok(entries) => {
@@ -668,7 +677,7 @@ impl Shared {
             (&[], 0)
         };
         let len = wire::reply_len(statuses.len(), rows);
-        let staging = slot * self.config.reply_bytes;
+        let staging = self.reply_staging(slot, seq);
         let encode_started = Instant::now();
         // The kernels' views of the rows are dropped by now; the length fits (checked against
         // `reply_bytes` when the layout was made).
