@@ -278,6 +278,47 @@ pub fn theil_sen(points: &[(f64, f64)]) -> Result<Line> {
     })
 }
 
+/// Mean and nearest-rank percentiles of a set of samples, in the samples' unit: the one
+/// percentile summary of the workspace (the simulators' latencies, the transport bench's).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, Default)]
+pub struct Percentiles {
+    /// Samples.
+    pub count: u64,
+    /// Mean.
+    pub mean: f64,
+    /// 50th percentile (nearest rank: the lower middle of an even count; [`median`] is the
+    /// mean of the two middles).
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Largest.
+    pub max: f64,
+}
+
+impl Percentiles {
+    /// Summarises `samples` (sorted in place; NaNs sort last). Nearest rank: the `q`
+    /// percentile is the smallest sample with at least a share `q` of the samples at or below
+    /// it. All zeros for no samples.
+    pub fn of(samples: &mut [f64]) -> Self {
+        if samples.is_empty() {
+            return Self::default();
+        }
+        samples.sort_unstable_by(f64::total_cmp);
+        let n = samples.len();
+        let rank = |q: f64| samples[((q * n as f64).ceil() as usize).clamp(1, n) - 1];
+        Self {
+            count: n as u64,
+            mean: samples.iter().sum::<f64>() / n as f64,
+            p50: rank(0.50),
+            p90: rank(0.90),
+            p99: rank(0.99),
+            max: samples[n - 1],
+        }
+    }
+}
+
 /// The median of `values` (the mean of the middle two for an even count), reordering them.
 /// A selection, not a sort: linear in the count, which for Theil-Sen's pairwise slopes is
 /// the square of the samples'. `None` for no values.
@@ -302,6 +343,18 @@ pub fn median(values: &mut [f64]) -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let mut v: Vec<f64> = (1..=100).rev().map(f64::from).collect();
+        let p = Percentiles::of(&mut v);
+        assert_eq!(
+            (p.count, p.p50, p.p90, p.p99, p.max),
+            (100, 50.0, 90.0, 99.0, 100.0)
+        );
+        assert!((p.mean - 50.5).abs() < 1e-12);
+        assert_eq!(Percentiles::of(&mut []), Percentiles::default());
+    }
     use super::*;
 
     fn sweep(probe_us: f64, bw_gbps: f64) -> Vec<RoundTripSample> {

@@ -29,33 +29,30 @@ use crate::mem::{FaultPlan, MemDomain, MemFabric};
 use crate::mr::{Access, Device, MrDesc, RemoteKey};
 use crate::on_done::{DoneFlag, OnDone};
 use crate::request::{Pages, ScatterDst};
+use kvroute_costmodel::fit::Percentiles;
 
-/// Percentiles of a latency sample, in nanoseconds.
+/// A latency sample's percentiles in nanoseconds, as `kvroute bench transport --json` prints
+/// them: the cost model's [`Percentiles`] (nearest rank) of the sample.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Percentiles {
+pub struct LatencyNs {
     /// Samples taken.
     pub samples: usize,
-    /// Median.
+    /// 50th percentile (NaN for no samples).
     pub p50_ns: f64,
-    /// 99th percentile.
+    /// 99th percentile (NaN for no samples).
     pub p99_ns: f64,
 }
 
-impl Percentiles {
-    /// Percentiles of `samples` (sorted in place).
-    pub fn of(samples: &mut [Duration]) -> Self {
-        samples.sort_unstable();
-        let at = |q: f64| {
-            if samples.is_empty() {
-                return f64::NAN;
-            }
-            let i = ((samples.len() - 1) as f64 * q).round() as usize;
-            samples[i].as_nanos() as f64
-        };
+impl LatencyNs {
+    /// The percentiles of `samples`.
+    pub fn of(samples: &[Duration]) -> Self {
+        let mut ns: Vec<f64> = samples.iter().map(|d| d.as_nanos() as f64).collect();
+        let p = Percentiles::of(&mut ns);
+        let or_nan = |v: f64| if samples.is_empty() { f64::NAN } else { v };
         Self {
             samples: samples.len(),
-            p50_ns: at(0.50),
-            p99_ns: at(0.99),
+            p50_ns: or_nan(p.p50),
+            p99_ns: or_nan(p.p99),
         }
     }
 }
@@ -133,9 +130,9 @@ fn wait(flag: &DoneFlag) {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct SubmitLatency {
     /// Application submit call to the first posted work request.
-    pub engine: Percentiles,
+    pub engine: LatencyNs,
     /// Timestamped message through a bounded channel to a spinning thread.
-    pub baseline_handoff: Percentiles,
+    pub baseline_handoff: LatencyNs,
 }
 
 /// Measures [`SubmitLatency`] over `samples` one-at-a-time writes (after 1,000 warm-up ones).
@@ -163,14 +160,14 @@ pub fn submit_latency(samples: usize) -> Result<SubmitLatency, TransportError> {
     for _ in 0..samples {
         write()?;
     }
-    let mut measured = engine.take_latency_samples().swap_remove(0).0;
+    let measured = engine.take_latency_samples().swap_remove(0).0;
     Ok(SubmitLatency {
-        engine: Percentiles::of(&mut measured),
+        engine: LatencyNs::of(&measured),
         baseline_handoff: handoff_baseline(samples),
     })
 }
 
-fn handoff_baseline(samples: usize) -> Percentiles {
+fn handoff_baseline(samples: usize) -> LatencyNs {
     let (tx, rx) = crossbeam_channel::bounded::<Instant>(4096);
     let received = Arc::new(AtomicU64::new(0));
     let r = received.clone();
@@ -197,9 +194,9 @@ fn handoff_baseline(samples: usize) -> Percentiles {
         }
     }
     drop(tx);
-    let mut all = spinner.join().unwrap_or_default();
+    let all = spinner.join().unwrap_or_default();
     let warm = all.len().min(1000);
-    Percentiles::of(&mut all[warm..])
+    LatencyNs::of(&all[warm..])
 }
 
 /// Paged-write throughput of the engine and of `memcpy`.
@@ -285,9 +282,9 @@ pub struct ScatterPosting {
     /// Bytes written to each.
     pub bytes_per_peer: usize,
     /// First to last posted write of one scatter.
-    pub engine: Percentiles,
+    pub engine: LatencyNs,
     /// Building the same descriptors and pushing them into a queue: the least posting costs.
-    pub baseline_enqueue: Percentiles,
+    pub baseline_enqueue: LatencyNs,
 }
 
 /// Measures [`ScatterPosting`] to `peers` passive peers through a peer group.
@@ -334,7 +331,7 @@ pub fn scatter_posting(
     for _ in 0..samples {
         scatter()?;
     }
-    let mut spans = engine.take_latency_samples().swap_remove(0).1;
+    let spans = engine.take_latency_samples().swap_remove(0).1;
 
     let mut queue = std::collections::VecDeque::with_capacity(peers);
     let mut floor = Vec::with_capacity(samples);
@@ -359,8 +356,8 @@ pub fn scatter_posting(
     Ok(ScatterPosting {
         peers,
         bytes_per_peer,
-        engine: Percentiles::of(&mut spans),
-        baseline_enqueue: Percentiles::of(&mut floor),
+        engine: LatencyNs::of(&spans),
+        baseline_enqueue: LatencyNs::of(&floor),
     })
 }
 
@@ -370,10 +367,10 @@ mod tests {
 
     #[test]
     fn percentiles_pick_the_median_and_the_tail() {
-        let mut s: Vec<Duration> = (1..=100).map(Duration::from_nanos).collect();
-        let p = Percentiles::of(&mut s);
-        assert_eq!((p.samples, p.p50_ns, p.p99_ns), (100, 51.0, 99.0));
-        assert!(Percentiles::of(&mut []).p50_ns.is_nan());
+        let s: Vec<Duration> = (1..=100).rev().map(Duration::from_nanos).collect();
+        let p = LatencyNs::of(&s);
+        assert_eq!((p.samples, p.p50_ns, p.p99_ns), (100, 50.0, 99.0));
+        assert!(LatencyNs::of(&[]).p50_ns.is_nan());
     }
 
     #[test]
