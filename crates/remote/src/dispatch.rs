@@ -27,7 +27,7 @@ pub struct MergedStep {
     /// The calls re-sent after their holder failed.
     pub fallbacks: Vec<Fallback>,
     /// The longest kernel time a reply of the first attempt reported for its call (bounded
-    /// by that attempt's round trip, [`crate::wire::kernel_us_within`]), microseconds: what a
+    /// by that attempt's round trip), microseconds: what a
     /// caller takes out of the step's time to see the transport's part.
     pub kernel_us: f64,
 }

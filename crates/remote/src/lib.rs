@@ -4,8 +4,9 @@
 //! own paged pool and splices it to its positions (fetch), or pulls the selected rows of
 //! several holders' chunks (gather, for sparse attention).
 //!
-//! Cut as quinn cuts QUIC: [`wire`] (the bytes of requests and replies) and [`session`] (the
-//! rendezvous messages) are pure code with no engine, socket or clock; [`Holder`] and
+//! Cut as quinn cuts QUIC: `wire` (the bytes of requests and replies) and `session` (the
+//! rendezvous messages) are pure code with no engine, socket or clock, public only with the
+//! `testing` feature (for the fuzz targets and the tests that play forged peers); [`Holder`] and
 //! [`Requester`] drive them over [`kvroute_transport`]; [`dispatch`] runs a decode step over
 //! every chunk with replica fallback, and [`probe`] measures the fabric constants the cost
 //! model's route / fetch predicate needs.
@@ -37,9 +38,20 @@ pub mod measure;
 pub mod observe;
 pub mod probe;
 mod requester;
+// Internals a user never needs; the fuzz targets and the forged-peer tests reach them through
+// the `testing` feature. Without it, what only those use is unused here, and their `pub`
+// items are reachable only through the re-exports below.
+#[cfg(feature = "testing")]
 pub mod session;
+#[cfg(not(feature = "testing"))]
+#[allow(dead_code, unreachable_pub)]
+mod session;
 pub mod step;
+#[cfg(feature = "testing")]
 pub mod wire;
+#[cfg(not(feature = "testing"))]
+#[allow(dead_code, unreachable_pub)]
+mod wire;
 
 pub use background::{BackgroundRequester, OwnedCall, OwnedSparse, Reply};
 pub use chunks::{ChunkRows, HeldChunk, HeldChunks, Placement};
@@ -50,3 +62,4 @@ pub use requester::{
     Routed, Sparse, StagedCall, StagedRoute, UNREACHABLE_FIRST_WAIT, UNREACHABLE_LONGEST_WAIT,
 };
 pub use session::HolderStats;
+pub use wire::{PING_HEADER, Pong, Status, reply_len, route_request_len};

@@ -28,7 +28,7 @@ pub struct RouteSample {
     pub reply_bytes: usize,
     /// Raw write round trip of the same bytes, microseconds.
     pub raw_us: f64,
-    /// The same raw round trip with a pong the holder has just written ([`wire::Pong::Written`],
+    /// The same raw round trip with a pong the holder has just written ([`crate::Pong::Written`],
     /// as a route's reply rows always are), the holder's writing taken out, microseconds.
     #[serde(default)]
     pub written_raw_us: f64,

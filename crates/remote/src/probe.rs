@@ -67,8 +67,8 @@ pub struct ProbedFabric {
 /// `queries` (576 bf16 words a row) to `config.chunk` as a one-entry selection (every row
 /// attends entry 0 of the chunk: the request, the reply and every byte conversion are a
 /// dense route's, the holder's kernel is next to nothing), timed from staging the rows to
-/// the checked reply, minus the kernel time the reply's header reports (bounded:
-/// [`crate::wire::kernel_us_within`]): the cost model prices compute and merge in their own
+/// the checked reply, minus the kernel time the reply's header reports (bounded by the
+/// round trip): the cost model prices compute and merge in their own
 /// terms. The reps go over the points in alternating directions, so slow spells of a shared
 /// machine spread over every point. Other requesters may share the holder: a route that
 /// queued behind their work only comes out slower, and the line is robust to that. The line

@@ -51,7 +51,9 @@ use kvroute_remote::measure::{
     RoutePointState, RouteSample, concurrent_rounds, interleaved, median, route_sample,
 };
 use kvroute_remote::probe::round_trips;
-use kvroute_remote::{Call, Requester, RequesterConfig, wire};
+use kvroute_remote::{
+    Call, PING_HEADER, Pong, Requester, RequesterConfig, reply_len, route_request_len,
+};
 
 /// Routed bytes per query row: q + p (paper 000 section 3.2: 1152 + 1032).
 const ROW_BYTES: u64 = (QUERY_ROW_BYTES + PARTIAL_ROW_BYTES) as u64;
@@ -360,8 +362,8 @@ fn route_sweep(
         return Ok((samples, 0.0));
     };
     let spec = corpus(args.route_ct, args.seed)?;
-    let slot = (wire::REQUEST_HEADER + wire::SEGMENT_BYTES + max_mq as usize * QUERY_ROW_BYTES)
-        .max(wire::reply_len(1, max_mq as usize))
+    let slot = route_request_len(max_mq as usize)
+        .max(reply_len(1, max_mq as usize))
         .next_multiple_of(1 << 20);
     bar.set_message(format!("starting a holder ({} tokens)", args.route_ct));
     let mut s = setup(args, provider, &spec, slot, 2, 1)?;
@@ -382,8 +384,7 @@ fn route_sweep(
             sparse: None,
         };
         s.requester.route(&[call]).remove(0)?;
-        s.requester
-            .ping(0, wire::PING_HEADER, 1, wire::Pong::Staged)?;
+        s.requester.ping(0, PING_HEADER, 1, Pong::Staged)?;
     }
     // Every Mq's rows, its local reference, and the partials it decodes into (reused every
     // repetition, as a decode loop would; the first repetition of each Mq pays for growing
@@ -407,8 +408,7 @@ fn route_sweep(
     let floors: Vec<Vec<f64>> = (0..args.reps)
         .map(|_| points.iter().map(|p| floor.us(p.mq as usize)).collect())
         .collect();
-    s.requester
-        .ping(0, wire::PING_HEADER, 1, wire::Pong::Staged)?;
+    s.requester.ping(0, PING_HEADER, 1, Pong::Staged)?;
     // Repetitions interleave the Mq points, so a slow spell of this shared machine lands on a
     // few repetitions of every point instead of on every repetition of one, where a median
     // cannot remove it.
@@ -480,8 +480,8 @@ fn concurrency_sweep(
     };
     let spec = corpus(args.route_ct, args.seed)?;
     let rows = args.concurrency_mq as usize;
-    let link = (wire::REQUEST_HEADER + wire::SEGMENT_BYTES + rows * QUERY_ROW_BYTES)
-        .max(wire::reply_len(1, rows))
+    let link = route_request_len(rows)
+        .max(reply_len(1, rows))
         .next_multiple_of(64 << 10);
     bar.set_message("starting a holder");
     // One session more than requesters: the control session that reads the counters.

@@ -55,8 +55,8 @@ pub struct Gathered {
 
 impl Requester {
     /// Fetches `chunk` from a live holder into the pool (one write per run of consecutive
-    /// pool pages, [`wire::fetch_runs`], or where the holder serves from a paged cache, per
-    /// [`wire::fetch_pieces`]; one immediate expectation for the whole pull) and re-rotates it in place to `to` (the requester's
+    /// pool pages, or where the holder serves from a paged cache, per piece of a block
+    /// within a pool page; one immediate expectation for the whole pull) and re-rotates it in place to `to` (the requester's
     /// positions for its tokens), with `rope`, the rotation the chunk was stored with.
     pub fn fetch(
         &mut self,

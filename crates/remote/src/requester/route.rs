@@ -262,7 +262,7 @@ impl Routed<'_> {
 
     /// The time the holder's kernels ran in the batch that served call `c`, as its reply
     /// claims it, bounded to `round_trip_us` (the route's measured time: a holder's word never
-    /// makes a route look faster than free; [`wire::kernel_us_within`]); `None` if the call
+    /// makes a route look faster than free); `None` if the call
     /// failed.
     ///
     /// # Panics

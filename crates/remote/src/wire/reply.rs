@@ -11,6 +11,13 @@ pub fn reply_len(segments: usize, rows: usize) -> usize {
     status_end(segments) + rows * PARTIAL_ROW_BYTES
 }
 
+/// Bytes of a request that routes `rows` query rows as one segment: with [`reply_len`]`(1,
+/// rows)`, what a holder's slot and reply staging and a requester's link must hold for it
+/// (`HolderConfig::slot_bytes`, `reply_bytes`, `RequesterConfig::link_bytes`).
+pub fn route_request_len(rows: usize) -> usize {
+    REQUEST_HEADER + SEGMENT_BYTES + rows * kvroute_kernels::layout::QUERY_ROW_BYTES
+}
+
 pub(crate) fn status_end(segments: usize) -> usize {
     (REPLY_HEADER + segments * 4).next_multiple_of(8)
 }
