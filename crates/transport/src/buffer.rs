@@ -376,16 +376,9 @@ impl RegisteredBuffer {
 /// A registered buffer nothing writes any more ([`RegisteredBuffer::seal`]): local only, no
 /// grant onto it, no method that writes it. It is still the source of writes (its handle),
 /// which read it; and it is read in place, as a held KV store is by attention.
+#[derive(Debug)]
 pub struct SealedBuffer {
     buf: RegisteredBuffer,
-}
-
-impl std::fmt::Debug for SealedBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SealedBuffer")
-            .field("buf", &self.buf)
-            .finish()
-    }
 }
 
 impl SealedBuffer {
@@ -439,16 +432,9 @@ impl SealedBuffer {
 /// handed out, so it is the source of no write. It is read and written here only while no
 /// grant onto it lives (checked), and a grant needs `&mut self`, so no grant can be made
 /// while such a view lives: no peer write can land under one.
+#[derive(Debug)]
 pub struct GrantedBuffer {
     buf: RegisteredBuffer,
-}
-
-impl std::fmt::Debug for GrantedBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GrantedBuffer")
-            .field("buf", &self.buf)
-            .finish()
-    }
 }
 
 impl GrantedBuffer {
