@@ -402,11 +402,6 @@ impl SealedBuffer {
         self.buf.is_empty()
     }
 
-    /// Copies `out.len()` bytes from `offset` into `out`.
-    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), TransportError> {
-        self.buf.read_at(offset, out)
-    }
-
     /// Bytes `offset..offset + len`, borrowed in place.
     pub fn bytes(&self, offset: usize, len: usize) -> Result<&[u8], TransportError> {
         // SAFETY: nothing writes a sealed buffer: no local method does, no peer can (local
@@ -419,11 +414,6 @@ impl SealedBuffer {
     pub fn u16s(&self, offset: usize, words: usize) -> Result<&[u16], TransportError> {
         // SAFETY: as in `bytes`.
         unsafe { self.buf.u16s(offset, words) }
-    }
-
-    /// The buffer's address, for code that copies it to a device.
-    pub fn as_ptr(&self) -> *const u8 {
-        self.buf.as_ptr()
     }
 }
 
@@ -464,7 +454,7 @@ impl GrantedBuffer {
     }
 
     /// Whether a grant onto the buffer lives (a peer may be writing it).
-    pub fn granted(&self) -> bool {
+    fn granted(&self) -> bool {
         Arc::strong_count(&self.buf.mem) > 1
     }
 
@@ -496,16 +486,6 @@ impl GrantedBuffer {
         self.quiet()?;
         // SAFETY: as in `u16s`, and exclusive: `&mut self`.
         unsafe { self.buf.u16s_mut(offset, words) }
-    }
-
-    /// Copies `out.len()` bytes from `offset` into `out`.
-    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), TransportError> {
-        self.buf.read_at(offset, out)
-    }
-
-    /// A copy of the whole buffer.
-    pub fn to_vec(&self) -> Vec<u8> {
-        self.buf.to_vec()
     }
 }
 

@@ -26,14 +26,14 @@ pub(super) struct Prepared {
     /// Per segment, where its in-place query rows go in the request (bytes from `staged`);
     /// or why it was not encoded.
     pub(super) in_place: Result<Vec<usize>, RouteError>,
-    /// The request's bytes of send staging, lent out until [`Prepared::seal`] (its in-place
+    /// The request's bytes of send staging, lent out until [`Prepared::release_views`] (its in-place
     /// rows are written through it); a request is sent only once it is given back.
     pub(super) view: Option<StagedBytes>,
 }
 
 impl Prepared {
     /// Gives the request's staging back, so it can be written out.
-    pub(super) fn seal(prepared: &mut [Prepared]) {
+    pub(super) fn release_views(prepared: &mut [Prepared]) {
         for p in prepared {
             p.view = None;
         }
@@ -76,7 +76,7 @@ impl Requester {
         batches: Vec<Batch<'_>>,
     ) -> Vec<Result<(usize, usize), RouteError>> {
         let mut prepared = self.prepare(batches);
-        Prepared::seal(&mut prepared);
+        Prepared::release_views(&mut prepared);
         self.send(&prepared)
     }
 

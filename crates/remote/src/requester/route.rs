@@ -124,7 +124,7 @@ impl<'r> StagedRoute<'r> {
                 }
             }
         }
-        Prepared::seal(&mut prepared);
+        Prepared::release_views(&mut prepared);
         let replies = requester.send(&prepared);
         let started = Instant::now();
         // Per request: the rows of each of its segments, in order (from the calls).
